@@ -1,0 +1,41 @@
+"""``nexus-vllm`` command line: a thin dispatcher to each part's own ``main(argv)``.
+
+Subcommands import lazily so that ``nexus-vllm simulate`` never pays for vLLM or
+transformers imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "simulate": ("nexus_vllm.core.simulate", "streaming eviction on synthetic block weights"),
+    "eval": ("nexus_vllm.eval.cli", "quality per policy and budget on a real model"),
+    "prepare-model": ("nexus_vllm.models", "build the embedded default model checkpoint"),
+    "serve": ("nexus_vllm.integration.serve", "vllm serve with Nexus eviction on"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: nexus-vllm <command> [options]", "", "commands:"]
+    lines += [f"  {name:<14} {about}" for name, (_, about) in SUBCOMMANDS.items()]
+    lines.append("\n`nexus-vllm <command> --help` shows a command's options.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    command, rest = args[0], args[1:]
+    if command not in SUBCOMMANDS:
+        print(f"nexus-vllm: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[command][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

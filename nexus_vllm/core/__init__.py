@@ -1,0 +1,56 @@
+"""Pure PyTorch reference of Nexus Sampling and its baselines (no vLLM import).
+
+This package is the oracle that the Triton kernels, the vLLM plugin and the evaluation
+are tested against.
+"""
+
+from .config import METHODS, EvictionConfig
+from .policies import (
+    POLICIES,
+    EvictionPolicy,
+    H2OPolicy,
+    KNormPolicy,
+    NexusPolicy,
+    RandomPolicy,
+    SnapKVPolicy,
+    StreamingPolicy,
+    TOVAPolicy,
+    forced_blocks,
+    get_policy,
+)
+from .sampling import SAMPLERS, inclusion_probabilities, sample_blocks
+from .scoring import (
+    block_attention_mass,
+    block_attention_mass_paged,
+    gather_paged_keys,
+    num_blocks_for,
+)
+from .weights import INDIRECT_MODES, WALK_ROWS, direct_scores, indirect_scores, nexus_weights
+
+__all__ = [
+    "INDIRECT_MODES",
+    "METHODS",
+    "POLICIES",
+    "SAMPLERS",
+    "WALK_ROWS",
+    "EvictionConfig",
+    "EvictionPolicy",
+    "H2OPolicy",
+    "KNormPolicy",
+    "NexusPolicy",
+    "RandomPolicy",
+    "SnapKVPolicy",
+    "StreamingPolicy",
+    "TOVAPolicy",
+    "block_attention_mass",
+    "block_attention_mass_paged",
+    "direct_scores",
+    "forced_blocks",
+    "gather_paged_keys",
+    "get_policy",
+    "inclusion_probabilities",
+    "indirect_scores",
+    "nexus_weights",
+    "num_blocks_for",
+    "sample_blocks",
+]

@@ -1,0 +1,60 @@
+"""Shared argument checks: every bad input raises ``ValueError`` naming the argument."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def check_choice(name: str, value: Any, allowed: Iterable[str]) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+
+def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int; got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}; got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}; got {value}")
+
+
+def check_float(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number; got {value!r}")
+    if low is not None and (value <= low if low_open else value < low):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}; got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}; got {value}")
+
+
+def check_weights(name: str, weights: torch.Tensor) -> None:
+    if not isinstance(weights, torch.Tensor) or weights.dim() != 1:
+        shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights)
+        raise ValueError(f"{name} must be a 1-D tensor; got {shape}")
+    if weights.numel() and not bool(torch.isfinite(weights).all()):
+        raise ValueError(f"{name} must be finite (no NaN or inf)")
+    if weights.numel() and bool((weights < 0).any()):
+        raise ValueError(f"{name} must be non-negative")
+
+
+def check_mass(mass: torch.Tensor) -> None:
+    if not isinstance(mass, torch.Tensor) or mass.dim() != 2:
+        shape = tuple(mass.shape) if isinstance(mass, torch.Tensor) else type(mass)
+        raise ValueError(f"mass must be a 2-D tensor [W, N]; got {shape}")
+    if mass.numel() and not bool(torch.isfinite(mass).all()):
+        raise ValueError("mass must be finite (no NaN or inf)")
+    if mass.numel() and bool((mass < 0).any()):
+        raise ValueError("mass must be non-negative")

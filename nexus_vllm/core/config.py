@@ -1,0 +1,184 @@
+"""``EvictionConfig``: the one validated description of an eviction setup.
+
+The vLLM plugin, the transformers path and the evaluation harness all build their
+policies and budgets from this, so a setting means the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from ._validate import check_choice, check_float, check_int
+from .policies import POLICIES, EvictionPolicy, get_policy
+from .sampling import SAMPLERS
+from .weights import INDIRECT_MODES, WALK_ROWS
+
+__all__ = ["METHODS", "EvictionConfig"]
+
+METHODS = ("none", *POLICIES)
+_NEXUS_KNOBS = ("steps", "lam", "walk_rows", "sampler", "n")
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    """How one request's KV cache is kept within budget.
+
+    Parameters
+    ----------
+    method : str
+        ``"none"`` (no eviction) or a policy name: nexus, h2o, snapkv, tova, streaming,
+        random, knorm.
+    max_tokens : int, optional
+        Fixed budget in tokens (the cache never grows past it).
+    keep_ratio : float, optional
+        Budget as a fraction in (0, 1] of the tokens seen so far. At most one of
+        ``max_tokens`` and ``keep_ratio``; with neither, nothing is evicted.
+    block_size : int
+        Tokens per block (a vLLM KV block; 32 on CPU vLLM and for small models).
+    sink_blocks, recent_blocks : int
+        Forced set: oldest blocks (>= 1) and newest full blocks (>= 0) always kept, plus the
+        current block.
+    interval : int
+        Decode tokens between eviction events once over budget.
+    window, prefill_window : int
+        W, the newest queries scored at decode and after a prefill chunk.
+    chunk_size : int
+        Prefill chunk in tokens; an event follows each chunk.
+    skip_layers : int
+        Layers below this index are not scored.
+    indirect, prefill_indirect : str
+        Nexus indirect mode at decode and at prefill.
+    steps, lam, walk_rows, sampler, n :
+        Nexus knobs (see :class:`~nexus_vllm.core.policies.NexusPolicy`).
+    seed : int
+        Global seed; each request's generator is seeded from (seed, request seed).
+    """
+
+    method: str = "nexus"
+    max_tokens: int | None = None
+    keep_ratio: float | None = None
+    block_size: int = 32
+    sink_blocks: int = 1
+    recent_blocks: int = 4
+    interval: int = 16
+    window: int = 16
+    prefill_window: int = 32
+    chunk_size: int = 512
+    skip_layers: int = 2
+    indirect: str = "walk"
+    prefill_indirect: str = "hub"
+    steps: int = 3
+    lam: float = 0.5
+    walk_rows: str = "newest"
+    sampler: str = "pps"
+    n: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_choice("method", self.method, METHODS)
+        if self.max_tokens is not None and self.keep_ratio is not None:
+            raise ValueError("give at most one of max_tokens and keep_ratio")
+        check_int("block_size", self.block_size, low=1)
+        check_int("sink_blocks", self.sink_blocks, low=1)
+        check_int("recent_blocks", self.recent_blocks, low=0)
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens, low=1)
+            floor = self.num_forced * self.block_size
+            if self.max_tokens < floor:
+                raise ValueError(
+                    f"max_tokens must be >= (sink_blocks + recent_blocks + 1) * block_size = "
+                    f"{floor}; got {self.max_tokens}"
+                )
+        if self.keep_ratio is not None:
+            check_float("keep_ratio", self.keep_ratio, low=0.0, high=1.0, low_open=True)
+        check_int("interval", self.interval, low=1)
+        check_int("window", self.window, low=1)
+        check_int("prefill_window", self.prefill_window, low=1)
+        check_int("chunk_size", self.chunk_size, low=1)
+        check_int("skip_layers", self.skip_layers, low=0)
+        check_choice("indirect", self.indirect, INDIRECT_MODES)
+        check_choice("prefill_indirect", self.prefill_indirect, INDIRECT_MODES)
+        check_int("steps", self.steps, low=1)
+        check_float("lam", self.lam, low=0.0)
+        check_choice("walk_rows", self.walk_rows, WALK_ROWS)
+        check_choice("sampler", self.sampler, SAMPLERS)
+        check_int("n", self.n, low=1)
+        check_int("seed", self.seed)
+
+    # -- construction ---------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EvictionConfig:
+        """Build from a mapping, rejecting unknown keys (typos must not pass silently)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"eviction config must be a mapping; got {type(data).__name__}")
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise ValueError(
+                f"unknown eviction config key(s) {unknown}; allowed: {sorted(allowed)}"
+            )
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> EvictionConfig:
+        """A copy with ``changes`` applied (validated; unknown keys rejected)."""
+        merged = self.to_dict()
+        unknown = sorted(set(changes) - set(merged))
+        if unknown:
+            raise ValueError(f"unknown eviction config key(s) {unknown}")
+        merged.update(changes)
+        return EvictionConfig(**merged)
+
+    # -- derived --------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none" and (
+            self.max_tokens is not None or self.keep_ratio is not None
+        )
+
+    @property
+    def num_forced(self) -> int:
+        return self.sink_blocks + self.recent_blocks + 1
+
+    def budget_blocks(self, num_tokens_seen: int) -> int:
+        """Blocks a sequence that has seen ``num_tokens_seen`` tokens may keep.
+
+        ``max_tokens // block_size`` for a fixed budget, ``ceil(keep_ratio * blocks seen)``
+        for a ratio; never below the forced set. Without a budget, every block.
+        """
+        check_int("num_tokens_seen", num_tokens_seen, low=0)
+        seen_blocks = -(-num_tokens_seen // self.block_size)
+        if self.max_tokens is not None:
+            allowed = self.max_tokens // self.block_size
+        elif self.keep_ratio is not None:
+            allowed = math.ceil(self.keep_ratio * seen_blocks - 1e-9)
+        else:
+            return seen_blocks
+        return max(allowed, self.num_forced)
+
+    def policy(self, *, prefill: bool = False) -> EvictionPolicy:
+        """The policy object for decode events, or for prefill-chunk events."""
+        if self.method == "none":
+            raise ValueError("method 'none' has no eviction policy")
+        knobs: dict[str, Any] = {
+            "sink_blocks": self.sink_blocks,
+            "recent_blocks": self.recent_blocks,
+        }
+        if self.method == "nexus":
+            knobs.update({k: getattr(self, k) for k in _NEXUS_KNOBS})
+            knobs["indirect"] = self.prefill_indirect if prefill else self.indirect
+        return get_policy(self.method, **knobs)
+
+    def generator(self, request_seed: int | str = 0) -> torch.Generator:
+        """CPU generator seeded from (global seed, request seed): a recomputed (preempted)
+        request draws the same evictions."""
+        digest = hashlib.blake2b(f"{self.seed}:{request_seed}".encode(), digest_size=8).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))

@@ -1,0 +1,327 @@
+"""Eviction policies: one small frozen dataclass each, sharing the forced set.
+
+A policy sees the block attention mass of one request (``[W, N]``, live blocks in logical
+order) and returns the blocks to KEEP. Every policy keeps the forced set: the first
+``sink_blocks`` blocks (the attention sink), the newest ``recent_blocks`` full blocks and
+the current (last) block. The rest of the budget is filled by :meth:`EvictionPolicy.score`
+and the policy's sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+
+from ._validate import check_choice, check_float, check_int, check_mass
+from .sampling import SAMPLERS, sample_blocks
+from .weights import INDIRECT_MODES, WALK_ROWS, nexus_weights
+
+__all__ = [
+    "POLICIES",
+    "EvictionPolicy",
+    "H2OPolicy",
+    "KNormPolicy",
+    "NexusPolicy",
+    "RandomPolicy",
+    "SnapKVPolicy",
+    "StreamingPolicy",
+    "TOVAPolicy",
+    "forced_blocks",
+    "get_policy",
+]
+
+
+def forced_blocks(num_blocks: int, sink_blocks: int, recent_blocks: int) -> torch.Tensor:
+    """Indices that are never evicted: sinks, the ``recent_blocks`` newest full blocks and
+    the current (last) block.
+
+    Returns
+    -------
+    LongTensor[F] sorted ascending, ``F <= num_blocks``.
+    """
+    mask = torch.zeros(num_blocks, dtype=torch.bool)
+    mask[: min(sink_blocks, num_blocks)] = True
+    mask[max(0, num_blocks - recent_blocks - 1) :] = True
+    return torch.nonzero(mask).flatten()
+
+
+@dataclass(frozen=True)
+class EvictionPolicy:
+    """Base class: forced set + ``score()`` + a sampler.
+
+    Parameters
+    ----------
+    sink_blocks : int
+        Oldest blocks always kept (>= 1: the attention sink).
+    recent_blocks : int
+        Newest full blocks always kept besides the current block (>= 0).
+    """
+
+    sink_blocks: int = 1
+    recent_blocks: int = 4
+
+    name: ClassVar[str] = "base"
+    sampler_name: ClassVar[str] = "topk"
+
+    def __post_init__(self) -> None:
+        check_int("sink_blocks", self.sink_blocks, low=1)
+        check_int("recent_blocks", self.recent_blocks, low=0)
+
+    @property
+    def num_forced(self) -> int:
+        """Blocks the forced set takes once a sequence is long enough."""
+        return self.sink_blocks + self.recent_blocks + 1
+
+    def score(
+        self,
+        mass: torch.Tensor,
+        *,
+        state: dict[str, Any] | None = None,
+        key_norms: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Per-block keep weight, Tensor[N]; larger means more worth keeping."""
+        raise NotImplementedError
+
+    def choose(
+        self, weights: torch.Tensor, k: int, generator: torch.Generator | None
+    ) -> torch.Tensor:
+        """Pick ``k`` of the candidate ``weights`` (Tensor[C]); returns candidate indices.
+
+        Deterministic top-K; scores may be any finite values (``knorm`` uses negative
+        norms). A stable sort keeps the older block on ties.
+        """
+        return torch.argsort(weights, descending=True, stable=True)[:k]
+
+    def select(
+        self,
+        mass: torch.Tensor,
+        budget_blocks: int,
+        *,
+        generator: torch.Generator | None = None,
+        state: dict[str, Any] | None = None,
+        key_norms: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Blocks to keep.
+
+        Parameters
+        ----------
+        mass : Tensor[W, N]
+            Block attention mass of the window queries over the live blocks, in logical
+            order.
+        budget_blocks : int
+            Blocks allowed; must cover the forced set when ``N`` exceeds it.
+        generator : torch.Generator, optional
+            CPU generator for the stochastic samplers.
+        state : dict, optional
+            Caller-owned per-request state (used by ``h2o``).
+        key_norms : Tensor[N], optional
+            Mean key norm per block (used by ``knorm``).
+
+        Returns
+        -------
+        LongTensor[min(N, budget_blocks)] (CPU), sorted ascending, unique.
+        """
+        check_mass(mass)
+        check_int("budget_blocks", budget_blocks, low=0)
+        n = mass.shape[1]
+        weights = (
+            self.score(mass, state=state, key_norms=key_norms).detach().to("cpu", torch.float64)
+        )
+        if weights.shape != (n,):
+            raise ValueError(
+                f"{self.name}.score returned shape {tuple(weights.shape)}, want ({n},)"
+            )
+        if n <= budget_blocks:
+            keep = torch.arange(n, dtype=torch.long)
+        else:
+            forced = forced_blocks(n, self.sink_blocks, self.recent_blocks)
+            if forced.numel() > budget_blocks:
+                raise ValueError(
+                    f"budget_blocks must be >= sink_blocks + recent_blocks + 1 = "
+                    f"{forced.numel()} for policy {self.name!r}; got {budget_blocks}"
+                )
+            is_candidate = torch.ones(n, dtype=torch.bool)
+            is_candidate[forced] = False
+            candidates = torch.nonzero(is_candidate).flatten()
+            picked = self.choose(weights[candidates], budget_blocks - forced.numel(), generator)
+            keep = torch.sort(torch.cat([forced, candidates[picked]])).values
+        self.after_select(keep, state)
+        return keep
+
+    def after_select(self, keep: torch.Tensor, state: dict[str, Any] | None) -> None:
+        """Hook for stateful policies to re-index their state to the kept blocks."""
+
+
+@dataclass(frozen=True)
+class NexusPolicy(EvictionPolicy):
+    """Nexus Sampling: walk/hub weights, then exact-inclusion (or A-Res) sampling.
+
+    Parameters
+    ----------
+    indirect : {"walk", "hub", "ppr", "none"}
+    steps : int
+        Walk steps H (>= 1).
+    lam : float
+        Weight of the indirect score (>= 0).
+    walk_rows : {"newest", "oldest", "cycle"}
+    eps : float
+        Recency tie-break weight (>= 0).
+    sampler : {"pps", "ares", "topk"}
+    n : int
+        Uniforms averaged by ``ares`` (>= 1).
+    """
+
+    indirect: str = "walk"
+    steps: int = 3
+    lam: float = 0.5
+    walk_rows: str = "newest"
+    eps: float = 1e-6
+    sampler: str = "pps"
+    n: int = 4
+
+    name: ClassVar[str] = "nexus"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_choice("indirect", self.indirect, INDIRECT_MODES)
+        check_choice("walk_rows", self.walk_rows, WALK_ROWS)
+        check_choice("sampler", self.sampler, SAMPLERS)
+        check_int("steps", self.steps, low=1)
+        check_int("n", self.n, low=1)
+        check_float("lam", self.lam, low=0.0)
+        check_float("eps", self.eps, low=0.0)
+
+    def score(self, mass, *, state=None, key_norms=None):  # type: ignore[no-untyped-def]
+        return nexus_weights(
+            mass,
+            indirect=self.indirect,
+            steps=self.steps,
+            lam=self.lam,
+            walk_rows=self.walk_rows,
+            eps=self.eps,
+        )
+
+    def choose(self, weights, k, generator):  # type: ignore[no-untyped-def]
+        return sample_blocks(weights, k, sampler=self.sampler, n=self.n, generator=generator)
+
+
+@dataclass(frozen=True)
+class H2OPolicy(EvictionPolicy):
+    """Heavy hitters: attention mass accumulated over every event (kept in ``state``)."""
+
+    name: ClassVar[str] = "h2o"
+    STATE_KEY: ClassVar[str] = "h2o_cumulative_mass"
+
+    def score(self, mass, *, state=None, key_norms=None):  # type: ignore[no-untyped-def]
+        current = mass.detach().to("cpu", torch.float64).sum(dim=0)
+        if state is None:
+            return current
+        previous = state.get(self.STATE_KEY)
+        if previous is not None:
+            if previous.numel() > current.numel():
+                raise ValueError(
+                    f"state holds {previous.numel()} blocks but mass has {current.numel()}: "
+                    "pass the live blocks in order, new ones appended"
+                )
+            current[: previous.numel()] += previous
+        state[self.STATE_KEY] = current
+        return current
+
+    def after_select(self, keep, state):  # type: ignore[no-untyped-def]
+        if state is not None and self.STATE_KEY in state:
+            state[self.STATE_KEY] = state[self.STATE_KEY][keep]
+
+
+@dataclass(frozen=True)
+class SnapKVPolicy(EvictionPolicy):
+    """SnapKV at block level: column sums of the window's attention (no token pooling)."""
+
+    name: ClassVar[str] = "snapkv"
+
+    def score(self, mass, *, state=None, key_norms=None):  # type: ignore[no-untyped-def]
+        return mass.detach().to("cpu", torch.float64).sum(dim=0)
+
+
+@dataclass(frozen=True)
+class TOVAPolicy(EvictionPolicy):
+    """TOVA: the newest query's attention row only."""
+
+    name: ClassVar[str] = "tova"
+
+    def score(self, mass, *, state=None, key_norms=None):  # type: ignore[no-untyped-def]
+        if mass.shape[0] == 0:
+            return torch.zeros(mass.shape[1], dtype=torch.float64)
+        return mass[-1].detach().to("cpu", torch.float64)
+
+
+@dataclass(frozen=True)
+class StreamingPolicy(EvictionPolicy):
+    """StreamingLLM: sinks plus the most recent blocks; no scores needed."""
+
+    name: ClassVar[str] = "streaming"
+
+    def score(self, mass, *, state=None, key_norms=None):  # type: ignore[no-untyped-def]
+        return torch.arange(mass.shape[1], dtype=torch.float64)
+
+
+@dataclass(frozen=True)
+class RandomPolicy(EvictionPolicy):
+    """Uniformly random among the non-forced blocks."""
+
+    name: ClassVar[str] = "random"
+
+    def score(self, mass, *, state=None, key_norms=None):  # type: ignore[no-untyped-def]
+        return torch.ones(mass.shape[1], dtype=torch.float64)
+
+    def choose(self, weights, k, generator):  # type: ignore[no-untyped-def]
+        return torch.randperm(weights.numel(), generator=generator)[:k]
+
+
+@dataclass(frozen=True)
+class KNormPolicy(EvictionPolicy):
+    """Keep the blocks with the lowest mean key norm (high-norm keys draw little attention)."""
+
+    name: ClassVar[str] = "knorm"
+
+    def score(self, mass, *, state=None, key_norms=None):  # type: ignore[no-untyped-def]
+        if key_norms is None:
+            raise ValueError("key_norms is required by policy 'knorm' (mean key norm per block)")
+        norms = key_norms.detach().to("cpu", torch.float64).flatten()
+        if norms.numel() != mass.shape[1] or not bool(torch.isfinite(norms).all()):
+            raise ValueError(f"key_norms must be {mass.shape[1]} finite values, one per block")
+        return -norms
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    cls.name: cls
+    for cls in (
+        NexusPolicy,
+        H2OPolicy,
+        SnapKVPolicy,
+        TOVAPolicy,
+        StreamingPolicy,
+        RandomPolicy,
+        KNormPolicy,
+    )
+}
+
+
+def get_policy(name: str, **knobs: Any) -> EvictionPolicy:
+    """Build a policy by name with validated knobs.
+
+    Raises
+    ------
+    ValueError
+        Unknown policy name, unknown knob, or a knob out of range.
+    """
+    check_choice("policy", name, POLICIES)
+    cls = POLICIES[name]
+    allowed = {f.name for f in fields(cls)}
+    unknown = sorted(set(knobs) - allowed)
+    if unknown:
+        raise ValueError(
+            f"unknown knob(s) {unknown} for policy {name!r}; allowed: {sorted(allowed)}"
+        )
+    return cls(**knobs)

@@ -1,0 +1,152 @@
+"""Block attention mass: how much attention the newest queries put on each KV block.
+
+This is the evidence every eviction policy decides on, and the oracle that the Triton
+kernels (``nexus_vllm.kernels``) and the vLLM plugin are tested against. Everything is
+computed in float32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "block_attention_mass",
+    "block_attention_mass_paged",
+    "gather_paged_keys",
+    "num_blocks_for",
+]
+
+KV_LAYOUTS = ("NHD", "HND")
+
+
+def num_blocks_for(num_tokens: int, block_size: int) -> int:
+    """Number of blocks that hold ``num_tokens`` tokens (the last one may be partial)."""
+    return -(-num_tokens // block_size)
+
+
+def _check_block_size(block_size: int) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+
+
+def block_attention_mass(
+    queries: torch.Tensor, keys: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Attention mass that each window query puts on each block of keys.
+
+    Parameters
+    ----------
+    queries : Tensor[W, Hq, D]
+        The W newest positions of the sequence (post-RoPE). Query ``i`` sits at position
+        ``T - W + i`` and attends causally to keys ``0 .. T - W + i``.
+    keys : Tensor[T, Hkv, D]
+        All cached keys of the sequence, ``Hq % Hkv == 0`` (GQA: query head ``h`` reads KV
+        head ``h // (Hq // Hkv)``).
+    block_size : int
+        Tokens per block; block ``j`` covers tokens ``j*b .. j*b+b-1`` (the last block may
+        be partial).
+
+    Returns
+    -------
+    Tensor[W, N] (float32)
+        ``N = ceil(T / block_size)``. Entry ``[i, j]`` is the softmax mass (scale
+        ``1/sqrt(D)``) query ``i`` puts on block ``j``, averaged over query heads; each row
+        sums to 1.
+    """
+    _check_block_size(block_size)
+    if queries.dim() != 3 or keys.dim() != 3:
+        raise ValueError(
+            f"queries must be [W, Hq, D] and keys [T, Hkv, D], got {tuple(queries.shape)} "
+            f"and {tuple(keys.shape)}"
+        )
+    w, hq, d = queries.shape
+    t, hkv, dk = keys.shape
+    if dk != d:
+        raise ValueError(f"queries and keys must share head size D, got {d} and {dk}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if w > t:
+        raise ValueError(f"window W={w} is longer than the sequence T={t}")
+    n = num_blocks_for(t, block_size)
+    if w == 0:
+        return torch.zeros(0, n, dtype=torch.float32, device=queries.device)
+
+    group = hq // hkv
+    q = queries.float().permute(1, 0, 2)  # [Hq, W, D]
+    k = keys.float().repeat_interleave(group, dim=1).permute(1, 2, 0)  # [Hq, D, T]
+    logits = torch.matmul(q, k) * (1.0 / math.sqrt(d))  # [Hq, W, T]
+    query_pos = torch.arange(t - w, t, device=queries.device)
+    key_pos = torch.arange(t, device=queries.device)
+    future = key_pos[None, :] > query_pos[:, None]  # [W, T]
+    logits = logits.masked_fill(future, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).mean(dim=0)  # [W, T]
+    padded = torch.nn.functional.pad(probs, (0, n * block_size - t))
+    return padded.view(w, n, block_size).sum(dim=-1)
+
+
+def gather_paged_keys(
+    key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    *,
+    kv_layout: str = "NHD",
+) -> torch.Tensor:
+    """Gather one sequence's keys from a paged cache into a contiguous ``[T, Hkv, D]``.
+
+    Parameters
+    ----------
+    key_cache : Tensor[num_blocks, block_size, Hkv, D] (``"NHD"``) or
+        Tensor[num_blocks, Hkv, block_size, D] (``"HND"``)
+    block_table : Tensor[max_blocks] (int)
+        Physical block ids of the sequence in logical order; entries past
+        ``ceil(seq_len / block_size)`` are ignored.
+    seq_len : int
+        Number of live tokens.
+    """
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    if key_cache.dim() != 4:
+        raise ValueError(f"key_cache must be 4-D, got shape {tuple(key_cache.shape)}")
+    block_size = key_cache.shape[1] if kv_layout == "NHD" else key_cache.shape[2]
+    n = num_blocks_for(int(seq_len), block_size)
+    if n > block_table.numel():
+        raise ValueError(
+            f"seq_len={seq_len} needs {n} blocks but block_table has {block_table.numel()}"
+        )
+    ids = block_table[:n].long().to(key_cache.device)
+    blocks = key_cache.index_select(0, ids)
+    if kv_layout == "HND":
+        blocks = blocks.transpose(1, 2)  # -> [n, block_size, Hkv, D]
+    return blocks.reshape(n * block_size, *blocks.shape[2:])[: int(seq_len)]
+
+
+def block_attention_mass_paged(
+    queries: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    *,
+    kv_layout: str = "NHD",
+) -> torch.Tensor:
+    """:func:`block_attention_mass` read from a paged key cache.
+
+    Parameters
+    ----------
+    queries : Tensor[W, Hq, D]
+    key_cache : Tensor[num_blocks, block_size, Hkv, D] (``"NHD"``) or
+        Tensor[num_blocks, Hkv, block_size, D] (``"HND"``)
+    block_table : Tensor[max_blocks] (int)
+        The sequence's physical blocks in logical order.
+    seq_len : int
+        Live tokens of the sequence.
+
+    Returns
+    -------
+    Tensor[W, ceil(seq_len / block_size)] (float32), equal to the contiguous version on
+    the gathered keys.
+    """
+    keys = gather_paged_keys(key_cache, block_table, seq_len, kv_layout=kv_layout)
+    block_size = key_cache.shape[1] if kv_layout == "NHD" else key_cache.shape[2]
+    return block_attention_mass(queries, keys, block_size)

@@ -1,0 +1,149 @@
+"""Nexus block weights: direct attention plus an indirect ("bridge") score.
+
+The direct score ``a`` says how much the window attends to a block. The indirect score
+lifts blocks that many window queries support moderately (bridges between facts), which
+a direct top-K misses because no single query points at them strongly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validate import check_choice, check_float, check_int, check_mass
+
+__all__ = ["INDIRECT_MODES", "WALK_ROWS", "direct_scores", "indirect_scores", "nexus_weights"]
+
+INDIRECT_MODES = ("walk", "hub", "ppr", "none")
+WALK_ROWS = ("newest", "oldest", "cycle")
+
+
+def _row_normalise(mass: torch.Tensor) -> torch.Tensor:
+    # A row with no mass (e.g. a padded query) stays zero instead of becoming NaN.
+    return mass / mass.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(mass.dtype).tiny)
+
+
+def _l1_normalise(x: torch.Tensor) -> torch.Tensor:
+    total = x.sum()
+    return x / total if float(total) > 0 else torch.zeros_like(x)
+
+
+def direct_scores(mass: torch.Tensor) -> torch.Tensor:
+    """Mean over window rows of the row-normalised mass.
+
+    Parameters
+    ----------
+    mass : Tensor[W, N]
+
+    Returns
+    -------
+    Tensor[N] (float64), summing to 1 when any row has mass.
+    """
+    check_mass(mass)
+    if mass.shape[0] == 0:
+        return torch.zeros(mass.shape[1], dtype=torch.float64, device=mass.device)
+    return _row_normalise(mass.double()).mean(dim=0)
+
+
+def _walk_row_order(w: int, steps: int, walk_rows: str) -> list[int]:
+    if walk_rows == "newest":
+        return [w - 1 - (h % w) for h in range(steps)]
+    if walk_rows == "oldest":
+        return [h % w for h in range(steps)]
+    # "cycle": spread the H steps evenly over the whole window, newest first, so a short
+    # walk still sees both ends of it.
+    stride = max(1, w // max(1, steps))
+    return [(w - 1 - h * stride) % w for h in range(steps)]
+
+
+def indirect_scores(
+    mass: torch.Tensor,
+    *,
+    indirect: str = "walk",
+    steps: int = 3,
+    walk_rows: str = "newest",
+    ppr_beta: float = 0.5,
+) -> torch.Tensor:
+    """Un-normalised indirect score ``c`` (see the spec, step 3).
+
+    Parameters
+    ----------
+    mass : Tensor[W, N]
+        Block attention mass of the window queries.
+    indirect : {"walk", "hub", "ppr", "none"}
+        ``walk``: ``C <- C + S_q * (1 + S_q . C)`` over ``steps`` chosen rows ``q`` of the
+        row-normalised mass ``S``; ``hub``: column sums of ``mass``; ``ppr``: damped power
+        iteration ``s <- (1-beta) a + beta s A`` over the co-attention matrix
+        ``A = rownorm(S^T S)`` (blocks that the same queries attend to link each other);
+        ``none``: zeros.
+
+    Returns
+    -------
+    Tensor[N] (float64)
+    """
+    check_mass(mass)
+    check_choice("indirect", indirect, INDIRECT_MODES)
+    check_choice("walk_rows", walk_rows, WALK_ROWS)
+    check_int("steps", steps, low=1)
+    w, n = mass.shape
+    if w == 0 or indirect == "none":
+        return torch.zeros(n, dtype=torch.float64, device=mass.device)
+    m = mass.double()
+    if indirect == "hub":
+        return m.sum(dim=0)
+    s = _row_normalise(m)
+    if indirect == "walk":
+        c = torch.zeros(n, dtype=torch.float64, device=mass.device)
+        for q in _walk_row_order(w, steps, walk_rows):
+            row = s[q]
+            c = c + row * (1.0 + torch.dot(row, c))
+        return c
+    a = s.mean(dim=0)
+    link = _row_normalise(s.T @ s)
+    score = a.clone()
+    for _ in range(steps):
+        score = (1.0 - ppr_beta) * a + ppr_beta * (score @ link)
+    return score
+
+
+def nexus_weights(
+    mass: torch.Tensor,
+    *,
+    indirect: str = "walk",
+    steps: int = 3,
+    lam: float = 0.5,
+    walk_rows: str = "newest",
+    eps: float = 1e-6,
+    ppr_beta: float = 0.5,
+) -> torch.Tensor:
+    """Nexus weight of each block: ``w = a + lam * c / |c|_1 + eps * r``.
+
+    Parameters
+    ----------
+    mass : Tensor[W, N]
+        Attention mass each window query puts on each block (rows need not be
+        normalised).
+    indirect : {"walk", "hub", "ppr", "none"}
+        How the indirect score ``c`` is built; see :func:`indirect_scores`.
+    steps : int
+        H, the number of walk steps (or power iterations for ``ppr``); >= 1.
+    lam : float
+        Weight of the normalised indirect score; >= 0.
+    walk_rows : {"newest", "oldest", "cycle"}
+        Which window rows the walk visits.
+    eps : float
+        Weight of the recency ramp ``r_j = j / (N - 1)``, a tie-break only; >= 0.
+
+    Returns
+    -------
+    Tensor[N] (float64), non-negative.
+    """
+    check_float("lam", lam, low=0.0)
+    check_float("eps", eps, low=0.0)
+    check_float("ppr_beta", ppr_beta, low=0.0, high=1.0)
+    a = direct_scores(mass)
+    c = indirect_scores(
+        mass, indirect=indirect, steps=steps, walk_rows=walk_rows, ppr_beta=ppr_beta
+    )
+    n = a.numel()
+    ramp = torch.arange(n, dtype=torch.float64, device=a.device) / max(n - 1, 1)
+    return a + lam * _l1_normalise(c) + eps * ramp
