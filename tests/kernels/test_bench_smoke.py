@@ -1,0 +1,51 @@
+"""The kernel benchmark's CPU paths: the no-GPU message and the interpreter ``--smoke`` run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from nexus_vllm.kernels import HAS_TRITON
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "bench_block_scoring.py"
+
+
+def _load_bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_block_scoring", BENCH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_peak_table_lookup():
+    bench = _load_bench()
+    assert bench.peak_gbps_for("NVIDIA H200") == 4800.0
+    assert bench.peak_gbps_for("NVIDIA H100 80GB HBM3") == 3350.0
+    assert bench.peak_gbps_for("NVIDIA A100-SXM4-80GB") == 2039.0
+    assert bench.peak_gbps_for("Some Future GPU") is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_bench_without_gpu_exits_cleanly(capsys):
+    assert _load_bench().main([]) == 0
+    assert "no CUDA GPU" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not HAS_TRITON, reason="CPU interpreter run")
+def test_bench_smoke_runs_under_interpreter(tmp_path):
+    out = tmp_path / "bench.json"
+    assert _load_bench().main(["--smoke", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["smoke"] is True
+    assert len(data["scoring"]) == 2 and len(data["compaction"]) == 1
+    for point in data["scoring"]:
+        assert point["max_abs_diff"] < 1e-5
+        assert point["triton_us"] > 0 and point["torch_us"] > 0
