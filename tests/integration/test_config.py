@@ -1,0 +1,204 @@
+"""Config layering, CLI flags and per-request validation (no server; a few seconds)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from nexus_vllm.integration.config import (
+    config_from_additional,
+    load_config_file,
+    request_config,
+    resolve_config,
+    validate_request_args,
+)
+from tests.integration.conftest import HAS_VLLM
+
+
+def test_flags_override_additional_and_file(tmp_path) -> None:  # noqa: ANN001
+    f = tmp_path / "preset.yaml"
+    f.write_text("nexus:\n  method: h2o\n  window: 8\n  keep_ratio: 0.5\n")
+    cfg = resolve_config(file=str(f), additional={"window": 12},
+                         flags={"max_tokens": 1024, "method": None})
+    assert cfg.method == "h2o"
+    assert cfg.window == 12
+    assert cfg.max_tokens == 1024 and cfg.keep_ratio is None
+
+
+def test_budget_required_for_evicting_method() -> None:
+    with pytest.raises(ValueError, match="--kv-budget"):
+        resolve_config(flags={"method": "nexus"})
+
+
+@pytest.mark.parametrize("flags, flag", [
+    ({"method": "nexus", "max_tokens": 64}, "--kv-budget"),  # below sink+recent floor
+    ({"method": "nexus", "max_tokens": 1024, "keep_ratio": 0.5}, "--kv-"),
+])
+def test_bad_flag_values_name_the_flag(flags, flag) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match=flag):
+        resolve_config(flags=flags)
+
+
+def test_unknown_key_in_file_and_additional(tmp_path) -> None:  # noqa: ANN001
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps({"method": "nexus", "wnidow": 3}))
+    with pytest.raises(ValueError, match="--kv-eviction-config"):
+        resolve_config(file=str(f), flags={"max_tokens": 1024})
+    with pytest.raises(ValueError, match="--additional-config"):
+        resolve_config(additional={"bogus": 1}, flags={"max_tokens": 1024})
+    with pytest.raises(ValueError, match="no such file"):
+        load_config_file(tmp_path / "missing.yaml")
+
+
+def test_none_means_off() -> None:
+    assert config_from_additional({}) is None
+    assert config_from_additional({"nexus": {"method": "none"}}) is None
+    cfg = config_from_additional({"nexus": {"method": "tova", "max_tokens": 2048}})
+    assert cfg is not None
+    assert cfg.method == "tova" and cfg.budget_blocks(10_000) == 64
+
+
+@pytest.mark.parametrize("xargs, field", [
+    ({"kv_budget": -1}, "kv_budget"), ({"kv_budget": 0}, "kv_budget"),
+    ({"kv_budget": "12"}, "kv_budget"), ({"kv_budget": True}, "kv_budget"),
+    ({"kv_budget": 1.5}, "kv_budget"), ({"kv_budget": 32}, "kv_budget"),
+    ({"kv_eviction": "lru"}, "kv_eviction"), ({"kv_eviction": 3}, "kv_eviction"),
+])
+def test_request_validation_names_field(xargs, field) -> None:  # noqa: ANN001
+    server = resolve_config(flags={"method": "nexus", "max_tokens": 2048})
+    with pytest.raises(ValueError, match=f"vllm_xargs.{field}"):
+        validate_request_args(xargs, server)
+
+
+def test_request_overrides() -> None:
+    server = resolve_config(flags={"method": "nexus", "keep_ratio": 0.25})
+    validate_request_args({"kv_budget": 512.0, "kv_eviction": "snapkv"}, server)
+    cfg = request_config(server, {"kv_budget": 512.0, "kv_eviction": "snapkv"})
+    assert cfg is not None
+    assert cfg.method == "snapkv" and cfg.max_tokens == 512 and cfg.keep_ratio is None
+    assert request_config(server, {"kv_eviction": "none"}) is None
+    assert request_config(server, {"unrelated": 1}) is server
+    # A server without eviction rejects per-request eviction instead of ignoring it.
+    with pytest.raises(ValueError, match="vllm_xargs.kv_budget"):
+        validate_request_args({"kv_budget": 512}, None)
+    validate_request_args({"kv_eviction": "none"}, None)
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+class TestServeParser:
+    """The real ``vllm serve`` parser with the plugin's flags."""
+
+    @staticmethod
+    def _parser():  # noqa: ANN205
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        import nexus_vllm
+
+        nexus_vllm.register()
+        return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+
+    @pytest.mark.parametrize("argv, flag", [
+        (["--kv-eviction", "bogus"], "--kv-eviction"),
+        (["--kv-budget", "-3"], "--kv-budget"),
+        (["--kv-budget", "many"], "--kv-budget"),
+        (["--kv-keep-ratio", "2"], "--kv-keep-ratio"),
+        (["--kv-eviction-seed", "-1"], "--kv-eviction-seed"),
+        (["--kv-chunk-size", "0"], "--kv-chunk-size"),
+    ])
+    def test_argparse_rejects(self, argv, flag, capsys) -> None:  # noqa: ANN001
+        with pytest.raises(SystemExit):
+            self._parser().parse_args(["--model", "m", *argv])
+        assert flag in capsys.readouterr().err
+
+    def test_from_cli_args_and_translation(self, tmp_path) -> None:  # noqa: ANN001
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        from nexus_vllm.integration.patches.engine_args import translate_engine_args
+
+        preset = tmp_path / "p.yaml"
+        preset.write_text("window: 8\nmethod: h2o\n")
+        args = self._parser().parse_args([
+            "--model", "m", "--kv-budget", "1024", "--kv-eviction-config", str(preset),
+            "--additional-config", '{"nexus": {"window": 4, "interval": 8}}',
+        ])
+        ea = AsyncEngineArgs.from_cli_args(args)
+        nexus = ea.additional_config["nexus"]
+        assert (nexus["method"], nexus["window"], nexus["interval"], nexus["max_tokens"]) == (
+            "h2o", 4, 8, 1024)
+        cfg = translate_engine_args(ea)
+        assert cfg is not None
+        assert ea.scheduler_cls == "nexus_vllm.integration.scheduler.NexusScheduler"
+        assert ea.worker_cls == "nexus_vllm.integration.worker.NexusWorker"
+        assert ea.enable_prefix_caching is False and ea.block_size == 32
+        assert ea.long_prefill_token_threshold == 512 and ea.async_scheduling is False
+
+    def test_cross_field_error_exits_naming_flag(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        args = self._parser().parse_args(["--model", "m", "--kv-eviction", "nexus"])
+        with pytest.raises(SystemExit, match="--kv-budget"):
+            AsyncEngineArgs.from_cli_args(args)
+
+    def test_off_changes_nothing(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        from nexus_vllm.integration.patches.engine_args import translate_engine_args
+
+        for argv in ([], ["--kv-eviction", "none"]):
+            ea = AsyncEngineArgs.from_cli_args(self._parser().parse_args(["--model", "m",
+                                                                          *argv]))
+            assert "nexus" not in (ea.additional_config or {})
+            assert translate_engine_args(ea) is None
+            assert ea.scheduler_cls in (None, "vllm.v1.core.sched.scheduler.Scheduler")
+            assert ea.worker_cls == "auto"
+
+
+@pytest.mark.parametrize("preset", sorted(
+    p.name for p in (pathlib.Path(__file__).parents[2] / "configs").glob("*.yaml")
+    if p.name != "nexus-keep20.yaml"
+))
+def test_presets_load(preset) -> None:  # noqa: ANN001
+    path = pathlib.Path(__file__).parents[2] / "configs" / preset
+    cfg = resolve_config(file=str(path), flags={"max_tokens": 2048})
+    assert cfg.method == preset.removesuffix(".yaml") and cfg.max_tokens == 2048
+
+
+def test_keep_ratio_preset() -> None:
+    path = pathlib.Path(__file__).parents[2] / "configs" / "nexus-keep20.yaml"
+    cfg = resolve_config(file=str(path))
+    assert cfg.keep_ratio == 0.2 and cfg.budget_blocks(32 * 100) == 20
+
+
+def test_serve_command_defaults(monkeypatch) -> None:  # noqa: ANN001
+    from nexus_vllm.integration.serve import build_command
+
+    for var in ("NEXUS_VLLM_HOST", "NEXUS_VLLM_PORT", "NEXUS_VLLM_KV_BUDGET",
+                "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(var, raising=False)
+    cmd, env = build_command(["some/model", "--port", "9000"], gpu=False)
+    assert cmd[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "some/model"]
+    joined = " ".join(cmd)
+    assert "--kv-eviction nexus --kv-budget 2048" in joined
+    assert "--host 127.0.0.1" in joined and joined.count("--port") == 1
+    assert "--enforce-eager" in joined and "--distributed-executor-backend uni" in joined
+    assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    cmd, env = build_command(["m", "--kv-eviction", "h2o", "--kv-budget", "64",
+                              "--dtype", "bfloat16"], gpu=True)
+    assert cmd.count("--kv-eviction") == 1 and "--enforce-eager" not in cmd and env == {}
+    assert cmd.count("--dtype") == 1
+    with pytest.raises(SystemExit, match="model name"):
+        build_command([], gpu=True)
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+def test_vllm_config_yaml_sets_plugin_flags(tmp_path) -> None:  # noqa: ANN001
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("kv-eviction: snapkv\nkv-budget: 4096\nkv-chunk-size: 256\n")
+    args = TestServeParser._parser().parse_args(["--model", "m", "--config", str(cfg)])
+    nexus = AsyncEngineArgs.from_cli_args(args).additional_config["nexus"]
+    assert (nexus["method"], nexus["max_tokens"], nexus["chunk_size"]) == ("snapkv", 4096, 256)

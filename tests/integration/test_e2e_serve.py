@@ -1,0 +1,222 @@
+"""End to end: real ``vllm serve`` processes with the plugin, driven by the openai client.
+
+One stock server (reference greedy outputs, then stopped) and one evicting server
+(``--kv-eviction nexus --kv-budget 256 --kv-chunk-size 128``: 8 blocks of 32 tokens,
+chunks of 4 blocks) are shared by the whole module. ~2.5 min on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+
+import pytest
+
+from tests.integration.conftest import HAS_VLLM
+
+pytestmark = [
+    pytest.mark.e2e, pytest.mark.slow,
+    pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed"),
+]
+
+BLOCK = 32
+BUDGET_TOKENS = 256
+CHUNK_TOKENS = 128
+BUDGET_BLOCKS = BUDGET_TOKENS // BLOCK
+CHUNK_BLOCKS = CHUNK_TOKENS // BLOCK
+# A 160-block pool: one full 4096-token request fits, but 16 concurrent evicting requests
+# (up to 12 blocks each) do not, so the streaming test also exercises preemption and
+# recompute of evicting requests.
+POOL_BLOCKS = 160
+EVICT_ARGS = ["--kv-eviction", "nexus", "--kv-budget", str(BUDGET_TOKENS),
+              "--kv-chunk-size", str(CHUNK_TOKENS), "--kv-eviction-seed", "7",
+              "--num-gpu-blocks-override", str(POOL_BLOCKS)]
+_WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
+          "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo",
+          "sierra", "tango", "uniform", "victor", "whiskey"]
+
+
+def _prompt(n_words: int, offset: int = 0) -> str:
+    return " ".join(_WORDS[(i * 7 + offset) % len(_WORDS)] for i in range(n_words))
+
+
+# Short prompts (no eviction possible) and long ones (several chunks).
+PROMPTS = [_prompt(20, 1), _prompt(150, 2), _prompt(700, 3)]
+
+
+def _client(server):  # noqa: ANN001, ANN202
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
+                         timeout=300)
+
+
+def _greedy(server, prompt: str, max_tokens: int = 24, **extra):  # noqa: ANN001, ANN003, ANN202
+    body = {"vllm_xargs": extra} if extra else None
+    r = _client(server).completions.create(
+        model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+        logprobs=1, extra_body=body,
+    )
+    choice = r.choices[0]
+    return choice.logprobs.tokens, r.usage
+
+
+@pytest.fixture(scope="module")
+def stock_outputs(tiny_model, serve_tmp):  # noqa: ANN001, ANN201
+    from tests.integration.server import VllmServer
+
+    server = VllmServer(tiny_model, ["--block-size", str(BLOCK)], serve_tmp)
+    try:
+        return [_greedy(server, p)[0] for p in PROMPTS]
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def evict_server(tiny_model, serve_tmp, stock_outputs):  # noqa: ANN001, ANN201
+    # Depends on stock_outputs so the two servers never share the 2 CPU cores.
+    from tests.integration.server import VllmServer
+
+    server = VllmServer(tiny_model, EVICT_ARGS, serve_tmp)
+    print(f"evicting server ready in {server.startup_seconds:.1f}s")
+    yield server
+    server.stop()
+
+
+def test_big_budget_equals_stock_greedy(evict_server, stock_outputs) -> None:  # noqa: ANN001
+    for prompt, ref in zip(PROMPTS, stock_outputs):
+        tokens, _ = _greedy(evict_server, prompt, kv_budget=100_000)
+        assert tokens == ref
+        tokens, _ = _greedy(evict_server, prompt, kv_eviction="none")
+        assert tokens == ref
+
+
+def test_short_prompt_untouched_by_eviction(evict_server, stock_outputs) -> None:  # noqa: ANN001
+    # 20 words + 24 new tokens stay far below the 256-token budget: nothing is evicted,
+    # so the server's default config must reproduce stock vLLM exactly.
+    tokens, _ = _greedy(evict_server, PROMPTS[0])
+    assert tokens == stock_outputs[0]
+
+
+def test_budget_holds_and_blocks_return(evict_server) -> None:  # noqa: ANN001
+    before = evict_server.metrics()
+    usage_seen: list[float] = []
+    live_seen: list[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                m = evict_server.metrics()
+            except OSError:
+                return
+            usage_seen.append(m.get("vllm:kv_cache_usage_perc", 0.0))
+            live_seen.append(m.get("vllm:nexus_live_blocks_max", 0.0))
+            time.sleep(0.05)
+
+    n_req = 4
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        with cf.ThreadPoolExecutor(n_req) as pool:
+            outs = list(pool.map(
+                lambda i: _greedy(evict_server, _prompt(320, i), max_tokens=64), range(n_req)))
+    finally:
+        stop.set()
+        poller.join()
+    for tokens, usage in outs:
+        assert usage.prompt_tokens > 4 * BUDGET_TOKENS
+        assert len(tokens) == usage.completion_tokens > 0
+
+    after = evict_server.metrics()
+    bound = BUDGET_BLOCKS + CHUNK_BLOCKS
+    # Scheduler-side high-water mark of (live blocks - own budget - one chunk) over every
+    # request since start, taken from vLLM's own block lists at each step.
+    assert after["vllm:nexus_live_blocks_over_budget"] <= 0
+    assert max(live_seen) <= bound
+    # vLLM's own pool usage never exceeded n_req * (budget + chunk) blocks; without
+    # eviction the prompts alone would need n_req * ~ (4 * budget) blocks.
+    total = after["vllm:nexus_total_blocks"]
+    assert max(usage_seen) * total <= n_req * bound + 0.5
+    # Evictions really happened and were counted.
+    assert after["vllm:nexus_evicted_blocks_total"] > before.get(
+        "vllm:nexus_evicted_blocks_total", 0.0)
+    assert after["vllm:nexus_eviction_events_total"] > before.get(
+        "vllm:nexus_eviction_events_total", 0.0)
+    assert after["vllm:nexus_scoring_seconds_total"] > 0.0
+    # Every block came back: the pool is full again and vLLM reports zero usage.
+    assert after["vllm:nexus_free_blocks"] == after["vllm:nexus_total_blocks"]
+    assert after["vllm:kv_cache_usage_perc"] == 0.0
+    assert after["vllm:nexus_live_blocks"] == 0.0
+
+
+def test_sixteen_concurrent_streams_complete(evict_server) -> None:  # noqa: ANN001
+    client = _client(evict_server)
+
+    def stream(i: int) -> tuple[str | None, int]:
+        s = client.chat.completions.create(
+            model=evict_server.model, stream=True, max_tokens=40, temperature=0.8, seed=i,
+            messages=[{"role": "user", "content": _prompt(100 + 10 * i, i)}],
+        )
+        n, reason = 0, None
+        for chunk in s:
+            if chunk.choices:
+                if chunk.choices[0].delta.content:
+                    n += 1
+                reason = chunk.choices[0].finish_reason or reason
+        return reason, n
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(stream, range(16)))
+    assert all(reason in ("stop", "length") for reason, _ in results), results
+    assert sum(n for _, n in results) > 0
+    m = evict_server.metrics()
+    print(f"preemptions so far: {m.get('vllm:num_preemptions_total')}, evicted blocks: "
+          f"{m['vllm:nexus_evicted_blocks_total']}")
+    assert m["vllm:nexus_total_blocks"] == POOL_BLOCKS - 1
+    assert m["vllm:nexus_free_blocks"] == m["vllm:nexus_total_blocks"]
+    assert m["vllm:nexus_live_blocks_over_budget"] <= 0
+
+
+@pytest.mark.parametrize("xargs, field", [
+    ({"kv_budget": -5}, "kv_budget"),
+    ({"kv_budget": "lots"}, "kv_budget"),
+    ({"kv_budget": 10}, "kv_budget"),  # below the forced sink + recent blocks
+    ({"kv_eviction": "bogus"}, "kv_eviction"),
+])
+def test_bad_request_values_are_400(evict_server, xargs, field) -> None:  # noqa: ANN001
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(evict_server).completions.create(
+            model=evict_server.model, prompt="hello", max_tokens=4,
+            extra_body={"vllm_xargs": xargs},
+        )
+    assert err.value.status_code == 400
+    assert f"vllm_xargs.{field}" in str(err.value)
+    # The server keeps serving.
+    tokens, _ = _greedy(evict_server, "hello again", max_tokens=4)
+    assert len(tokens) == 4
+
+
+def test_per_request_budget_and_method(evict_server) -> None:  # noqa: ANN001
+    before = evict_server.metrics()["vllm:nexus_evicted_blocks_total"]
+    tokens, usage = _greedy(evict_server, _prompt(700, 5), max_tokens=8,
+                            kv_budget=512, kv_eviction="h2o")
+    assert len(tokens) == usage.completion_tokens == 8
+    assert evict_server.metrics()["vllm:nexus_evicted_blocks_total"] > before
+
+
+def test_evicting_request_unaffected_by_block_reuse(evict_server) -> None:  # noqa: ANN001
+    """A greedy evicting request gives the same tokens alone and while other requests
+    allocate the blocks it freed: attention never reads an evicted (reused) block."""
+    target = _prompt(400, 11)
+    alone, _ = _greedy(evict_server, target, max_tokens=40)
+    with cf.ThreadPoolExecutor(6) as pool:
+        others = [pool.submit(_greedy, evict_server, _prompt(300, 20 + i), 40)
+                  for i in range(5)]
+        busy, _ = _greedy(evict_server, target, max_tokens=40)
+        for f in others:
+            f.result()
+    assert busy == alone
