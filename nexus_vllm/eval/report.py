@@ -1,0 +1,194 @@
+"""Markdown tables and matplotlib plots from aggregated evaluation rows."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+__all__ = ["calibration_table", "markdown_table", "plot_vs_budget"]
+
+_LABELS = {"score": "score (string match)", "delta_loglik": "Δ answer log-lik vs dense",
+           "kl": "KL(dense‖method) per token"}
+
+
+def _fmt(row: dict[str, Any], m: str, digits: int) -> str:
+    v, lo, hi = row[m], row[f"{m}_lo"], row[f"{m}_hi"]
+    if lo == hi:
+        return f"{v:.{digits}f}"
+    return f"{v:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def markdown_table(rows: list[dict[str, Any]], *, metric: str = "score",
+                   budget: Any = None, digits: int = 2) -> str:
+    """One table: rows = method, columns = task/protocol, cells = mean [95% CI].
+
+    ``budget`` selects one budget (dense rows are always included); ``None`` keeps every
+    budget as separate method rows (``method @ budget``).
+    """
+    sel = [r for r in rows if budget is None or r["budget"] in (budget, None)]
+    cols = sorted({(r["task"], r["protocol"], r["context"]) for r in sel})
+    methods: list[str] = []
+    for r in sel:
+        name = r["method"] if r["budget"] is None or budget is not None else \
+            f"{r['method']} @ {r['budget']}"
+        if name not in methods:
+            methods.append(name)
+    cell: dict[tuple[str, tuple[Any, ...]], str] = {}
+    means: dict[str, list[float]] = {}
+    for r in sel:
+        name = r["method"] if r["budget"] is None or budget is not None else \
+            f"{r['method']} @ {r['budget']}"
+        cell[(name, (r["task"], r["protocol"], r["context"]))] = _fmt(r, metric, digits)
+        means.setdefault(name, []).append(float(r[metric]))
+    head = ("| method | " + " | ".join(f"{t} ({p}, {c})" for t, p, c in cols)
+            + " | mean of columns |")
+    sep = "|---|" + "---|" * (len(cols) + 1)
+    lines = [head, sep]
+    for m in methods:
+        avg = sum(means[m]) / len(means[m]) if len(means[m]) == len(cols) else float("nan")
+        lines.append(f"| {m} | " + " | ".join(cell.get((m, c), "–") for c in cols)
+                     + f" | **{avg:.{digits}f}** |")
+    return "\n".join(lines)
+
+
+def calibration_table(rows: list[dict[str, Any]]) -> str:
+    """Dense accuracy per task (rows) and protocol/context (columns)."""
+    dense = [r for r in rows if r["method"] == "dense"]
+    tasks = sorted({r["task"] for r in dense})
+    cols = sorted({(r["protocol"], r["context"]) for r in dense})
+    by = {(r["task"], r["protocol"], r["context"]): r for r in dense}
+    lines = ["| task | " + " | ".join(f"{p} @ {c}" for p, c in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for t in tasks:
+        cells = []
+        for p, c in cols:
+            r = by.get((t, p, c))
+            cells.append("–" if r is None else _fmt(r, "score", 2) + f" (n={r['n']})")
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_vs_budget(rows: list[dict[str, Any]], path: pathlib.Path, *,
+                   metric: str = "score") -> pathlib.Path:
+    """Grid of panels (task x protocol): ``metric`` vs budget per method, 95% CI bands."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["task"], r["protocol"], r["context"]) for r in rows})
+    ncol = min(4, len(panels))
+    nrow = -(-len(panels) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.3 * nrow), squeeze=False)
+    methods = list(dict.fromkeys(r["method"] for r in rows if r["method"] != "dense"))
+    for ax, (task, proto, ctx) in zip(axes.flat, panels):
+        sub = [r for r in rows if (r["task"], r["protocol"], r["context"]) == (task, proto, ctx)]
+        budgets = sorted({r["budget"] for r in sub if r["budget"] is not None}, key=float)
+        for m in methods:
+            pts = sorted((r for r in sub if r["method"] == m), key=lambda r: float(r["budget"]))
+            if not pts:
+                continue
+            xs = [float(r["budget"]) for r in pts]
+            ys = [r[metric] for r in pts]
+            style = "-o" if m.startswith("nexus") else "--."
+            (line,) = ax.plot(xs, ys, style, label=m, lw=2 if m == "nexus" else 1)
+            ax.fill_between(xs, [r[f"{metric}_lo"] for r in pts],
+                            [r[f"{metric}_hi"] for r in pts], color=line.get_color(), alpha=0.12)
+        for r in sub:
+            if r["method"] == "dense" and budgets:
+                ax.axhline(r[metric], color="k", lw=1, ls=":", label="dense")
+        ax.set_title(f"{task} · {proto} · {ctx} tok", fontsize=9)
+        ax.set_xlabel("budget (kept fraction)" if budgets and isinstance(budgets[0], float)
+                      else "budget")
+        ax.set_ylabel(_LABELS.get(metric, metric), fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(8, len(labels)), fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_bars(rows: list[dict[str, Any]], path: pathlib.Path, *, metric: str = "score",
+              budget: Any = None) -> pathlib.Path:
+    """Grouped bars (one group per task/protocol, one bar per method) with 95% CI whiskers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    sel = [r for r in rows if budget is None or r["budget"] in (budget, None)]
+    groups = sorted({(r["task"], r["protocol"], r["context"]) for r in sel})
+    methods = list(dict.fromkeys(r["method"] for r in sel))
+    by = {(r["method"], (r["task"], r["protocol"], r["context"])): r for r in sel}
+    width = 0.8 / max(1, len(methods))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(groups) + 2), 4.6))
+    x = np.arange(len(groups))
+    for i, m in enumerate(methods):
+        vals, err_lo, err_hi = [], [], []
+        for g in groups:
+            r = by.get((m, g))
+            v = r[metric] if r else np.nan
+            vals.append(v)
+            err_lo.append(v - r[f"{metric}_lo"] if r else 0)
+            err_hi.append(r[f"{metric}_hi"] - v if r else 0)
+        ax.bar(x + (i - (len(methods) - 1) / 2) * width, vals, width, label=m,
+               yerr=[err_lo, err_hi], capsize=2, edgecolor="k" if m.startswith("nexus") else None,
+               linewidth=1.2 if m.startswith("nexus") else 0)
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"{t}\n{p}" for t, p, _ in groups], fontsize=7)
+    ax.set_ylabel(_LABELS.get(metric, metric))
+    ax.set_title(f"{metric} at budget {budget}" if budget is not None else metric, fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, ncol=min(8, len(methods)), loc="upper center",
+              bbox_to_anchor=(0.5, -0.16), frameon=False)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def summary_table(records: list[dict[str, Any]], *, budget: Any, protocol: str | None = None,
+                  min_dense_score: float = 0.5) -> str:
+    """Pooled over tasks: one row per method, mean [95% CI] over (task, protocol, sample).
+
+    The score pools only tasks whose dense score is at least ``min_dense_score`` (the
+    calibration rule: tasks dense cannot do say nothing about eviction); the continuous
+    metrics pool every task.
+    """
+    from nexus_vllm.eval.runner import bootstrap_ci
+
+    recs = [r for r in records if (protocol is None or r["protocol"] == protocol)
+            and r["budget"] in (budget, None)]
+    dense_by_task: dict[str, list[float]] = {}
+    for r in recs:
+        if r["method"] == "dense":
+            dense_by_task.setdefault(r["task"], []).append(r["score"])
+    solvable = {t for t, v in dense_by_task.items() if sum(v) / len(v) >= min_dense_score}
+    methods = list(dict.fromkeys(r["method"] for r in recs))
+    lines = ["| method | score (tasks dense solves) | Δ answer log-lik (nats) | KL per token | "
+             "samples |", "|---|---|---|---|---|"]
+    for m in methods:
+        units: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+        for r in recs:
+            if r["method"] == m:
+                units.setdefault((r["task"], r["protocol"], r["index"]), []).append(r)
+
+        def ci(metric: str, tasks: set[str] | None = None,
+               _units: dict[tuple[Any, ...], list[dict[str, Any]]] = units) -> str:
+            vals = [sum(x[metric] for x in v) / len(v) for k, v in _units.items()
+                    if tasks is None or k[0] in tasks]
+            mean, lo, hi = bootstrap_ci(vals)
+            return f"{mean:.2f} [{lo:.2f}, {hi:.2f}]"
+
+        lines.append(f"| {m} | {ci('score', solvable)} | {ci('delta_loglik')} | {ci('kl')} | "
+                     f"{len(units)} |")
+    lines.append("")
+    lines.append(f"Score pools {sorted(solvable)} (dense >= {min_dense_score}).")
+    return "\n".join(lines)

@@ -1,0 +1,203 @@
+"""Greedy generation and teacher-forced scoring under streaming eviction.
+
+The prompt ``preamble + context + question`` is tokenized as one string (exactly as
+``tokenizer(preamble + context + question)``), split at the context/question boundary,
+the preamble+context tokens are fed in chunks with an eviction event after each chunk, the
+question tokens in one forward, and decoding evicts every ``interval`` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nexus_vllm.hf.streaming import StreamingSession, make_config
+
+__all__ = ["PromptSplit", "SampleResult", "encode_prompt", "generate", "run_sample"]
+
+
+@dataclass(frozen=True)
+class PromptSplit:
+    """Token ids of one prompt and where its segments end."""
+
+    ids: torch.Tensor  # LongTensor[L]
+    n_context: int  # preamble + context tokens
+    n_prompt: int  # + question tokens (== L when no answer was appended)
+
+
+def _count_before(tokenizer: Any, text: str, boundary: int) -> tuple[list[int], int]:
+    """Token ids of ``text`` and how many start before character ``boundary``."""
+    try:
+        enc = tokenizer(text, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        offsets = enc["offset_mapping"]
+        # Special tokens (e.g. a BOS) have (0, 0) offsets and belong to the head.
+        n = sum(1 for s, e in offsets if s < boundary or (s == 0 and e == 0))
+        return ids, n
+    except (NotImplementedError, TypeError, ValueError):  # slow tokenizers lack offsets
+        ids = list(tokenizer(text)["input_ids"])
+        return ids, min(len(tokenizer(text[:boundary])["input_ids"]), len(ids))
+
+
+def encode_prompt(tokenizer: Any, context: str, question: str, *, preamble: str = "",
+                  answer: str | None = None) -> PromptSplit:
+    """Tokenize ``preamble + context + question (+ answer)`` as one string and split it."""
+    head = preamble + context
+    full = head + question + (answer or "")
+    ids, n_ctx = _count_before(tokenizer, full, len(head))
+    if answer:
+        _, n_prompt = _count_before(tokenizer, full, len(head) + len(question))
+    else:
+        n_prompt = len(ids)
+    if n_ctx < 1 or n_prompt <= n_ctx:
+        raise ValueError("context and question must each produce at least one token")
+    return PromptSplit(torch.tensor(ids, dtype=torch.long), n_ctx, n_prompt)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(src, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return ids
+
+
+def _prefill(session: StreamingSession, ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Feed ``ids`` in chunks, evicting after each; return the last token's logits ``[V]``."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    logits = None
+    for start in range(0, ids.numel(), chunk_size):
+        logits = session.forward(ids[start:start + chunk_size], logits_to_keep=1)
+        session.evict(prefill=True)
+    assert logits is not None
+    return logits[-1]
+
+
+def _device_of(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def generate(model: Any, tokenizer: Any, context: str, question: str, *, method: str,
+             budget: float | int | None, chunk_size: int = 512, max_new_tokens: int = 64,
+             seed: int = 0, preamble: str = "", return_session: bool = False,
+             **knobs: Any) -> Any:
+    """Greedy continuation of ``preamble + context + question`` under streaming eviction.
+
+    Parameters
+    ----------
+    model, tokenizer
+        A transformers causal LM (Llama family) and its tokenizer.
+    context, question : str
+        The streamed context and the question fed after it.
+    method : str
+        ``"dense"`` or an eviction method (nexus, h2o, snapkv, tova, streaming, random, knorm).
+    budget : float or int
+        Float in (0, 1]: kept fraction of tokens seen; int: token count. Dense ignores it.
+    chunk_size : int
+        Prefill chunk (an eviction event follows each chunk).
+    max_new_tokens : int
+        Decode limit; generation also stops at an eos token.
+    seed : int
+        Seed of the stochastic samplers (``EvictionConfig.seed``).
+    preamble : str
+        Text before the context (question-first protocol), streamed with it.
+    return_session : bool
+        Also return the :class:`StreamingSession` (tests inspect its events).
+    **knobs
+        Other ``EvictionConfig`` fields (block_size, interval, window, sampler, ...).
+
+    Returns
+    -------
+    str
+        The decoded continuation (special tokens skipped); ``(str, session)`` when
+        ``return_session``.
+    """
+    cfg = make_config(method, budget, chunk_size=chunk_size, seed=seed, **knobs) \
+        if method not in ("dense", "none") else None
+    split = encode_prompt(tokenizer, context, question, preamble=preamble)
+    ids = split.ids.to(_device_of(model))
+    session = StreamingSession(model, cfg, record_events=return_session)
+    _prefill(session, ids[: split.n_context], chunk_size)
+    logits = session.forward(ids[split.n_context:], logits_to_keep=1)[-1]
+    text = _decode_greedy(session, tokenizer, logits, max_new_tokens)
+    return (text, session) if return_session else text
+
+
+def _decode_greedy(session: StreamingSession, tokenizer: Any, logits: torch.Tensor,
+                   max_new_tokens: int) -> str:
+    eos = _eos_ids(session.model, tokenizer)
+    out: list[int] = []
+    device = _device_of(session.model)
+    for step in range(max_new_tokens):
+        tok = int(torch.argmax(logits))
+        out.append(tok)
+        if tok in eos or step == max_new_tokens - 1:
+            break
+        logits = session.forward(torch.tensor([tok], device=device), logits_to_keep=1)[-1]
+        session.decode_step_done()
+    return str(tokenizer.decode(out, skip_special_tokens=True))
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """Outputs of one streamed sample: the greedy answer and teacher-forced log-probs."""
+
+    text: str
+    # log-softmax [P, V] at the positions predicting each question and answer token
+    logprobs: torch.Tensor
+    targets: torch.Tensor  # LongTensor[P], the predicted tokens
+    n_answer: int  # the last n_answer targets are the reference answer's tokens
+    cache_tokens: int  # tokens cached when decoding started
+    events: int  # eviction events during the prefill
+
+    @property
+    def answer_loglik(self) -> float:
+        """Sum of the reference answer tokens' log-probabilities."""
+        lp = self.logprobs[-self.n_answer:].gather(1, self.targets[-self.n_answer:, None])
+        return float(lp.sum())
+
+
+@torch.no_grad()
+def run_sample(model: Any, tokenizer: Any, context: str, question: str, answer: str, *,
+               method: str, budget: float | int | None, chunk_size: int = 512,
+               max_new_tokens: int = 64, seed: int = 0, preamble: str = "",
+               **knobs: Any) -> SampleResult:
+    """One prefill, then branch: greedy generation and teacher forcing of ``answer``.
+
+    Teacher forcing feeds the answer in pieces of ``interval`` tokens with an event after
+    each full piece, which reproduces the cache states greedy decoding would have had.
+    """
+    cfg = make_config(method, budget, chunk_size=chunk_size, seed=seed, **knobs) \
+        if method not in ("dense", "none") else None
+    split = encode_prompt(tokenizer, context, question, preamble=preamble, answer=answer)
+    ids = split.ids.to(_device_of(model))
+    session = StreamingSession(model, cfg)
+    last_ctx = _prefill(session, ids[: split.n_context], chunk_size)
+    prefill_events = session.num_events
+    q_logits = session.forward(ids[split.n_context: split.n_prompt], logits_to_keep=0)
+    cache_tokens = session.cache_len
+    forced = session.clone()
+    text = _decode_greedy(session, tokenizer, q_logits[-1], max_new_tokens)
+
+    pieces = [last_ctx.unsqueeze(0), q_logits]
+    answer_ids = ids[split.n_prompt:]
+    step = cfg.interval if cfg is not None else max(1, answer_ids.numel())
+    # The last answer token predicts nothing we score, so it is not fed.
+    feed = answer_ids[:-1]
+    for start in range(0, feed.numel(), step):
+        piece = feed[start:start + step]
+        pieces.append(forced.forward(piece, logits_to_keep=0))
+        for _ in range(piece.numel()):
+            forced.decode_step_done()
+    logits = torch.cat(pieces)  # [P, V]
+    targets = ids[split.n_context:].cpu()
+    return SampleResult(
+        text=text, logprobs=torch.log_softmax(logits.float().cpu(), dim=-1), targets=targets,
+        n_answer=int(answer_ids.numel()), cache_tokens=cache_tokens, events=prefill_events,
+    )

@@ -1,0 +1,271 @@
+"""Streaming KV-cache eviction on a Hugging Face transformers model (Llama family).
+
+A :class:`StreamingSession` owns a ``DynamicCache`` for one sequence (batch size 1). Tokens
+are fed with explicit logical ``position_ids`` (tokens seen so far), while the cache holds
+only the kept tokens: evicted tokens keep their original RoPE positions and nothing is
+re-rotated. The causal mask is derived by transformers from the *physical* cache length,
+which is correct because every cached token precedes the new ones.
+
+Evidence for an eviction event is the post-RoPE query rows of the newest ``W`` tokens per
+layer, captured by a registered attention function that wraps SDPA, scored against the
+cached keys of the layers ``>= skip_layers`` with ``nexus_vllm.core.block_attention_mass``
+and averaged over layers; the decision (which blocks of ``block_size`` tokens to keep) is
+shared by every layer and head, as in the vLLM plugin.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nexus_vllm.core import EvictionConfig, block_attention_mass, num_blocks_for
+
+__all__ = ["EvictionEvent", "StreamingSession", "make_config"]
+
+_IMPL_NAME = "nexus_capture_sdpa"
+_registered = False
+_register_lock = threading.Lock()
+# The session whose forward is running (one at a time per process; forwards are not reentrant).
+_active: StreamingSession | None = None
+
+# Knobs that stay in the score-free path and must not reach EvictionConfig.
+_NO_MASS_METHODS = ("streaming", "random")
+
+
+def _capture_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    session = _active
+    if session is not None:
+        session._record_queries(int(module.layer_idx), query)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register() -> None:
+    """Register the capturing attention function and its (SDPA) mask builder, once."""
+    global _registered
+    with _register_lock:
+        if _registered:
+            return
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        AttentionInterface.register(_IMPL_NAME, _capture_attention)
+        # Without a mask entry transformers skips mask creation for unknown implementations,
+        # and SDPA would then apply an upper-left causal mask: wrong for chunks after a past.
+        ALL_MASK_ATTENTION_FUNCTIONS.register(_IMPL_NAME, sdpa_mask)
+        _registered = True
+
+
+def make_config(method: str, budget: float | int | None, **knobs: Any) -> EvictionConfig | None:
+    """Build the :class:`EvictionConfig` for ``method`` at ``budget`` (``None`` for dense).
+
+    Parameters
+    ----------
+    method : str
+        ``"dense"`` (no eviction) or any ``EvictionConfig.method``.
+    budget : float or int
+        A float in (0, 1] is the kept fraction of tokens seen (``keep_ratio``); an int is a
+        token count (``max_tokens``). Ignored for dense.
+    **knobs
+        Any other ``EvictionConfig`` field (block_size, window, sampler, ...).
+    """
+    if method in ("dense", "none"):
+        return None
+    if isinstance(budget, bool) or budget is None:
+        raise ValueError(f"budget must be a float in (0, 1] or a positive int, got {budget!r}")
+    if isinstance(budget, int):
+        if budget < 1:
+            raise ValueError(f"budget must be a positive token count, got {budget}")
+        return EvictionConfig.from_dict({"method": method, "max_tokens": budget, **knobs})
+    if not 0.0 < float(budget) <= 1.0:
+        raise ValueError(f"budget as a ratio must be in (0, 1], got {budget}")
+    return EvictionConfig.from_dict({"method": method, "keep_ratio": float(budget), **knobs})
+
+
+@dataclass(frozen=True)
+class EvictionEvent:
+    """One eviction: when it fired and what the cache held afterwards."""
+
+    seen: int  # logical tokens fed when the event fired
+    prefill: bool
+    blocks_before: int
+    blocks_after: int
+    budget_blocks: int
+    kept_positions: torch.Tensor  # LongTensor[T_after], logical positions still cached
+
+
+class StreamingSession:
+    """One sequence streamed through ``model`` with block eviction under a budget.
+
+    Parameters
+    ----------
+    model : transformers PreTrainedModel
+        A decoder-only Llama-family model (q/k/v attention modules with ``layer_idx``).
+    config : EvictionConfig or None
+        ``None`` keeps everything (dense).
+    request_seed : int
+        Mixed with ``config.seed`` into the per-request generator.
+    record_events : bool
+        Keep an :class:`EvictionEvent` per event in ``self.events`` (tests, statistics).
+    """
+
+    def __init__(self, model: Any, config: EvictionConfig | None, *, request_seed: int = 0,
+                 record_events: bool = False) -> None:
+        from transformers import DynamicCache
+
+        _register()
+        self.model = model
+        self.config = config
+        self.cache: Any = DynamicCache(config=model.config)
+        self.num_layers = int(model.config.num_hidden_layers)
+        self.seen = 0
+        self.positions = torch.empty(0, dtype=torch.long)
+        self.state: dict[str, Any] = {}
+        self.generator = config.generator(request_seed) if config is not None else None
+        self.events: list[EvictionEvent] = []
+        self.record_events = record_events
+        self.num_events = 0
+        self.decode_since_event = 0
+        keep = max(config.window, config.prefill_window) if config is not None else 0
+        self._query_keep = keep
+        self._queries: list[torch.Tensor | None] = [None] * self.num_layers
+
+    # ------------------------------------------------------------------ forward
+    def _record_queries(self, layer_idx: int, query: torch.Tensor) -> None:
+        if self._query_keep == 0:
+            return
+        q = query[0, :, -self._query_keep:, :].detach()  # [Hq, w, D]
+        prev = self._queries[layer_idx]
+        if prev is not None and q.shape[1] < self._query_keep:
+            q = torch.cat([prev, q], dim=1)[:, -self._query_keep:]
+        self._queries[layer_idx] = q
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, *, logits_to_keep: int = 1) -> torch.Tensor:
+        """Feed ``input_ids`` (LongTensor[n] or [1, n]); return logits ``[min(n, keep), V]``.
+
+        ``logits_to_keep=0`` returns logits for every fed token.
+        """
+        global _active
+        ids = input_ids.reshape(1, -1)
+        n = ids.shape[1]
+        pos = torch.arange(self.seen, self.seen + n, device=ids.device).unsqueeze(0)
+        cfg = self.model.config
+        previous_impl = cfg._attn_implementation
+        cfg._attn_implementation = _IMPL_NAME
+        _active = self
+        try:
+            out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache,
+                             use_cache=True, logits_to_keep=logits_to_keep)
+        finally:
+            _active = None
+            cfg._attn_implementation = previous_impl
+        self.seen += n
+        self.positions = torch.cat([self.positions, pos[0].cpu()])
+        return out.logits[0].float()
+
+    # ------------------------------------------------------------------ eviction
+    @property
+    def cache_len(self) -> int:
+        """Tokens physically held in the cache."""
+        return int(self.cache.get_seq_length())
+
+    def _scored_layers(self) -> range:
+        assert self.config is not None
+        # Tiny test models may have fewer layers than skip_layers: score the last one then.
+        return range(min(self.config.skip_layers, self.num_layers - 1), self.num_layers)
+
+    def block_mass(self, window: int) -> torch.Tensor:
+        """Attention mass ``[W, N]`` of the newest ``window`` queries, averaged over layers."""
+        assert self.config is not None
+        total: torch.Tensor | None = None
+        layers = self._scored_layers()
+        for li in layers:
+            q = self._queries[li]
+            if q is None:
+                raise RuntimeError("no queries recorded yet: feed tokens before evicting")
+            q = q[:, -window:].transpose(0, 1)  # [W, Hq, D]
+            k = self.cache.layers[li].keys[0].transpose(0, 1)  # [T, Hkv, D]
+            m = block_attention_mass(q, k, self.config.block_size)
+            total = m if total is None else total + m
+        assert total is not None
+        return total / len(layers)
+
+    def key_norms(self) -> torch.Tensor:
+        """Mean key L2 norm per block ``[N]`` over scored layers and KV heads (for knorm)."""
+        assert self.config is not None
+        b = self.config.block_size
+        norms = torch.stack([self.cache.layers[li].keys[0].float().norm(dim=-1).mean(0)
+                             for li in self._scored_layers()]).mean(0)  # [T]
+        n = num_blocks_for(norms.shape[0], b)
+        padded = torch.full((n * b,), float("nan"), device=norms.device)
+        padded[: norms.shape[0]] = norms
+        return padded.view(n, b).nanmean(dim=1)
+
+    def evict(self, *, prefill: bool) -> bool:
+        """Run one eviction event if the cache is over budget; return whether it evicted."""
+        cfg = self.config
+        if cfg is None:
+            return False
+        b = cfg.block_size
+        t = self.cache_len
+        n_blocks = num_blocks_for(t, b)
+        budget_blocks = cfg.budget_blocks(self.seen)
+        if n_blocks <= budget_blocks:
+            return False
+        window = cfg.prefill_window if prefill else cfg.window
+        if cfg.method in _NO_MASS_METHODS:
+            mass = torch.full((1, n_blocks), 1.0 / n_blocks)  # these policies ignore scores
+        else:
+            mass = self.block_mass(window)
+        norms = self.key_norms() if cfg.method == "knorm" else None
+        keep = cfg.policy(prefill=prefill).select(
+            mass, budget_blocks, generator=self.generator, state=self.state, key_norms=norms
+        )
+        token_idx = (keep.view(-1, 1) * b + torch.arange(b)).view(-1)
+        token_idx = token_idx[token_idx < t]
+        for layer in self.cache.layers:
+            dev = layer.keys.device
+            layer.keys = layer.keys.index_select(-2, token_idx.to(dev))
+            layer.values = layer.values.index_select(-2, token_idx.to(dev))
+        self.positions = self.positions[token_idx]
+        self.num_events += 1
+        if self.record_events:
+            self.events.append(EvictionEvent(
+                seen=self.seen, prefill=prefill, blocks_before=n_blocks,
+                blocks_after=num_blocks_for(self.cache_len, b), budget_blocks=budget_blocks,
+                kept_positions=self.positions.clone()))
+        return True
+
+    def decode_step_done(self) -> None:
+        """Count one decoded token; fire an event every ``interval`` tokens (if over budget)."""
+        if self.config is None:
+            return
+        self.decode_since_event += 1
+        if self.decode_since_event >= self.config.interval:
+            self.decode_since_event = 0
+            self.evict(prefill=False)
+
+    def clone(self) -> StreamingSession:
+        """An independent copy (cache, policy state, generator), to branch after a prefix."""
+        other = copy.copy(self)
+        from transformers import DynamicCache
+
+        other.cache = DynamicCache(config=self.model.config)
+        for li, layer in enumerate(self.cache.layers):
+            other.cache.update(layer.keys.clone(), layer.values.clone(), li)
+        other.state = copy.deepcopy(self.state)
+        if self.generator is not None:
+            g = torch.Generator(device=self.generator.device)
+            g.set_state(self.generator.get_state())
+            other.generator = g
+        other.events = list(self.events)
+        other._queries = [q.clone() if q is not None else None for q in self._queries]
+        other.positions = self.positions.clone()
+        return other
