@@ -58,8 +58,17 @@ def inclusion_probabilities(weights: torch.Tensor, k: int) -> torch.Tensor:
     capped = torch.zeros(n, dtype=torch.bool)
     while True:
         free = ~capped
-        scale = (k - int(capped.sum())) / float(w[free].sum())
-        pi = torch.where(capped, torch.ones_like(w), w * scale)
+        remaining = k - int(capped.sum())
+        total = float(w[free].sum())
+        if remaining == 0 or total <= 0.0:
+            # Capping used up k exactly, or only zero weights are left to share the rest.
+            pi = capped.double()
+            if remaining:
+                pi[free] = remaining / int(free.sum())
+            break
+        # (w / total) * remaining, not w * (remaining / total): the latter overflows to
+        # inf for subnormal weights.
+        pi = torch.where(capped, torch.ones_like(w), (w / total) * remaining)
         newly = free & (pi >= 1.0)
         if not bool(newly.any()):
             break

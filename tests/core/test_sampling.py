@@ -145,3 +145,21 @@ def test_sampler_invariants(n, data, sampler, seed):
 def test_bad_input_raises_naming_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize(
+    "weights, k",
+    [
+        ([0.0, 0.0, 1.0, 2.225073858507203e-309, 5e-324], 2),  # subnormals (found by hypothesis)
+        ([1e300, 1e-300, 1e-300, 0.0], 3),
+        ([4.0, 4.0, 0.0, 0.0], 3),  # capping uses up the positives, zeros share the rest
+    ],
+)
+def test_inclusion_probabilities_extreme_weights(weights, k):
+    pi = inclusion_probabilities(torch.tensor(weights, dtype=torch.float64), k)
+    assert torch.all(torch.isfinite(pi)) and torch.all((pi >= 0) & (pi <= 1))
+    assert float(pi.sum()) == pytest.approx(k, abs=1e-9)
+    kept = sample_blocks(
+        torch.tensor(weights, dtype=torch.float64), k, generator=torch.Generator().manual_seed(0)
+    )
+    assert kept.numel() == k
