@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from vllm.logger import init_logger
@@ -48,24 +49,23 @@ WORKER_CLS = "nexus_vllm.integration.worker.NexusWorker"
 _DEFAULT_SCHEDULERS = (None, "vllm.v1.core.sched.scheduler.Scheduler", SCHEDULER_CLS)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+def _int_at_least(low: int, meaning: str) -> Callable[[str], int]:
+    """argparse type: an int >= ``low``; errors say ``must be {meaning}``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {meaning}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be {meaning}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
+_positive_int = _int_at_least(1, "a positive integer")
+_non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
 def _ratio(text: str) -> float:
