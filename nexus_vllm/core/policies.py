@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from ._validate import check_choice, check_float, check_int, check_mass
-from .sampling import SAMPLERS, sample_blocks
+from .sampling import SAMPLERS, sample_blocks, top_k_indices
 from .weights import INDIRECT_MODES, WALK_ROWS, nexus_weights
 
 __all__ = [
@@ -92,7 +92,7 @@ class EvictionPolicy:
         Deterministic top-K; scores may be any finite values (``knorm`` uses negative
         norms). A stable sort keeps the older block on ties.
         """
-        return torch.argsort(weights, descending=True, stable=True)[:k]
+        return top_k_indices(weights, k)
 
     def select(
         self,

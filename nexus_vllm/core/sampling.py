@@ -92,7 +92,7 @@ def _systematic(pi: torch.Tensor, k: int, generator: torch.Generator | None) -> 
         rest = torch.ones(n, dtype=torch.bool)
         rest[chosen] = False
         extra = torch.nonzero(rest).flatten()
-        extra = extra[torch.argsort(pi[extra], descending=True, stable=True)][: k - chosen.numel()]
+        extra = extra[top_k_indices(pi[extra], k - chosen.numel())]
         chosen = torch.cat([chosen, extra])
     return chosen
 
@@ -108,7 +108,8 @@ def _ares(w: torch.Tensor, k: int, n: int, generator: torch.Generator | None) ->
     return torch.topk(log_mean, k).indices
 
 
-def _topk(w: torch.Tensor, k: int) -> torch.Tensor:
+def top_k_indices(w: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest values (any finite scores), largest first."""
     # Stable descending sort: equal weights keep the older block, so runs are reproducible.
     return torch.argsort(w, descending=True, stable=True)[:k]
 
@@ -158,5 +159,5 @@ def sample_blocks(
     elif sampler == "ares":
         chosen = _ares(w, k, n, generator)
     else:
-        chosen = _topk(w, k)
+        chosen = top_k_indices(w, k)
     return torch.sort(chosen.long()).values
