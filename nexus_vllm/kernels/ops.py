@@ -19,7 +19,7 @@ backend="auto", out=None) -> Tensor[R, W, max_blocks] float32``
     several layers) and ``out`` is returned.
 
 ``compact_block_tables(block_tables, seq_lens, block_size, *, null_block=0, out_tables=None,
-out_seq_lens=None, backend="auto") -> (out_tables, out_seq_lens)``
+out_seq_lens=None, backend="auto", validate=True) -> (out_tables, out_seq_lens)``
     ``block_tables`` ``[R, max_blocks]`` (int32/int64) are *logical* block tables in which
     evicted blocks were replaced by ``null_block``; ``seq_lens`` ``[R]`` the logical token
     counts. Row ``r`` has ``n_r = ceil(seq_lens[r] / block_size)`` logical blocks; entries
@@ -29,7 +29,9 @@ out_seq_lens=None, backend="auto") -> (out_tables, out_seq_lens)``
     ``seq_lens``) ``seq_lens[r]`` minus the tokens the null entries held (``block_size``
     per null block; ``seq_len - j*block_size`` if block ``j`` is the partial last one).
     Output buffers are written in place (persistent buffers: safe for CUDA graphs) and must
-    not overlap the inputs; if omitted they are allocated.
+    not overlap the inputs; if omitted they are allocated. ``validate=False`` skips the
+    torch path's value check (a host read) for callers whose inputs are valid by
+    construction (the vLLM plugin's per-step compaction): both paths then clamp.
 
 ``backend``: ``"triton"``, ``"torch"`` (reference fallback, always available) or ``"auto"``
 (Triton when the tensors are on CUDA, or when ``TRITON_INTERPRET=1`` at launch time and
@@ -41,13 +43,15 @@ Custom ops (what ``torch.compile`` sees; each has a fake implementation):
 ``torch.ops.nexus_vllm.block_attention_mass_paged(q, k, bt, sl, kv_layout, backend)``
 (functional), ``torch.ops.nexus_vllm.block_attention_mass_paged_add_(q, k, bt, sl, out,
 kv_layout, backend)`` (mutates ``out``) and ``torch.ops.nexus_vllm.compact_block_tables(bt, sl,
-out_tables, out_seq_lens, block_size, null_block, backend)`` (mutates the two outputs).
+out_tables, out_seq_lens, block_size, null_block, backend, validate)`` (mutates the two
+outputs).
 This module has no ``from __future__ import annotations``: ``torch.library.custom_op``
 infers the schemas from real annotations.
 
 Error handling: shapes, dtypes and options are checked here and raise ``ValueError`` naming
 the argument. Values (``seq_lens`` against ``max_blocks * block_size``) are checked by the
-torch path; the Triton kernels clamp them to the table instead (they cannot raise).
+torch path (unless ``validate=False``); the Triton kernels clamp them to the table instead
+(they cannot raise).
 """
 
 import contextlib
@@ -347,24 +351,31 @@ def compact_block_tables_torch(
     null_block: int,
     out_tables: torch.Tensor,
     out_seq_lens: torch.Tensor,
+    validate: bool = True,
 ) -> None:
     """Vectorised torch compaction (a handful of ops, no Python loop over requests).
 
-    This is what the vLLM CPU path runs every step, so it only touches the columns that
-    hold live blocks (``max(ceil(seq_len / block_size))``), not the whole table width.
+    With ``validate`` it checks the lengths fit the table (one host read) and touches
+    only the columns that hold live blocks (``max(ceil(seq_len / block_size))``);
+    without, it reads nothing back (the vLLM plugin's per-step path) and, like the Triton
+    kernel, clamps each row's block count to the table.
     """
     r, max_blocks = block_tables.shape
     if r == 0:
         return
     seq = seq_lens.to(torch.int64)
     n = torch.div(seq + (block_size - 1), block_size, rounding_mode="floor")
-    n_max, seq_min = (int(v) for v in torch.stack([n.max(), seq.min()]).tolist())
-    if n_max > max_blocks or seq_min < 0:
-        bad = int(torch.nonzero((n > max_blocks) | (seq < 0))[0, 0])
-        raise ValueError(
-            f"seq_lens[{bad}] = {int(seq[bad])} does not fit a block table of {max_blocks} "
-            f"blocks of {block_size} tokens"
-        )
+    if validate:
+        n_max, seq_min = (int(v) for v in torch.stack([n.max(), seq.min()]).tolist())
+        if n_max > max_blocks or seq_min < 0:
+            bad = int(torch.nonzero((n > max_blocks) | (seq < 0))[0, 0])
+            raise ValueError(
+                f"seq_lens[{bad}] = {int(seq[bad])} does not fit a block table of "
+                f"{max_blocks} blocks of {block_size} tokens"
+            )
+    else:
+        n = n.clamp_(0, max_blocks)
+        n_max = max_blocks
     if n_max < max_blocks:
         out_tables[:, n_max:].fill_(null_block)
     if n_max == 0:
@@ -650,6 +661,7 @@ def _compact_op(
     block_size: int,
     null_block: int,
     backend: str,
+    validate: bool,
 ) -> None:
     if _overlaps(out_tables, block_tables) or _overlaps(out_seq_lens, seq_lens):
         raise ValueError("out_tables/out_seq_lens must not overlap block_tables/seq_lens")
@@ -657,12 +669,13 @@ def _compact_op(
         _compact_triton(block_tables, seq_lens, block_size, null_block, out_tables, out_seq_lens)
     else:
         compact_block_tables_torch(
-            block_tables, seq_lens, block_size, null_block, out_tables, out_seq_lens
+            block_tables, seq_lens, block_size, null_block, out_tables, out_seq_lens, validate
         )
 
 
 @_compact_op.register_fake
-def _(block_tables, seq_lens, out_tables, out_seq_lens, block_size, null_block, backend):
+def _(block_tables, seq_lens, out_tables, out_seq_lens, block_size, null_block, backend,
+      validate):
     return None
 
 
@@ -729,6 +742,7 @@ def compact_block_tables(
     out_tables: torch.Tensor | None = None,
     out_seq_lens: torch.Tensor | None = None,
     backend: str = "auto",
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop null (evicted) entries from logical block tables and shorten the seq lens.
 
@@ -749,6 +763,9 @@ def compact_block_tables(
     out_seq_lens : Tensor[R], optional
         Persistent output (same dtype as ``seq_lens``): live token counts.
     backend : {"auto", "triton", "torch"}
+    validate : bool
+        Check on the torch path that each ``seq_len`` fits the table (a host read);
+        ``False`` clamps instead, as the Triton kernel always does.
 
     Returns
     -------
@@ -760,6 +777,7 @@ def compact_block_tables(
         out_seq_lens = torch.empty_like(seq_lens)
     _check_compact_args(block_tables, seq_lens, block_size, out_tables, out_seq_lens, backend)
     torch.ops.nexus_vllm.compact_block_tables(
-        block_tables, seq_lens, out_tables, out_seq_lens, block_size, int(null_block), backend
+        block_tables, seq_lens, out_tables, out_seq_lens, block_size, int(null_block), backend,
+        bool(validate),
     )
     return out_tables, out_seq_lens

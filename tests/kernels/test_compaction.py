@@ -148,7 +148,7 @@ def test_compaction_opcheck():
     bt, sl = _random_tables(4, 9, 16, 0.3, torch.int32)
     torch.library.opcheck(
         torch.ops.nexus_vllm.compact_block_tables.default,
-        (bt, sl, torch.empty_like(bt), torch.empty_like(sl), 16, 0, "torch"),
+        (bt, sl, torch.empty_like(bt), torch.empty_like(sl), 16, 0, "torch", True),
         test_utils=("test_schema", "test_faketensor"),
     )
 
