@@ -25,6 +25,7 @@ from .scoring import (
     gather_paged_keys,
     num_blocks_for,
 )
+from .trigger import EvictionTrigger
 from .weights import INDIRECT_MODES, WALK_ROWS, direct_scores, indirect_scores, nexus_weights
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "WALK_ROWS",
     "EvictionConfig",
     "EvictionPolicy",
+    "EvictionTrigger",
     "H2OPolicy",
     "KNormPolicy",
     "NexusPolicy",

@@ -2,10 +2,19 @@
 
 ``generate`` is the reference end-to-end path that the evaluation harness uses: the same
 block decisions as the vLLM plugin (shared across layers and heads, evicted tokens keep
-their positions), on a plain ``DynamicCache``.
+their positions, events by the same rule), on a plain ``DynamicCache``. ``generate_ids``
+streams a token-id prompt exactly as the plugin chunks it: the same inputs give the same
+evictions on both paths (tested end to end against a server).
 """
 
-from nexus_vllm.hf.generate import PromptSplit, SampleResult, encode_prompt, generate, run_sample
+from nexus_vllm.hf.generate import (
+    PromptSplit,
+    SampleResult,
+    encode_prompt,
+    generate,
+    generate_ids,
+    run_sample,
+)
 from nexus_vllm.hf.streaming import EvictionEvent, StreamingSession, make_config
 
 __all__ = [
@@ -15,6 +24,7 @@ __all__ = [
     "StreamingSession",
     "encode_prompt",
     "generate",
+    "generate_ids",
     "make_config",
     "run_sample",
 ]

@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 
+from nexus_vllm.core import EvictionConfig
 from nexus_vllm.hf.streaming import StreamingSession, make_config
 
-__all__ = ["PromptSplit", "SampleResult", "encode_prompt", "generate", "run_sample"]
+__all__ = ["PromptSplit", "SampleResult", "encode_prompt", "generate", "generate_ids",
+           "run_sample"]
 
 
 @dataclass(frozen=True)
@@ -129,9 +131,8 @@ def generate(model: Any, tokenizer: Any, context: str, question: str, *, method:
     return (text, session) if return_session else text
 
 
-def _decode_greedy(session: StreamingSession, tokenizer: Any, logits: torch.Tensor,
-                   max_new_tokens: int) -> str:
-    eos = _eos_ids(session.model, tokenizer)
+def _greedy_ids(session: StreamingSession, logits: torch.Tensor, max_new_tokens: int,
+                eos: set[int]) -> list[int]:
     out: list[int] = []
     device = _device_of(session.model)
     for step in range(max_new_tokens):
@@ -141,7 +142,37 @@ def _decode_greedy(session: StreamingSession, tokenizer: Any, logits: torch.Tens
             break
         logits = session.forward(torch.tensor([tok], device=device), logits_to_keep=1)[-1]
         session.decode_step_done()
+    return out
+
+
+def _decode_greedy(session: StreamingSession, tokenizer: Any, logits: torch.Tensor,
+                   max_new_tokens: int) -> str:
+    out = _greedy_ids(session, logits, max_new_tokens, _eos_ids(session.model, tokenizer))
     return str(tokenizer.decode(out, skip_special_tokens=True))
+
+
+@torch.no_grad()
+def generate_ids(model: Any, prompt_ids: list[int], config: EvictionConfig | None, *,
+                 max_new_tokens: int, request_seed: int = 0,
+                 eos_token_ids: set[int] | None = None) -> tuple[list[int], StreamingSession]:
+    """Greedy token ids for ``prompt_ids`` exactly as the vLLM plugin streams them.
+
+    The whole prompt is fed in ``config.chunk_size`` pieces with an event after each (as
+    vLLM's scheduler chunks an evicting prompt), then decoding follows the plugin's event
+    rule, with the per-request generator seeded like the server's (``request_seed`` is
+    the request's sampling seed, 0 when it has none). So, for the same model weights and
+    config, both paths evict the same blocks at the same steps.
+
+    Returns
+    -------
+    (list[int], StreamingSession)
+        The generated ids (stopping after an id in ``eos_token_ids``), and the session.
+    """
+    session = StreamingSession(model, config, request_seed=request_seed, record_events=True)
+    ids = torch.tensor(prompt_ids, dtype=torch.long, device=_device_of(model))
+    chunk = config.chunk_size if config is not None else max(1, ids.numel())
+    logits = _prefill(session, ids, chunk)
+    return _greedy_ids(session, logits, max_new_tokens, eos_token_ids or set()), session
 
 
 @dataclass(frozen=True)
@@ -170,8 +201,12 @@ def run_sample(model: Any, tokenizer: Any, context: str, question: str, answer: 
                **knobs: Any) -> SampleResult:
     """One prefill, then branch: greedy generation and teacher forcing of ``answer``.
 
-    Teacher forcing feeds the answer in pieces of ``interval`` tokens with an event after
-    each full piece, which reproduces the cache states greedy decoding would have had.
+    Teacher forcing feeds the answer in pieces that end where the next decode event could
+    fire at the earliest (``interval`` decode tokens after the last event), which
+    reproduces the cache states greedy decoding would have had. Inside a piece only the
+    hard limit (budget + one chunk) could fire an event, which needs more than a chunk of
+    decode tokens since the last event; with ``interval + block_size > chunk_size`` the
+    answer is fed one token at a time instead.
     """
     cfg = make_config(method, budget, chunk_size=chunk_size, seed=seed, **knobs) \
         if method not in ("dense", "none") else None
@@ -187,14 +222,21 @@ def run_sample(model: Any, tokenizer: Any, context: str, question: str, answer: 
 
     pieces = [last_ctx.unsqueeze(0), q_logits]
     answer_ids = ids[split.n_prompt:]
-    step = cfg.interval if cfg is not None else max(1, answer_ids.numel())
     # The last answer token predicts nothing we score, so it is not fed.
     feed = answer_ids[:-1]
-    for start in range(0, feed.numel(), step):
+    start = 0
+    while start < feed.numel():
+        if cfg is None:
+            step = feed.numel()
+        elif cfg.interval + cfg.block_size > cfg.chunk_size:
+            step = 1
+        else:
+            step = max(1, cfg.interval - forced.trigger.decode_tokens)
         piece = feed[start:start + step]
         pieces.append(forced.forward(piece, logits_to_keep=0))
         for _ in range(piece.numel()):
             forced.decode_step_done()
+        start += piece.numel()
     logits = torch.cat(pieces)  # [P, V]
     targets = ids[split.n_context:].cpu()
     return SampleResult(

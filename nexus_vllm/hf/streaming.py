@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from nexus_vllm.core import EvictionConfig, block_attention_mass, num_blocks_for
+from nexus_vllm.core import EvictionConfig, EvictionTrigger, block_attention_mass, num_blocks_for
 
 __all__ = ["EvictionEvent", "StreamingSession", "make_config"]
 
@@ -131,7 +131,8 @@ class StreamingSession:
         self.events: list[EvictionEvent] = []
         self.record_events = record_events
         self.num_events = 0
-        self.decode_since_event = 0
+        # The vLLM plugin's rule for when events fire (nexus_vllm.core.trigger).
+        self.trigger = EvictionTrigger(config.interval if config is not None else 1)
         keep = max(config.window, config.prefill_window) if config is not None else 0
         self._query_keep = keep
         self._queries: list[torch.Tensor | None] = [None] * self.num_layers
@@ -213,12 +214,18 @@ class StreamingSession:
         cfg = self.config
         if cfg is None:
             return False
-        b = cfg.block_size
-        t = self.cache_len
-        n_blocks = num_blocks_for(t, b)
+        n_blocks = num_blocks_for(self.cache_len, cfg.block_size)
         budget_blocks = cfg.budget_blocks(self.seen)
         if n_blocks <= budget_blocks:
             return False
+        self.trigger.reset()
+        return self._event(prefill=prefill, n_blocks=n_blocks, budget_blocks=budget_blocks)
+
+    def _event(self, *, prefill: bool, n_blocks: int, budget_blocks: int) -> bool:
+        cfg = self.config
+        assert cfg is not None
+        b = cfg.block_size
+        t = self.cache_len
         window = cfg.prefill_window if prefill else cfg.window
         if cfg.method in _NO_MASS_METHODS:
             mass = torch.full((1, n_blocks), 1.0 / n_blocks)  # these policies ignore scores
@@ -244,13 +251,16 @@ class StreamingSession:
         return True
 
     def decode_step_done(self) -> None:
-        """Count one decoded token; fire an event every ``interval`` tokens (if over budget)."""
-        if self.config is None:
+        """Count one decoded token; fire an event when the trigger says so (over budget
+        and ``interval`` tokens since the last event, or at budget + one chunk)."""
+        cfg = self.config
+        if cfg is None:
             return
-        self.decode_since_event += 1
-        if self.decode_since_event >= self.config.interval:
-            self.decode_since_event = 0
-            self.evict(prefill=False)
+        n_blocks = num_blocks_for(self.cache_len, cfg.block_size)
+        budget_blocks = cfg.budget_blocks(self.seen)
+        hard_limit = budget_blocks + num_blocks_for(cfg.chunk_size, cfg.block_size)
+        if self.trigger.decode(1, n_blocks, budget_blocks, hard_limit):
+            self._event(prefill=False, n_blocks=n_blocks, budget_blocks=budget_blocks)
 
     def clone(self) -> StreamingSession:
         """An independent copy (cache, policy state, generator), to branch after a prefix."""
@@ -261,6 +271,7 @@ class StreamingSession:
         for li, layer in enumerate(self.cache.layers):
             other.cache.update(layer.keys.clone(), layer.values.clone(), li)
         other.state = copy.deepcopy(self.state)
+        other.trigger = copy.copy(self.trigger)
         if self.generator is not None:
             g = torch.Generator(device=self.generator.device)
             g.set_state(self.generator.get_state())
