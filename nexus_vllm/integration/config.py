@@ -11,19 +11,15 @@ This module imports no vLLM code: it is unit-testable on its own.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import pathlib
-from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY",
     "CLI_FLAGS",
     "METHODS",
-    "REQUEST_FIELDS",
-    "ServeOptions",
     "config_from_additional",
     "load_config_file",
     "request_config",
@@ -43,8 +39,6 @@ CLI_FLAGS = {
     "--kv-eviction-seed": "seed",
     "--kv-chunk-size": "chunk_size",
 }
-# vllm_xargs key -> EvictionConfig field.
-REQUEST_FIELDS = {"kv_budget": "max_tokens", "kv_eviction": "method"}
 
 
 def _flag_for(field: str) -> str:
@@ -232,32 +226,3 @@ def request_config(server_cfg: Any, extra_args: dict[str, Any] | None) -> Any | 
         if changes:
             cfg = cfg.replace(**changes)
     return None if cfg.method == "none" else cfg
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """What the plugin changes in vLLM's engine arguments for an evicting config.
-
-    Attributes
-    ----------
-    block_size : int
-        vLLM block size (tokens); CPU needs a multiple of 32.
-    chunk_size : int
-        Prefill chunk (tokens) = ``--long-prefill-token-threshold``.
-    """
-
-    block_size: int
-    chunk_size: int
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1 or self.chunk_size < 1:
-            raise ValueError("block_size and chunk_size must be positive")
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> ServeOptions:
-        return cls(block_size=int(cfg.block_size), chunk_size=int(cfg.chunk_size))
-
-
-def config_to_dict(cfg: Any) -> dict[str, Any]:
-    """Plain-dict form of an ``EvictionConfig`` (round-trips through ``from_dict``)."""
-    return dataclasses.asdict(cfg)

@@ -1,14 +1,17 @@
 """Scheduler-side eviction: when to score, which blocks to drop, freeing them.
 
-The request's block list in vLLM's ``FullAttentionManager`` (``req_to_blocks``) stays
-logical: an evicted entry is replaced by the pool's shared null block (never
-ref-counted, as the sliding-window manager does) and the real block goes back to the
-pool at once. Token counts, positions and slot mapping are untouched, so allocation of
-new blocks (``cdiv(tokens, block_size) - len(blocks)``) keeps working.
+The request's block list in vLLM's full-attention manager stays *logical*: an evicted
+entry is replaced by the pool's shared null block (as vLLM's sliding-window manager does)
+and the real block goes back to the pool at once. Token counts, positions and slot
+mapping are untouched, so allocation of new blocks keeps working.
 
 Only full, computed blocks are evicted; the policy always keeps the sink blocks and the
-newest ``recent_blocks + 1`` blocks. Prefix caching is off for evicting configurations,
-so no evicted block is shared with another request.
+newest ``recent_blocks + 1`` live blocks.
+
+Freeing at once is safe because the worker learns every null before it can read a
+reused block: the next step's plan carries it (and every later plan, until the worker
+acknowledges it), and a worker that misses a plan masks every block this manager may
+have freed since its last applied plan (``step_plan`` module docstring).
 """
 
 from __future__ import annotations
@@ -17,10 +20,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from vllm.logger import init_logger
 
-from nexus_vllm.integration.channel import ScoreRequest, ScoreResult, StepPlan
+from nexus_vllm.core import EvictionTrigger
+from nexus_vllm.integration import faults
 from nexus_vllm.integration.config import request_config
 from nexus_vllm.integration.metrics import SchedulerCounters
+from nexus_vllm.integration.step_plan import ScoreRequest, StepPlan, WorkerReply
+from nexus_vllm.integration.vllm_compat import (
+    BlockPoolView,
+    request_blocks,
+    reset_request_ids,
+    single_type_manager,
+)
+
+logger = init_logger(__name__)
 
 __all__ = ["EvictionManager", "RequestEvictionState"]
 
@@ -33,12 +47,12 @@ class RequestEvictionState:
     seed: int
     generator: torch.Generator | None = None
     policy_state: dict[str, Any] = field(default_factory=dict)
-    decode_tokens: int = 0
+    trigger: EvictionTrigger = field(default_factory=lambda: EvictionTrigger(1))
 
     def reset(self) -> None:
         self.generator = self.cfg.generator(self.seed)
         self.policy_state = {}
-        self.decode_tokens = 0
+        self.trigger = EvictionTrigger(int(self.cfg.interval))
 
 
 class EvictionManager:
@@ -53,21 +67,18 @@ class EvictionManager:
     """
 
     def __init__(self, server_cfg: Any, kv_cache_manager: Any, block_size: int) -> None:
-        managers = kv_cache_manager.coordinator.single_type_managers
-        if len(managers) != 1:
-            raise ValueError(
-                "nexus-vllm eviction supports models with one KV cache group (full "
-                f"attention); this model has {len(managers)}"
-            )
         self.server_cfg = server_cfg
         self.block_size = int(block_size)
-        self.single = managers[0]
-        self.block_pool = kv_cache_manager.block_pool
-        self.null_block = self.block_pool.null_block
+        self.kv_group = single_type_manager(kv_cache_manager)
+        self.pool = BlockPoolView(kv_cache_manager)
         self.states: dict[str, RequestEvictionState | None] = {}
-        self.pending_evict: dict[str, list[int]] = {}
+        # Nulls the worker has not acknowledged: request -> {logical index: step sent
+        # in (0 = not sent yet)}.
+        self.unacked: dict[str, dict[int, int]] = {}
+        self.step_id = 0
         self.counters = SchedulerCounters()
         self.chunk_blocks = -(-int(server_cfg.chunk_size) // self.block_size)
+        self._logged: set[str] = set()
 
     # -- helpers -----------------------------------------------------------------------
     def _state(self, request: Any) -> RequestEvictionState | None:
@@ -91,24 +102,49 @@ class EvictionManager:
         return self.states[req_id]
 
     def blocks(self, req_id: str) -> list[Any]:
-        return self.single.req_to_blocks.get(req_id, [])
+        return request_blocks(self.kv_group, req_id)
 
-    def live_count(self, req_id: str, num_tokens: int | None = None) -> int:
+    def live_indices(self, req_id: str, num_tokens: int | None = None) -> list[int]:
         blocks = self.blocks(req_id)
         if num_tokens is not None:
             blocks = blocks[: -(-num_tokens // self.block_size)]
-        return sum(1 for b in blocks if not b.is_null)
+        return [j for j, b in enumerate(blocks) if not BlockPoolView.is_null(b)]
+
+    def live_count(self, req_id: str, num_tokens: int | None = None) -> int:
+        return len(self.live_indices(req_id, num_tokens))
+
+    def _fault(self, kind: str, message: str, *, exc: bool = False) -> None:
+        self.counters.faults[kind] += 1
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log = logger.exception if exc else logger.warning
+            log("nexus-vllm: %s (%s; logged once per kind, counted in "
+                "vllm:nexus_faults_total)", message, kind)
 
     # -- schedule() --------------------------------------------------------------------
     def plan_step(self, scheduler_output: Any, requests: dict[str, Any]) -> StepPlan:
         """Build the plan for the step just scheduled (``num_computed_tokens`` already
         counts this step's tokens)."""
+        self.step_id += 1
         for req_id in scheduler_output.finished_req_ids:
             self.states.pop(req_id, None)
-            self.pending_evict.pop(req_id, None)
-        plan = StepPlan(evict=self.pending_evict, max_window=1,
-                        skip_layers=int(self.server_cfg.skip_layers))
-        self.pending_evict = {}
+            self.unacked.pop(req_id, None)
+        resets = reset_request_ids(scheduler_output)
+        for req_id in resets:
+            # A fresh block list: old nulls no longer apply; same seed -> same evictions.
+            self.unacked.pop(req_id, None)
+            st = self.states.get(req_id)
+            if st is not None:
+                st.reset()
+        evict: dict[str, tuple[int, ...]] = {}
+        for req_id, pending in self.unacked.items():
+            if pending:
+                evict[req_id] = tuple(sorted(pending))
+                for j, sent in pending.items():
+                    if not sent:
+                        pending[j] = self.step_id
+        score: dict[str, ScoreRequest] = {}
+        track: list[str] = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(req_id)
             if request is None:
@@ -116,77 +152,109 @@ class EvictionManager:
             st = self._state(request)
             if st is None:
                 continue
-            cfg = st.cfg
-            tokens_after = int(request.num_computed_tokens)
-            before = tokens_after - int(n)
-            if before == 0:
-                # New, or restarted after preemption: same seed -> same evictions.
-                st.reset()
-                plan.reset.append(req_id)
-                plan.evict.pop(req_id, None)
-            plan.track.append(req_id)
-            plan.max_window = max(plan.max_window, int(cfg.window), int(cfg.prefill_window))
-            plan.skip_layers = int(cfg.skip_layers)
-            num_logical = -(-tokens_after // self.block_size)
-            live = self.live_count(req_id, tokens_after)
-            budget = int(cfg.budget_blocks(tokens_after))
-            prefill = before < int(request.num_prompt_tokens)
-            over = live - (budget + self.chunk_blocks)
-            self.counters.over_budget_peak = max(self.counters.over_budget_peak, over)
-            self.counters.live_blocks_peak = max(self.counters.live_blocks_peak, live)
-            if live <= budget:
-                if not prefill:
-                    st.decode_tokens += int(n)
-                continue
-            if prefill:
-                due = True
-                window = int(cfg.prefill_window)
-            else:
-                st.decode_tokens += int(n)
-                due = st.decode_tokens >= int(cfg.interval) or over >= 0
-                window = int(cfg.window)
-            if due:
-                st.decode_tokens = 0
-                plan.score[req_id] = ScoreRequest(window=window,
-                                                  num_logical_blocks=num_logical,
-                                                  prefill=prefill)
-        return plan
+            track.append(req_id)
+            sreq = self._score_request(st, request, int(n))
+            if sreq is not None:
+                score[req_id] = sreq
+        return StepPlan(step_id=self.step_id, evict=evict, score=score, track=tuple(track),
+                        sink_blocks=int(self.server_cfg.sink_blocks))
+
+    def _score_request(self, st: RequestEvictionState, request: Any,
+                       n: int) -> ScoreRequest | None:
+        cfg = st.cfg
+        req_id = request.request_id
+        tokens_after = int(request.num_computed_tokens)
+        before = tokens_after - n
+        live = self.live_indices(req_id, tokens_after)
+        budget = int(cfg.budget_blocks(tokens_after))
+        prefill = before < int(request.num_prompt_tokens)
+        hard_limit = budget + self.chunk_blocks
+        self.counters.over_budget_peak = max(self.counters.over_budget_peak,
+                                             len(live) - hard_limit)
+        self.counters.live_blocks_peak = max(self.counters.live_blocks_peak, len(live))
+        if prefill:
+            due = st.trigger.prefill_chunk(len(live), budget)
+        else:
+            due = st.trigger.decode(n, len(live), budget, hard_limit)
+        if not due:
+            return None
+        window = int(cfg.prefill_window if prefill else cfg.window)
+        forced_tail = int(cfg.recent_blocks) + 1
+        evictable_below = (min(live[-forced_tail], tokens_after // self.block_size)
+                           if len(live) > forced_tail else 0)
+        return ScoreRequest(window=window,
+                            num_logical_blocks=-(-tokens_after // self.block_size),
+                            evictable_below=evictable_below, prefill=prefill)
 
     # -- update_from_output() ----------------------------------------------------------
-    def apply_scores(self, scores: dict[str, ScoreResult], requests: dict[str, Any],
-                     plan: StepPlan | None) -> None:
-        """Run each scored request's policy and evict (null + free) the dropped blocks."""
-        for req_id, res in scores.items():
+    def apply_reply(self, plan: StepPlan | None, reply: WorkerReply | None,
+                    requests: dict[str, Any]) -> None:
+        """Acknowledge the plan the worker applied; run each scored request's policy and
+        evict (null + free) the dropped blocks."""
+        if plan is None:
+            return
+        if reply is None or reply.step_id != plan.step_id:
+            got = None if reply is None else reply.step_id
+            self._fault("plan_unacknowledged", f"the worker did not apply plan "
+                        f"{plan.step_id} (acknowledged {got}); its nulls are resent and "
+                        "its scores dropped")
+            if reply is not None:
+                self.counters.add_faults(reply.faults)
+            return
+        self.counters.add_faults(reply.faults)
+        for req_id in list(self.unacked):
+            pending = self.unacked[req_id]
+            for j in [j for j, sent in pending.items() if 0 < sent <= plan.step_id]:
+                del pending[j]
+            if not pending:
+                del self.unacked[req_id]
+        self.counters.scoring_us += int(reply.scoring_seconds * 1e6)
+        for req_id, mass in reply.masses.items():
+            sreq = plan.score.get(req_id)
             request = requests.get(req_id)
             st = self.states.get(req_id)
-            if request is None or st is None:
+            if sreq is None or request is None or st is None:
                 continue
-            self.counters.scoring_us += int(res.seconds * 1e6)
-            blocks = self.blocks(req_id)
-            live = [j for j in res.live if j < len(blocks) and not blocks[j].is_null]
-            if len(live) != len(res.live):
-                continue  # stale scores (table changed since): skip this event
-            tokens = int(request.num_computed_tokens)
-            budget = int(st.cfg.budget_blocks(tokens))
-            if len(live) <= budget:
-                continue
-            sreq = plan.score.get(req_id) if plan is not None else None
-            policy = st.cfg.policy(prefill=bool(sreq is not None and sreq.prefill))
-            keep = policy.select(res.mass, budget, generator=st.generator,
-                                 state=st.policy_state)
-            keep_set = set(int(i) for i in keep.tolist())
-            full_blocks = tokens // self.block_size
-            evict = [live[j] for j in range(len(live))
-                     if j not in keep_set and live[j] < full_blocks]
-            if not evict:
-                continue
-            freed = [blocks[j] for j in evict]
-            for j in evict:
-                blocks[j] = self.null_block
-            self.block_pool.free_blocks(freed)
-            self.pending_evict.setdefault(req_id, []).extend(evict)
-            self.counters.evicted_blocks += len(evict)
-            self.counters.eviction_events += 1
+            try:
+                if faults.fires("policy_error"):
+                    raise RuntimeError("injected policy failure")
+                self._evict(req_id, request, st, sreq, torch.from_numpy(mass))
+            except Exception:
+                # A policy error skips this event: nothing was freed (freeing is the
+                # last step of _evict), so the worker's view stays consistent.
+                self._fault("policy_error", "eviction policy failed; skipping this event",
+                            exc=True)
+
+    def _evict(self, req_id: str, request: Any, st: RequestEvictionState,
+               sreq: ScoreRequest, mass: torch.Tensor) -> None:
+        blocks = self.blocks(req_id)
+        live = [j for j in range(min(sreq.num_logical_blocks, len(blocks)))
+                if not BlockPoolView.is_null(blocks[j])]
+        if len(live) != mass.shape[1]:
+            self._fault("stale_scores", "scores do not match the request's live blocks; "
+                        "skipping this event")
+            return
+        tokens = int(request.num_computed_tokens)
+        budget = int(st.cfg.budget_blocks(tokens))
+        if len(live) <= budget:
+            return
+        policy = st.cfg.policy(prefill=sreq.prefill)
+        keep = policy.select(mass, budget, generator=st.generator, state=st.policy_state)
+        keep_set = {int(i) for i in keep.tolist()}
+        full_blocks = tokens // self.block_size
+        evict = [live[j] for j in range(len(live))
+                 if j not in keep_set and live[j] < min(full_blocks, sreq.evictable_below)]
+        if not evict:
+            return
+        freed = [blocks[j] for j in evict]
+        for j in evict:
+            blocks[j] = self.pool.null_block
+        pending = self.unacked.setdefault(req_id, {})
+        for j in evict:
+            pending[j] = 0
+        self.pool.free(freed)
+        self.counters.evicted_blocks += len(evict)
+        self.counters.eviction_events += 1
 
     # -- make_stats() ------------------------------------------------------------------
     def stats(self, requests: dict[str, Any]) -> dict[str, int]:
@@ -195,7 +263,7 @@ class EvictionManager:
         self.counters.set_gauges(
             live_blocks=sum(live),
             live_blocks_max=max(live, default=0),
-            free_blocks=self.block_pool.get_num_free_blocks(),
-            total_blocks=self.block_pool.num_gpu_blocks - 1,
+            free_blocks=self.pool.num_free(),
+            total_blocks=self.pool.num_usable(),
         )
         return self.counters.drain()

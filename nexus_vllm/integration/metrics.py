@@ -20,18 +20,23 @@ series                                    type     meaning
                                                    the budget always held
 ``vllm:nexus_free_blocks``                gauge    free blocks in vLLM's block pool
 ``vllm:nexus_total_blocks``               gauge    usable blocks in vLLM's block pool
+``vllm:nexus_faults_total{kind}``         counter  faults absorbed without harm, by kind (a
+                                                   lost or stale plan, a scoring or policy
+                                                   error, ...); each kind is logged once
 ========================================  =======  ============================================
 """
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["PREFIX", "SchedulerCounters", "export"]
 
 PREFIX = "nexus:"
+FAULT_PREFIX = "fault:"
 _COUNTERS = {
     "evicted_blocks": ("vllm:nexus_evicted_blocks", "KV blocks evicted and freed.", 1.0),
     "eviction_events": ("vllm:nexus_eviction_events", "Eviction events.", 1.0),
@@ -59,10 +64,14 @@ class SchedulerCounters:
     scoring_us: int = 0
     live_blocks_peak: int = 0
     over_budget_peak: int = _NO_VALUE
+    faults: Counter[str] = field(default_factory=Counter)
     _gauges: dict[str, int] = field(default_factory=dict)
 
     def set_gauges(self, **values: int) -> None:
         self._gauges.update(values)
+
+    def add_faults(self, counts: dict[str, int]) -> None:
+        self.faults.update(counts)
 
     def drain(self) -> dict[str, int]:
         out = {
@@ -74,7 +83,9 @@ class SchedulerCounters:
         if self.over_budget_peak != _NO_VALUE:
             out[PREFIX + "over_budget_peak"] = self.over_budget_peak
         out.update({PREFIX + k: int(v) for k, v in self._gauges.items()})
+        out.update({PREFIX + FAULT_PREFIX + k: int(v) for k, v in self.faults.items() if v})
         self.evicted_blocks = self.eviction_events = self.scoring_us = 0
+        self.faults.clear()
         return out
 
 
@@ -83,17 +94,23 @@ class _PromMetrics:
     unregisters every ``vllm:`` collector when it starts)."""
 
     def __init__(self) -> None:
-        from prometheus_client import Counter, Gauge
+        from prometheus_client import Counter as PromCounter
+        from prometheus_client import Gauge
 
-        self.counters = {k: (Counter(n, d, ["engine"]), scale)
+        self.counters = {k: (PromCounter(n, d, ["engine"]), scale)
                          for k, (n, d, scale) in _COUNTERS.items()}
         self.gauges = {k: Gauge(n, d, ["engine"], multiprocess_mode="mostrecent")
                        for k, (n, d) in _GAUGES.items()}
+        self.faults = PromCounter("vllm:nexus_faults", "Eviction faults absorbed, by kind.",
+                              ["engine", "kind"])
 
     def observe(self, stats: dict[str, int], engine_idx: int) -> None:
         label = str(engine_idx)
         for key, value in stats.items():
-            if key in self.counters:
+            if key.startswith(FAULT_PREFIX):
+                if value > 0:
+                    self.faults.labels(label, key[len(FAULT_PREFIX):]).inc(value)
+            elif key in self.counters:
                 counter, scale = self.counters[key]
                 if value > 0:
                     counter.labels(label).inc(value * scale)

@@ -1,9 +1,10 @@
 """Scheduler subclass selected by ``scheduler_cls`` for evicting configurations.
 
-``schedule()`` attaches the step's :class:`~nexus_vllm.integration.channel.StepPlan` to
-the ``SchedulerOutput``; ``update_from_output()`` reads the worker's block masses, runs
-each request's policy and frees the evicted blocks *before* vLLM frees finished requests
-and schedules the next step; ``make_stats()`` adds the ``nexus:*`` metrics.
+``schedule()`` attaches the step's :class:`~nexus_vllm.integration.step_plan.StepPlan` to
+the ``SchedulerOutput``; ``update_from_output()`` reads the worker's
+:class:`~nexus_vllm.integration.step_plan.WorkerReply`, runs each scored request's policy
+and frees the evicted blocks *before* vLLM frees finished requests and schedules the next
+step; ``make_stats()`` adds the ``nexus:*`` metrics.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from typing import Any
 from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from nexus_vllm.integration.channel import PLAN_ATTR, SCORES_ATTR
+from nexus_vllm.integration import faults
 from nexus_vllm.integration.config import config_from_additional
 from nexus_vllm.integration.manager import EvictionManager
+from nexus_vllm.integration.step_plan import StepPlan, attach_plan, read_reply
+from nexus_vllm.integration.vllm_compat import check_vllm_version
 
 logger = init_logger(__name__)
 
@@ -26,6 +29,7 @@ class NexusScheduler(Scheduler):
     """vLLM's scheduler + streaming KV eviction under a per-request budget."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_vllm_version()
         super().__init__(*args, **kwargs)
         cfg = config_from_additional(self.vllm_config.additional_config)
         if cfg is None:
@@ -34,10 +38,12 @@ class NexusScheduler(Scheduler):
         if self.block_size != cfg.block_size:
             cfg = cfg.replace(block_size=int(self.block_size))
         self.nexus = EvictionManager(cfg, self.kv_cache_manager, self.block_size)
+        # The plan of the step in flight (synchronous scheduling: at most one).
+        self._nexus_plan: StepPlan | None = None
+        self._nexus_prev_plan: StepPlan | None = None
         logger.info("nexus-vllm scheduler: method=%s budget=%s keep_ratio=%s block=%d "
                     "chunk=%d blocks in pool=%d", cfg.method, cfg.max_tokens, cfg.keep_ratio,
-                    self.block_size, cfg.chunk_size,
-                    self.kv_cache_manager.block_pool.num_gpu_blocks)
+                    self.block_size, cfg.chunk_size, self.nexus.pool.num_usable())
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self._nexus_first_count = True
@@ -45,7 +51,12 @@ class NexusScheduler(Scheduler):
             output = super().schedule(*args, **kwargs)
         finally:
             self._nexus_first_count = False
-        setattr(output, PLAN_ATTR, self.nexus.plan_step(output, self.requests))
+        plan = self.nexus.plan_step(output, self.requests)
+        sent = plan
+        if faults.fires("plan_duplicate") and self._nexus_prev_plan is not None:
+            sent = self._nexus_prev_plan  # injected: the previous plan arrives again
+        attach_plan(output, sent)
+        self._nexus_prev_plan, self._nexus_plan = plan, plan
         return output
 
     def get_request_counts(self) -> tuple[int, int]:
@@ -61,15 +72,12 @@ class NexusScheduler(Scheduler):
         return running, waiting
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        scores = getattr(model_runner_output, SCORES_ATTR, None)
-        if scores:
-            try:
-                self.nexus.apply_scores(scores, self.requests,
-                                        getattr(scheduler_output, PLAN_ATTR, None))
-            except Exception:
-                # A policy error must not kill the engine; blocks stay allocated (never
-                # freed without the worker being told), so skipping an event is safe.
-                logger.exception("nexus-vllm: eviction step failed; skipping it")
+        plan, self._nexus_plan = self._nexus_plan, None
+        try:
+            self.nexus.apply_reply(plan, read_reply(model_runner_output), self.requests)
+        except Exception:
+            # Nothing is freed before a decision is complete, so skipping is safe.
+            logger.exception("nexus-vllm: eviction step failed; skipping it")
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def make_stats(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,78 +1,204 @@
 """Worker subclass selected by ``worker_cls`` for evicting configurations.
 
-Each step it (1) applies the evictions of the step's :class:`StepPlan` to the model
-runner's logical block tables (entry -> null block 0) before the runner prepares inputs,
-(2) arms the attention hook that keeps query windows and scores the requests due, and
-(3) attaches the scores to the step's ``ModelRunnerOutput`` for the scheduler.
+The base class is the platform's worker (``CPUWorker`` on CPU, ``Worker`` on CUDA); the
+eviction path on top of it is the same on both:
 
-The base class is the platform's worker (``CPUWorker`` on CPU, ``Worker`` on CUDA). On
-CPU the attention backend override is registered here, so a server without eviction
-never sees it.
+* ``__init__``: point vLLM's attention-backend registry entries for this platform at
+  their nexus subclasses (``integration/attention.py``) before the model is built;
+* ``load_model``: check every attention layer can be evicted from, and allocate the
+  query ring before vLLM profiles memory for the KV cache;
+* ``initialize_from_config``: bind the eviction state to every metadata builder and
+  attention impl, and to each scored layer's key cache;
+* ``execute_model``: apply the step's plan, run vLLM's step, score the requests due;
+* ``sample_tokens``: attach the step's :class:`~nexus_vllm.integration.step_plan.WorkerReply`.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
+import torch
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
-from nexus_vllm.integration.channel import PLAN_ATTR, SCORES_ATTR, StepPlan, worker_state
+from nexus_vllm.integration.attention import (
+    CPU_BACKENDS,
+    CUDA_BACKENDS,
+    NexusAttentionImplMixin,
+    NexusMetadataBuilderMixin,
+    key_view,
+    register_backends,
+)
+from nexus_vllm.integration.config import config_from_additional
+from nexus_vllm.integration.step_plan import attach_reply, read_plan
+from nexus_vllm.integration.vllm_compat import (
+    RunnerV1,
+    attention_groups,
+    attention_layers,
+    check_vllm_version,
+    gpu_sync_check,
+    group_builders,
+    tp_rank_and_size,
+)
+from nexus_vllm.integration.worker_state import LayerKeys, WorkerEvictionState, layer_index
 
 logger = init_logger(__name__)
 
 if current_platform.is_cpu():
     from vllm.v1.worker.cpu_worker import CPUWorker as _BaseWorker
-else:  # pragma: no cover - GPU path, exercised by the device check only
+else:  # pragma: no cover - CUDA path, exercised by the device check
     from vllm.v1.worker.gpu_worker import Worker as _BaseWorker  # type: ignore[assignment]
 
-__all__ = ["NexusWorker"]
+__all__ = ["NexusWorker", "platform_backends"]
 
 
-def _register_backend() -> None:
-    if not current_platform.is_cpu():
-        # Startup already refuses evicting configs off CPU (patches/engine_args.py).
-        raise RuntimeError("nexus-vllm: block-table compaction exists for CPU_ATTN only")
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    from nexus_vllm.integration.backend import BACKEND_PATH
-
-    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+def platform_backends() -> tuple[str, ...]:
+    """The attention backends eviction supports on this platform."""
+    return CPU_BACKENDS if current_platform.is_cpu() else CUDA_BACKENDS
 
 
 class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
-    """Platform worker + eviction plan application + score hand-back."""
+    """Platform worker + eviction plan application + scoring + reply."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _register_backend()
+        check_vllm_version()
+        register_backends(platform_backends())
         super().__init__(*args, **kwargs)
-        self._nexus_scores: dict[str, Any] = {}
+        cfg = config_from_additional(self.vllm_config.additional_config)
+        if cfg is None:
+            raise RuntimeError("NexusWorker needs additional_config['nexus'] with a method "
+                               "other than 'none' (use --kv-eviction)")
+        self.nexus_cfg = cfg
+        self.nexus: WorkerEvictionState | None = None
+        self._nexus_reply_due = False
 
+    # -- startup -----------------------------------------------------------------------
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        runner = RunnerV1(self.model_runner)
+        layers = attention_layers(self.vllm_config)
+        if not layers:
+            raise RuntimeError("nexus-vllm: the model has no attention layers to evict from")
+        for view in layers:
+            reason = view.unsupported_reason()
+            if reason is not None:
+                raise RuntimeError(f"nexus-vllm cannot evict from this model: {reason}")
+            if not isinstance(view.impl, NexusAttentionImplMixin):
+                raise RuntimeError(
+                    f"nexus-vllm: layer {view.name} runs attention backend "
+                    f"{type(view.impl).__name__}, which has no eviction support; supported "
+                    f"here: {', '.join(platform_backends())} (choose one with "
+                    "--attention-backend)")
+        cfg = self.nexus_cfg
+        scored = [v for v in layers if layer_index(v.name) >= cfg.skip_layers]
+        if not scored:
+            raise RuntimeError(f"nexus-vllm: skip_layers={cfg.skip_layers} leaves no "
+                               f"attention layer to score (the model has {len(layers)})")
+        impl = scored[0].impl
+        tp_rank, tp_size = tp_rank_and_size()
+        state = WorkerEvictionState(
+            block_size=int(self.cache_config.block_size),
+            window=max(int(cfg.window), int(cfg.prefill_window)),
+            max_requests=int(self.vllm_config.scheduler_config.max_num_seqs),
+            device=torch.device(self.model_runner.device),
+            score_backend="torch" if current_platform.is_cpu() else "auto",
+            tp_rank=tp_rank, tp_size=tp_size)
+        dtype = self.model_runner.dtype
+        assert isinstance(dtype, torch.dtype), dtype
+        state.allocate_ring(len(scored), int(impl.num_heads), int(impl.head_size), dtype)
+        state.runner = runner
+        self.nexus = state
+        logger.info("nexus-vllm worker: %d of %d attention layers scored, query ring %.1f "
+                    "MiB (%d requests x %d queries), TP rank %d/%d", len(scored),
+                    len(layers), state.ring_bytes() / 2**20, state.max_requests,
+                    state.window, tp_rank, tp_size)
+
+    def initialize_from_config(self, *args: Any, **kwargs: Any) -> None:
+        super().initialize_from_config(*args, **kwargs)
+        self._bind()
+
+    def _bind(self) -> None:
+        state = self.nexus
+        assert state is not None and state.runner is not None
+        runner = state.runner.runner
+        for group in attention_groups(runner):
+            if getattr(group, "kernel_block_size", None) is not None:
+                raise RuntimeError(
+                    f"nexus-vllm: attention backend {group.backend.get_name()} needs kernel "
+                    f"blocks of {group.kernel_block_size} tokens inside the "
+                    f"{self.cache_config.block_size}-token KV blocks; choose a --block-size "
+                    "the backend supports natively")
+            for builder in group_builders(group):
+                if not isinstance(builder, NexusMetadataBuilderMixin):
+                    raise RuntimeError(f"nexus-vllm: metadata builder "
+                                       f"{type(builder).__name__} has no eviction support")
+                builder.nexus_state = state
+        scored: dict[int, LayerKeys] = {}
+        for view in attention_layers(self.vllm_config):
+            idx = layer_index(view.name)
+            view.impl.nexus_state = state
+            view.impl.nexus_layer = idx
+            if idx >= self.nexus_cfg.skip_layers:
+                backend = view.layer.attn_backend.nexus_inner_name
+                keys = key_view(backend, view.kv_cache, int(view.impl.head_size),
+                                getattr(view.layer, "isa", None))
+                scored[idx] = LayerKeys(view.name, keys)
+        state.bind_layers(state.runner, scored)
+
+    # -- one step ----------------------------------------------------------------------
     def execute_model(self, scheduler_output: Any) -> Any:
-        plan: StepPlan | None = getattr(scheduler_output, PLAN_ATTR, None)
-        state = worker_state()
-        if plan is not None:
-            state.begin_step(self.model_runner, plan, set(scheduler_output.finished_req_ids))
+        state = self.nexus
+        assert state is not None
+        self._nexus_hooks(state, scheduler_output, before=True)
         try:
             output = super().execute_model(scheduler_output)
-        finally:
-            if plan is not None:
-                self._nexus_scores.update(state.end_step())
-        return self._attach(output)
+            self._nexus_hooks(state, scheduler_output, before=False)
+        except BaseException:
+            state.end_step()  # never leave masked entries or armed hooks behind
+            raise
+        self._nexus_reply_due = True
+        # None: the ModelRunnerOutput comes from sample_tokens. Otherwise (a step without
+        # tokens returns EMPTY_MODEL_RUNNER_OUTPUT) the reply rides on this output.
+        return output if output is None else self._with_reply(output)
+
+    @gpu_sync_check
+    def _nexus_hooks(self, state: WorkerEvictionState, scheduler_output: Any, *,
+                     before: bool) -> None:
+        if before:
+            state.begin_step(scheduler_output, read_plan(scheduler_output))
+        else:
+            state.finish_forward()
 
     def sample_tokens(self, grammar_output: Any) -> Any:
-        saved = self._park_discarded_generators() if current_platform.is_cpu() else {}
+        state = self.nexus
+        assert state is not None
+        runner = state.runner
+        assert runner is not None
+        parked = self._park_discarded_generators(runner) if current_platform.is_cpu() else {}
         try:
             output = super().sample_tokens(grammar_output)
         finally:
-            generators = self.model_runner.input_batch.generators
-            for row, (gen, rng_state) in saved.items():
+            generators = runner.generators()
+            for row, (gen, rng_state) in parked.items():
                 gen.set_state(rng_state)
                 generators[row] = gen
-        return self._attach(output)
+        return self._with_reply(output)
 
-    def _park_discarded_generators(self) -> dict[int, tuple[Any, Any]]:
+    def _with_reply(self, output: Any) -> Any:
+        state = self.nexus
+        assert state is not None
+        if not self._nexus_reply_due or output is None:
+            return output
+        if not hasattr(output, "sampled_token_ids"):
+            # AsyncModelRunnerOutput: async scheduling is refused for evicting configs.
+            return output
+        self._nexus_reply_due = False
+        reply = state.reply()
+        state.end_step()
+        return attach_reply(output, reply)
+
+    @staticmethod
+    def _park_discarded_generators(runner: RunnerV1) -> dict[int, tuple[Any, Any]]:
         """Work around a vLLM 0.32 CPU bug hit by every chunked prefill.
 
         For a request whose sampled token is discarded (a partial prefill chunk) vLLM
@@ -82,27 +208,9 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         generators out for the sampling step (the discarded draw uses the global RNG) and
         put them back untouched: the same effect as the rewind.
         """
-        runner = self.model_runner
-        mask = getattr(runner, "discard_request_mask", None)
-        generators = runner.input_batch.generators
-        if mask is None or not generators:
-            return {}
+        generators = runner.generators()
         saved = {}
-        for row in mask.np[: runner.input_batch.num_reqs].nonzero()[0].tolist():
-            gen = generators.pop(int(row), None)
-            if gen is not None:
-                saved[int(row)] = (gen, gen.get_state())
+        for row, gen in runner.discarded_generators().items():
+            generators.pop(row, None)
+            saved[row] = (gen, gen.get_state())
         return saved
-
-    def _attach(self, output: Any) -> Any:
-        if output is None or not self._nexus_scores:
-            return output
-        if not hasattr(output, "sampled_token_ids"):
-            # AsyncModelRunnerOutput: keep the scores for the next real output (async
-            # scheduling is turned off for evicting configs, so this is a fallback).
-            return output
-        # Never mutate a shared constant such as EMPTY_MODEL_RUNNER_OUTPUT.
-        output = copy.copy(output)
-        setattr(output, SCORES_ATTR, self._nexus_scores)
-        self._nexus_scores = {}
-        return output

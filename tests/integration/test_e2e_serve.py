@@ -64,7 +64,7 @@ def _greedy(server, prompt: str, max_tokens: int = 24, **extra):  # noqa: ANN001
 
 @pytest.fixture(scope="module")
 def stock_outputs(tiny_model, serve_tmp):  # noqa: ANN001, ANN201
-    from tests.integration.server import VllmServer
+    from nexus_vllm.eval.server import VllmServer
 
     server = VllmServer(tiny_model, ["--block-size", str(BLOCK)], serve_tmp)
     try:
@@ -76,9 +76,11 @@ def stock_outputs(tiny_model, serve_tmp):  # noqa: ANN001, ANN201
 @pytest.fixture(scope="module")
 def evict_server(tiny_model, serve_tmp, stock_outputs):  # noqa: ANN001, ANN201
     # Depends on stock_outputs so the two servers never share the 2 CPU cores.
-    from tests.integration.server import VllmServer
+    from nexus_vllm.eval.server import VllmServer
 
-    server = VllmServer(tiny_model, EVICT_ARGS, serve_tmp)
+    # The self-check verifies, inside the running server, that each layer's key view holds
+    # the keys vLLM wrote and that scoring matches the torch reference.
+    server = VllmServer(tiny_model, EVICT_ARGS, serve_tmp, env={"NEXUS_VLLM_SELF_CHECK": "1"})
     print(f"evicting server ready in {server.startup_seconds:.1f}s")
     yield server
     server.stop()
@@ -220,3 +222,37 @@ def test_evicting_request_unaffected_by_block_reuse(evict_server) -> None:  # no
         for f in others:
             f.result()
     assert busy == alone
+
+
+@pytest.mark.parametrize("method", ["streaming", "nexus", "h2o", "snapkv"])
+def test_server_and_transformers_paths_evict_alike(evict_server, tiny_model,
+                                                   method) -> None:  # noqa: ANN001
+    """The same token-id prompt through the server and through the transformers path
+    (``nexus_vllm.hf.generate_ids``, chunked and triggered like the plugin, seeded like a
+    request without a seed) evicts the same number of blocks and gives the same tokens:
+    both run in float32 on the CPU, and the scores agree to rounding."""
+    import requests
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nexus_vllm.core import EvictionConfig
+    from nexus_vllm.hf import generate_ids
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ids = tok(_prompt(420, 13))["input_ids"]
+    before = evict_server.metrics().get("vllm:nexus_evicted_blocks_total", 0.0)
+    body = {"model": evict_server.model, "prompt": ids, "max_tokens": 40, "temperature": 0.0,
+            "return_token_ids": True, "vllm_xargs": {"kv_eviction": method}}
+    r = requests.post(evict_server.base_url + "/v1/completions", json=body, timeout=300)
+    r.raise_for_status()
+    served = r.json()["choices"][0]["token_ids"]
+    evicted = evict_server.metrics()["vllm:nexus_evicted_blocks_total"] - before
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    cfg = EvictionConfig(method=method, max_tokens=BUDGET_TOKENS, chunk_size=CHUNK_TOKENS,
+                         seed=7, block_size=BLOCK)
+    hf_ids, session = generate_ids(model, ids, cfg, max_new_tokens=40)
+    hf_evicted = sum(e.blocks_before - e.blocks_after for e in session.events)
+    assert any(not e.prefill for e in session.events)  # decode events too
+    assert evicted == hf_evicted > 0
+    assert served == hf_ids

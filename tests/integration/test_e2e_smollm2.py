@@ -24,7 +24,7 @@ def smol_server(serve_tmp):  # noqa: ANN001, ANN201
         model = str(default_model_path())
     except Exception as exc:  # the GGUF package or converter is missing
         pytest.skip(f"embedded model unavailable: {exc}")
-    from tests.integration.server import VllmServer
+    from nexus_vllm.eval.server import VllmServer
 
     server = VllmServer(model, ["--kv-eviction", "nexus", "--kv-budget", str(BUDGET),
                                 "--kv-chunk-size", str(CHUNK)], serve_tmp)

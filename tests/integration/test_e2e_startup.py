@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow,
       "--additional-config", '{"nexus": {"widow": 3}}'], "--additional-config"),
 ])
 def test_bad_flags_stop_startup(tiny_model, serve_tmp, argv, flag) -> None:  # noqa: ANN001
-    from tests.integration.server import server_env, vllm_cmd
+    from nexus_vllm.eval.server import server_env, vllm_cmd
 
     out = subprocess.run(vllm_cmd(tiny_model, "--port", "1", *argv), capture_output=True,
                          text=True, timeout=180, env=server_env(serve_tmp))

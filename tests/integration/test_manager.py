@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,25 +41,37 @@ def _request(req_id: str, prompt: int, **extra):  # noqa: ANN003, ANN202
                            sampling_params=params)
 
 
-def _step(mgr, single, requests, sched):  # noqa: ANN001, ANN202
+def _output(sched: dict[str, int], new: tuple[str, ...] = (), resumed: tuple[str, ...] = (),
+            finished: tuple[str, ...] = ()) -> SimpleNamespace:
+    return SimpleNamespace(
+        finished_req_ids=set(finished), num_scheduled_tokens=dict(sched),
+        scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
+        scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set(resumed)))
+
+
+def _step(mgr, single, requests, sched, new=()):  # noqa: ANN001, ANN202
     """Allocate like vLLM's scheduler, advance computed tokens, plan the step."""
     for req_id, n in sched.items():
         r = requests[req_id]
         single.allocate_new_blocks(req_id, r.num_computed_tokens + n, r.num_computed_tokens + n)
         r.num_computed_tokens += n
-    out = SimpleNamespace(finished_req_ids=set(), num_scheduled_tokens=dict(sched))
-    return mgr.plan_step(out, requests)
+    return mgr.plan_step(_output(sched, new=tuple(new)), requests)
 
 
-def _scores(plan, mgr, req_id: str, seed: int = 0):  # noqa: ANN001, ANN202
-    from nexus_vllm.integration.channel import ScoreResult
+def _reply(plan, mgr, req_ids=None, seed: int = 0, ack: int | None = -1):  # noqa: ANN001, ANN202
+    """The worker's reply to ``plan``: random row-normalised masses over live blocks."""
+    from nexus_vllm.integration.step_plan import WorkerReply
 
-    sreq = plan.score[req_id]
-    blocks = mgr.blocks(req_id)[: sreq.num_logical_blocks]
-    live = [j for j, b in enumerate(blocks) if not b.is_null]
-    g = torch.Generator().manual_seed(seed)
-    mass = torch.softmax(torch.randn(sreq.window, len(live), generator=g), dim=-1)
-    return {req_id: ScoreResult(mass=mass, live=live, seconds=0.001)}
+    masses = {}
+    for req_id in req_ids if req_ids is not None else plan.score:
+        sreq = plan.score[req_id]
+        live = mgr.live_indices(req_id)[: sreq.num_logical_blocks]
+        live = [j for j in live if j < sreq.num_logical_blocks]
+        g = torch.Generator().manual_seed(seed)
+        masses[req_id] = torch.softmax(torch.randn(sreq.window, len(live), generator=g),
+                                       dim=-1).numpy().astype(np.float32)
+    return WorkerReply(step_id=plan.step_id if ack == -1 else ack, masses=masses,
+                       scoring_seconds=0.001)
 
 
 def test_chunked_prefill_stays_within_budget_plus_chunk_and_frees_blocks() -> None:
@@ -67,29 +80,36 @@ def test_chunked_prefill_stays_within_budget_plus_chunk_and_frees_blocks() -> No
     reqs = {"r": _request("r", prompt=1000)}
     budget_blocks, chunk_blocks = 8, 4
     evicted_total = 0
+    first = True
     while reqs["r"].num_computed_tokens < 1000:
-        plan = _step(mgr, single, reqs, {"r": min(128, 1000 - reqs["r"].num_computed_tokens)})
+        plan = _step(mgr, single, reqs,
+                     {"r": min(128, 1000 - reqs["r"].num_computed_tokens)},
+                     new=("r",) if first else ())
+        first = False
         live = mgr.live_count("r")
         assert live <= budget_blocks + chunk_blocks
         if "r" in plan.score:
-            assert plan.score["r"].prefill
+            sreq = plan.score["r"]
+            assert sreq.prefill
             before = pool.get_num_free_blocks()
-            mgr.apply_scores(_scores(plan, mgr, "r"), reqs, plan)
+            mgr.apply_reply(plan, _reply(plan, mgr), reqs)
             assert mgr.live_count("r") == budget_blocks
             freed = pool.get_num_free_blocks() - before
-            evicted = mgr.pending_evict["r"]
+            evicted = sorted(mgr.unacked["r"])
             assert freed == len(evicted) > 0
             evicted_total += freed
             blocks = mgr.blocks("r")
             assert all(blocks[j].is_null for j in evicted)
-            # Sink block and the newest recent_blocks + 1 blocks are never evicted.
-            n = len(blocks)
-            assert 0 not in evicted and all(j < n - 5 for j in evicted)
+            # Sink block and the newest recent_blocks + 1 live blocks are never evicted,
+            # which is what the plan told the worker (evictable_below).
+            assert 0 not in evicted and all(j < sreq.evictable_below for j in evicted)
     assert mgr.counters.over_budget_peak <= 0
-    # The next plan ships the evictions to the worker, exactly once.
+    # The next plan ships the evictions to the worker; its acknowledgement retires them.
     plan = _step(mgr, single, reqs, {"r": 1})
-    assert sum(len(v) for v in plan.evict.values()) > 0 and mgr.pending_evict == {}
+    assert sum(len(v) for v in plan.evict.values()) > 0
     assert not plan.score  # decode: interval not reached yet
+    mgr.apply_reply(plan, _reply(plan, mgr), reqs)
+    assert mgr.unacked == {}
     # Request end: vLLM frees the rest; every block is back.
     single.free("r")
     assert pool.get_num_free_blocks() == free0
@@ -98,12 +118,35 @@ def test_chunked_prefill_stays_within_budget_plus_chunk_and_frees_blocks() -> No
     assert stats["nexus:free_blocks"] == stats["nexus:total_blocks"] == free0
 
 
+def test_plan_ids_and_resend_until_acknowledged() -> None:
+    """A lost or stale plan is repaired by the next: its nulls are resent until the
+    worker acknowledges them, and scores from an unacknowledged step are dropped."""
+    mgr, single, pool = _setup()
+    reqs = {"r": _request("r", prompt=600)}
+    plan1 = _step(mgr, single, reqs, {"r": 512}, new=("r",))
+    assert plan1.step_id == 1 and "r" in plan1.score
+    mgr.apply_reply(plan1, _reply(plan1, mgr), reqs)
+    evicted = tuple(sorted(mgr.unacked["r"]))
+    # Step 2's plan carries the nulls; the worker never acknowledges it (lost).
+    plan2 = _step(mgr, single, reqs, {"r": 88})
+    assert plan2.step_id == 2 and plan2.evict == {"r": evicted}
+    events = mgr.counters.eviction_events
+    mgr.apply_reply(plan2, _reply(plan2, mgr, ack=None), reqs)
+    assert mgr.counters.faults["plan_unacknowledged"] == 1
+    assert mgr.counters.eviction_events == events  # its scores were dropped
+    # Step 3 resends them; acknowledged this time.
+    plan3 = _step(mgr, single, reqs, {"r": 1})
+    assert plan3.step_id == 3 and plan3.evict["r"][: len(evicted)] == evicted
+    mgr.apply_reply(plan3, _reply(plan3, mgr), reqs)
+    assert "r" not in mgr.unacked or not set(evicted) & set(mgr.unacked["r"])
+
+
 def test_decode_interval_and_restart_reset() -> None:
     mgr, single, pool = _setup()
     reqs = {"r": _request("r", prompt=300)}
-    plan = _step(mgr, single, reqs, {"r": 300})
-    mgr.apply_scores(_scores(plan, mgr, "r"), reqs, plan)
-    first = list(mgr.pending_evict["r"])
+    plan = _step(mgr, single, reqs, {"r": 300}, new=("r",))
+    mgr.apply_reply(plan, _reply(plan, mgr), reqs)
+    first = sorted(mgr.unacked["r"])
     events = 0
     for _ in range(64):
         plan = _step(mgr, single, reqs, {"r": 1})
@@ -111,19 +154,22 @@ def test_decode_interval_and_restart_reset() -> None:
         assert mgr.live_count("r") <= 8 + 1
         if "r" in plan.score:
             assert not plan.score["r"].prefill and plan.score["r"].window == 16
-            mgr.apply_scores(_scores(plan, mgr, "r", seed=events), reqs, plan)
             events += 1
+        mgr.apply_reply(plan, _reply(plan, mgr, seed=events), reqs)
     # Tokens 301..364 cross two block boundaries (320, 352): an event follows each, once
     # 16 decode tokens (the interval) have passed since the previous one.
     assert events == 2
     assert mgr.counters.over_budget_peak <= 0
-    # Preemption: vLLM frees everything and recomputes from token 0 -> same evictions.
+    # Preemption: vLLM frees everything; the request comes back as resumed and
+    # recomputes from token 0 -> same seed, same evictions.
     single.free("r")
     reqs["r"].num_computed_tokens = 0
-    plan = _step(mgr, single, reqs, {"r": 300})
-    assert plan.reset == ["r"]
-    mgr.apply_scores(_scores(plan, mgr, "r"), reqs, plan)
-    assert mgr.pending_evict["r"] == first
+    single.allocate_new_blocks("r", 300, 300)
+    reqs["r"].num_computed_tokens = 300
+    plan = mgr.plan_step(_output({"r": 300}, resumed=("r",)), reqs)
+    assert "r" not in plan.evict  # old nulls never reach the fresh block list
+    mgr.apply_reply(plan, _reply(plan, mgr), reqs)
+    assert sorted(mgr.unacked["r"]) == first
 
 
 def test_per_request_overrides_and_opt_out() -> None:
@@ -131,7 +177,19 @@ def test_per_request_overrides_and_opt_out() -> None:
     reqs = {"big": _request("big", 600, kv_budget=100_000),
             "off": _request("off", 600, kv_eviction="none"),
             "h2o": _request("h2o", 600, kv_eviction="h2o", kv_budget=192)}
-    plan = _step(mgr, single, reqs, {"big": 256, "off": 256, "h2o": 256})
+    plan = _step(mgr, single, reqs, {"big": 256, "off": 256, "h2o": 256},
+                 new=("big", "off", "h2o"))
     assert sorted(plan.track) == ["big", "h2o"]
     assert list(plan.score) == ["h2o"]  # 8 live blocks > 192 // 32; "big" is far below
     assert mgr.states["h2o"] is not None and mgr.states["h2o"].cfg.method == "h2o"
+
+
+def test_stale_scores_are_skipped() -> None:
+    mgr, single, pool = _setup()
+    reqs = {"r": _request("r", prompt=600)}
+    plan = _step(mgr, single, reqs, {"r": 512}, new=("r",))
+    reply = _reply(plan, mgr)
+    reply.masses["r"] = reply.masses["r"][:, :-1]  # one column short
+    free = pool.get_num_free_blocks()
+    mgr.apply_reply(plan, reply, reqs)
+    assert pool.get_num_free_blocks() == free and mgr.counters.faults["stale_scores"] == 1

@@ -1,14 +1,18 @@
-"""One test per vLLM internal the plugin hooks: fail loudly when vLLM changes it.
+"""Canaries: one test per vLLM internal the plugin relies on (vLLM 0.32.x).
 
-Pinned to vLLM 0.32.0. When one of these fails after a vLLM upgrade, re-read the hooked
-code (paths in ``nexus_vllm/integration/patches/*`` and the subclass modules) before
-changing the expected signature here.
+The internals are listed in ``nexus_vllm/integration/vllm_compat.py`` (and the patches in
+``nexus_vllm/integration/patches/__init__.py``). When one of these fails after a vLLM
+upgrade, re-read the vLLM code named in the failing test and the accessor it guards
+before changing the expectation here.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
+import pathlib
+import pickle
 
 import pytest
 
@@ -21,12 +25,41 @@ def _params(fn) -> list[str]:  # noqa: ANN001
     return list(inspect.signature(inspect.unwrap(fn)).parameters)
 
 
-def test_vllm_version_pinned() -> None:
+def _vllm_file(rel: str) -> str:
     import vllm
 
-    assert vllm.__version__.startswith("0.32."), vllm.__version__
+    return (pathlib.Path(vllm.__file__).parent / rel).read_text()
 
 
+def _method_params(rel: str, cls: str, method: str) -> list[str]:
+    """Parameter names of ``cls.method`` in a vLLM source file, without importing it
+    (for backends whose modules need CUDA-only packages, e.g. FlashInfer)."""
+    tree = ast.parse(_vllm_file(rel))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == method:
+                    return [a.arg for a in item.args.args]
+    raise AssertionError(f"{cls}.{method} not found in vllm/{rel}")
+
+
+# -- version ---------------------------------------------------------------------------
+def test_vllm_version_supported() -> None:
+    from nexus_vllm.integration.vllm_compat import check_vllm_version, vllm_version
+
+    assert vllm_version().startswith("0.32."), vllm_version()
+    check_vllm_version()
+
+
+def test_unsupported_vllm_version_is_refused(monkeypatch) -> None:  # noqa: ANN001
+    from nexus_vllm.integration import vllm_compat
+
+    monkeypatch.setattr(vllm_compat, "vllm_version", lambda: "0.40.1")
+    with pytest.raises(RuntimeError, match="supports vLLM 0.32.x; this is vLLM 0.40.1"):
+        vllm_compat.check_vllm_version()
+
+
+# -- patches (API server) --------------------------------------------------------------
 def test_engine_args_cli_hooks() -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 
@@ -39,7 +72,10 @@ def test_engine_args_cli_hooks() -> None:
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     assert {"scheduler_cls", "worker_cls", "block_size", "enable_prefix_caching",
             "enable_chunked_prefill", "long_prefill_token_threshold", "async_scheduling",
-            "scheduler_reserve_full_isl", "additional_config"} <= fields
+            "scheduler_reserve_full_isl", "additional_config", "compilation_config",
+            "pipeline_parallel_size", "data_parallel_size", "decode_context_parallel_size",
+            "prefill_context_parallel_size", "speculative_config", "kv_cache_dtype",
+            "kv_transfer_config", "enable_dbo"} <= fields
 
 
 def test_input_processor_validate_params() -> None:
@@ -62,6 +98,7 @@ def test_stat_logger_manager_record_and_stats_field() -> None:
     assert "dict[str, int]" in str(field.type)
 
 
+# -- scheduler side --------------------------------------------------------------------
 def test_scheduler_hooks() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -70,74 +107,273 @@ def test_scheduler_hooks() -> None:
         "self", "scheduler_output", "model_runner_output"]
     assert _params(Scheduler.get_request_counts) == ["self"]
     assert "spec_decoding_stats" in _params(Scheduler.make_stats)
-    # The per-request prefill cap is dropped when one request is eligible; our
-    # get_request_counts override relies on this being the first count in schedule().
+    # The per-request prefill cap is dropped when one request is eligible; the
+    # get_request_counts override in scheduler.py relies on this being the first count.
     src = inspect.getsource(Scheduler.schedule)
-    assert src.count("self.get_request_counts()") >= 1
     first = src.index("self.get_request_counts()")
     assert first < src.index("if num_eligible_reqs > 1") < src.index(
-        "if 0 < long_prefill_token_threshold < num_new_tokens")
+        "if 0 < long_prefill_token_threshold < num_new_tokens"), (
+        "re-read Scheduler.schedule and NexusScheduler.get_request_counts")
 
 
-def test_kv_cache_manager_internals() -> None:
-    from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+def test_engine_step_order() -> None:
+    """One plan per step, answered before the next is scheduled (synchronous engine):
+    schedule -> execute_model -> sample_tokens -> update_from_output."""
+    from vllm.v1.engine.core import EngineCore
+
+    src = inspect.getsource(EngineCore.step)
+    order = [src.index(s) for s in ("self.scheduler.schedule(",
+                                    "self.model_executor.execute_model(",
+                                    "self.model_executor.sample_tokens(",
+                                    "self.scheduler.update_from_output(")]
+    assert order == sorted(order)
+
+
+def test_single_type_manager_and_request_blocks() -> None:
     from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
-    pool = BlockPool(num_gpu_blocks=8, enable_caching=False, hash_block_size=32)
-    assert pool.null_block.is_null and pool.null_block.block_id == 0
-    assert pool.get_num_free_blocks() == 7
-    blocks = pool.get_new_blocks(3)
-    pool.free_blocks([blocks[1], pool.null_block])  # null block is never ref-counted
-    assert pool.get_num_free_blocks() == 5
+    from nexus_vllm.integration.manager import EvictionManager  # noqa: F401
+
     assert "req_to_blocks" in inspect.getsource(SingleTypeKVCacheManager.__init__)
+    src = inspect.getsource(__import__("vllm.v1.core.kv_cache_coordinator",
+                                       fromlist=["x"]))
+    assert "self.single_type_managers" in src
+
+
+def test_block_pool_view() -> None:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from nexus_vllm.integration.vllm_compat import NULL_BLOCK_ID, BlockPoolView
+
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=False, hash_block_size=32)
+    view = BlockPoolView(type("KVM", (), {"block_pool": pool})())
+    assert view.null_block.is_null and view.null_block.block_id == NULL_BLOCK_ID
+    assert view.num_free() == view.num_usable() == 7
+    blocks = pool.get_new_blocks(3)
+    view.free([blocks[1], view.null_block])  # the null block is never ref-counted
+    assert view.num_free() == 5
     assert hasattr(KVCacheBlock, "is_null") or "is_null" in inspect.getsource(KVCacheBlock)
 
 
+def test_reset_request_ids_fields() -> None:
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    fields = {f.name for f in dataclasses.fields(SchedulerOutput)}
+    assert {"scheduled_new_reqs", "scheduled_cached_reqs", "finished_req_ids",
+            "num_scheduled_tokens"} <= fields
+    assert "req_id" in {f.name for f in dataclasses.fields(NewRequestData)}
+    assert "resumed_req_ids" in {f.name for f in dataclasses.fields(CachedRequestData)}
+
+
+def test_plan_and_reply_survive_pickling() -> None:
+    """The multiprocess executor pickles SchedulerOutput to the workers and
+    ModelRunnerOutput back: our attributes must travel with them."""
+    import numpy as np
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    from nexus_vllm.integration.step_plan import (
+        ScoreRequest,
+        StepPlan,
+        WorkerReply,
+        attach_plan,
+        attach_reply,
+        read_plan,
+        read_reply,
+    )
+
+    out = SchedulerOutput(
+        scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+        finished_req_ids=set(), free_encoder_mm_hashes=[])
+    plan = StepPlan(step_id=3, evict={"r": (1, 2)},
+                    score={"r": ScoreRequest(window=4, num_logical_blocks=9,
+                                             evictable_below=5, prefill=True)},
+                    track=("r",))
+    attach_plan(out, plan)
+    assert read_plan(pickle.loads(pickle.dumps(out))) == plan
+    reply = WorkerReply(step_id=3, masses={"r": np.ones((4, 7), dtype=np.float32)},
+                        faults={"plan_gap": 1})
+    mro = attach_reply(EMPTY_MODEL_RUNNER_OUTPUT, reply)
+    assert read_reply(EMPTY_MODEL_RUNNER_OUTPUT) is None  # the shared constant untouched
+    back = read_reply(pickle.loads(pickle.dumps(mro)))
+    assert back is not None and back.step_id == 3 and back.faults == {"plan_gap": 1}
+    assert np.array_equal(back.masses["r"], reply.masses["r"])
+    # vLLM's message queue pickles them (not msgspec, which would drop the attributes).
+    assert "pickle.Pickler" in _vllm_file("distributed/device_communicators/shm_broadcast.py")
+
+
+# -- worker side -----------------------------------------------------------------------
 def test_worker_hooks() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
     assert _params(Worker.execute_model) == ["self", "scheduler_output"]
     assert _params(Worker.sample_tokens) == ["self", "grammar_output"]
+    assert _params(Worker.load_model)[:1] == ["self"]
+    assert _params(Worker.initialize_from_config) == ["self", "kv_cache_config"]
     src = inspect.getsource(GPUModelRunner._bookkeeping_sync)
     assert "discard_request_mask" in src and "set_offset" in src
-    src = inspect.getsource(GPUModelRunner._update_states)
-    assert "req_state.block_ids" in src and "block_table.append_row" in src
 
 
-def test_block_table_buffers() -> None:
+def test_runner_v1_fields() -> None:
+    """RunnerV1: request state block ids, the persistent batch's CPU table and rows."""
     from vllm.v1.worker.block_table import BlockTable
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    assert _params(BlockTable.append_row) == ["self", "block_ids", "row_idx"]
+    assert "block_ids" in {f.name for f in dataclasses.fields(CachedRequestState)}
     assert "self.block_table = self._make_buffer" in inspect.getsource(BlockTable.__init__)
+    assert isinstance(inspect.getattr_static(InputBatch, "req_ids"), property)
+    src = inspect.getsource(GPUModelRunner._update_states)
+    assert "req_state.block_ids" in src and "resumed_from_preemption" in src
+    # Rows are mapped at metadata-build time, after any batch reorder.
+    src = inspect.getsource(GPUModelRunner.execute_model)
+    assert src.index("self._update_states(") < src.index("self._build_attention_metadata(")
 
 
-def test_cpu_attention_backend_hooks() -> None:
+def test_common_attention_metadata_fields() -> None:
+    """What compaction rewrites, and where MRV1 takes it from."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
-    from vllm.v1.attention.backends.cpu_attn import (
-        CPUAttentionBackendImpl,
-        CPUAttentionMetadataBuilder,
-    )
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    fields = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+    assert {"block_table_tensor", "seq_lens", "seq_lens_cpu_upper_bound", "max_seq_len",
+            "query_start_loc_cpu", "num_reqs", "_num_computed_tokens_cache"} <= fields
+    src = inspect.getsource(GPUModelRunner._build_attention_metadata)
+    assert "seq_lens_cpu_upper_bound=seq_lens_cpu_upper_bound" in src
+    assert "attn_group.build_metadata(" in src
+
+
+def test_attention_groups_and_builders() -> None:
+    from vllm.v1.worker.utils import AttentionGroup
+
+    fields = {f.name for f in dataclasses.fields(AttentionGroup)}
+    assert {"backend", "metadata_builders", "kernel_block_size"} <= fields
+    src = inspect.getsource(AttentionGroup.build_metadata)
+    assert "get_metadata_builder(ubatch_idx).build(" in src
+
+
+def test_builder_and_impl_signatures() -> None:
+    """The mixins forward ``build`` and ``forward`` to every supported backend."""
+    from nexus_vllm.integration.attention import CPU_BACKENDS, CUDA_BACKENDS
+
+    files = {
+        "CPU_ATTN": ("v1/attention/backends/cpu_attn.py", "CPUAttentionMetadataBuilder",
+                     "CPUAttentionBackendImpl"),
+        "FLASH_ATTN": ("v1/attention/backends/flash_attn.py", "FlashAttentionMetadataBuilder",
+                       "FlashAttentionImpl"),
+        "FLASHINFER": ("v1/attention/backends/flashinfer.py", "FlashInferMetadataBuilder",
+                       "FlashInferImpl"),
+        "TRITON_ATTN": ("v1/attention/backends/triton_attn.py",
+                        "TritonAttentionMetadataBuilder", "TritonAttentionImpl"),
+    }
+    assert set(files) == set(CPU_BACKENDS + CUDA_BACKENDS)
+    for rel, builder, impl in files.values():
+        assert _method_params(rel, builder, "build")[:3] == [
+            "self", "common_prefix_len", "common_attn_metadata"], rel
+        assert _method_params(rel, impl, "forward")[:8] == [
+            "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata",
+            "output"], rel
+
+
+def test_cuda_key_views_match_the_backends() -> None:
+    """key_view(): K is the first head_size channels of [B, Hkv, N, 2 * head_size] for
+    the CUDA backends (each splits it that way in its forward)."""
+    for rel in ("v1/attention/backends/flash_attn.py", "v1/attention/backends/triton_attn.py",
+                "v1/attention/backends/flashinfer.py"):
+        src = _vllm_file(rel)
+        assert ("kv_cache.transpose(1, 2).split(self.head_size, dim=-1)" in src
+                or "kv_cache.transpose(1, 2).split(\n" in src), rel
+    src = _vllm_file("v1/worker/utils.py")
+    assert "view it as ``[B, H, N, C]`` per layer" in src
+
+
+def test_flashinfer_reads_the_cpu_upper_bound() -> None:
+    """FlashInfer plans pages from ``seq_lens_cpu_upper_bound``: compaction must shrink it."""
+    src = _vllm_file("v1/attention/backends/flashinfer.py")
+    assert "seq_lens_cpu = common_attn_metadata.seq_lens_cpu_upper_bound" in src
+
+
+def test_attention_layers_and_unsupported_reasons() -> None:
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    src = inspect.getsource(Attention.__init__)
+    for attr in ("self.layer_name = prefix", "self.sliding_window = sliding_window",
+                 "self.kv_sharing_target_layer_name", "self.kv_cache =",
+                 "static_forward_context[prefix] = self"):
+        assert attr in src, attr
+    # The attention op calls the per-layer impl's forward (where the impl mixin sits).
+    src = _vllm_file("model_executor/layers/attention/attention.py")
+    assert "self.impl.forward(" in src
+
+
+def test_registry_overrides() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    assert _params(CPUAttentionMetadataBuilder.build) == [
-        "self", "common_prefix_len", "common_attn_metadata", "fast_build"]
-    assert _params(CPUAttentionBackendImpl.forward)[:8] == [
-        "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"]
-    fields = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
-    assert {"block_table_tensor", "seq_lens", "max_seq_len", "query_start_loc"} <= fields
     assert _params(register_backend)[:2] == ["backend", "class_path"]
-    assert AttentionBackendEnum.CPU_ATTN.name == "CPU_ATTN"
+    assert "_ATTN_OVERRIDES.get(self, self.value)" in inspect.getsource(
+        AttentionBackendEnum.get_path)
+    for name in ("CPU_ATTN", "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"):
+        assert AttentionBackendEnum[name].name == name
 
 
-def test_our_subclasses_import() -> None:
-    from nexus_vllm.integration.backend import NexusCPUAttentionBackend
-    from nexus_vllm.integration.scheduler import NexusScheduler
-    from nexus_vllm.integration.worker import NexusWorker
+def test_nexus_backend_class_resolves_by_path() -> None:
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    assert NexusCPUAttentionBackend.get_name() == "CPU_ATTN"
-    assert NexusScheduler.update_from_output is not None and NexusWorker is not None
+    from nexus_vllm.integration.attention import (
+        NexusAttentionImplMixin,
+        NexusMetadataBuilderMixin,
+        nexus_backend,
+    )
+
+    cls = nexus_backend("CPU_ATTN")
+    assert issubclass(cls, CPUAttentionBackend) and cls.get_name() == "CPU_ATTN"
+    assert issubclass(cls.get_builder_cls(), NexusMetadataBuilderMixin)
+    assert issubclass(cls.get_impl_cls(), NexusAttentionImplMixin)
+    module, qualname = cls.full_cls_name()
+    assert resolve_obj_by_qualname(f"{module}.{qualname}") is cls
+    with pytest.raises(ValueError, match="no eviction support for attention backend"):
+        nexus_backend("FLEX_ATTENTION")
+
+
+def test_tp_group_api() -> None:
+    from vllm.distributed.parallel_state import GroupCoordinator
+
+    assert _params(GroupCoordinator.all_reduce) == ["self", "input_"]
+    src = inspect.getsource(GroupCoordinator.__init__)
+    assert "self.rank_in_group" in src and "self.world_size" in src
+
+
+def test_gpu_sync_check_and_v2_runner_switch() -> None:
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.config.vllm import VllmConfig
+    from vllm.utils.gpu_sync_debug import with_gpu_sync_check  # noqa: F401
+
+    assert "envs.VLLM_USE_V2_MODEL_RUNNER" in inspect.getsource(
+        VllmConfig.use_v2_model_runner.fget)  # type: ignore[attr-defined]
+    assert CUDAGraphMode.FULL_AND_PIECEWISE.has_full_cudagraphs()
+    assert not CUDAGraphMode.PIECEWISE.has_full_cudagraphs()
+
+
+def test_model_config_properties() -> None:
+    from vllm.config.model import ModelConfig
+
+    for name in ("uses_alibi", "use_mla", "is_hybrid", "is_encoder_decoder",
+                 "is_mm_prefix_lm", "rswa_window"):
+        assert hasattr(ModelConfig, name), name
+    assert callable(ModelConfig.get_sliding_window)
+
+
+def test_cpu_key_layout_probe() -> None:
+    import torch
+
+    from nexus_vllm.integration.attention import cpu_key_layout
+
+    assert cpu_key_layout("vec", 64, 32, torch.float32) in ("row", "transposed")
 
 
 def test_register_is_idempotent_and_lazy() -> None:

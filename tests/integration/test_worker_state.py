@@ -1,0 +1,328 @@
+"""The worker's eviction path (plan, compaction, capture, scoring) against vLLM's CPU
+attention kernels and the ``core`` oracle. This is the code every backend runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.integration.conftest import HAS_VLLM
+from tests.integration.fakes import (
+    BS,
+    FakeRunner,
+    common_metadata,
+    make_state,
+    scheduler_output,
+    write_keys,
+)
+
+pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+
+HKV, HQ, D = 2, 4, 64
+PHYS = {"a": [3, 7, 8, 2, 5], "b": [9, 10], "c": [11, 12, 13, 14]}
+
+
+def _plan(step_id: int, **kw):  # noqa: ANN003, ANN202
+    from nexus_vllm.integration.step_plan import StepPlan
+
+    return StepPlan(step_id=step_id, **kw)
+
+
+def test_plan_nulls_entries_and_compaction_contract() -> None:
+    """Rows become live ids then nulls; lengths, CPU upper bound and max shrink by the
+    evicted tokens; outputs are persistent buffers; inputs are never written; the step's
+    attention groups share one computation."""
+    runner = FakeRunner(PHYS)
+    state = make_state(runner)
+    state.begin_step(scheduler_output(), _plan(1, evict={"a": (1, 2), "c": (1,)}))
+    assert runner.table[0, :5].tolist() == [3, 0, 0, 2, 5]
+    assert runner.requests["a"].block_ids[0] == [3, 0, 0, 2, 5]
+    assert runner.requests["c"].block_ids[0] == [11, 0, 13, 14]
+    seq = [4 * BS + 5, 2 * BS, 4 * BS]
+    cm = common_metadata(runner, seq, [5, 1, 1])
+    table_in, lens_in = cm.block_table_tensor.clone(), cm.seq_lens.clone()
+    out = state.compact(cm)
+    assert out.block_table_tensor[0, :5].tolist() == [3, 2, 5, 0, 0]
+    assert out.block_table_tensor[1, :3].tolist() == [9, 10, 0]
+    assert out.block_table_tensor[2, :4].tolist() == [11, 13, 14, 0]
+    want = [seq[0] - 2 * BS, seq[1], seq[2] - BS]
+    assert out.seq_lens.tolist() == want
+    assert out.seq_lens_cpu_upper_bound.tolist() == want
+    assert out.seq_lens_cpu_upper_bound.device.type == "cpu"
+    assert out.max_seq_len == max(want) and out._num_computed_tokens_cache is None
+    assert torch.equal(cm.block_table_tensor, table_in) and torch.equal(cm.seq_lens, lens_in)
+    again = state.compact(cm)  # another attention group, same step
+    assert again.block_table_tensor is out.block_table_tensor
+    assert again.seq_lens is out.seq_lens
+    ptrs = (out.block_table_tensor.data_ptr(), out.seq_lens.data_ptr())
+    state.end_step()
+    # Next step: the same persistent buffers, rewritten in place.
+    state.begin_step(scheduler_output(), _plan(2))
+    seq2 = [seq[0] + 1, seq[1], seq[2]]  # "a" decodes one token into its partial block
+    out2 = state.compact(common_metadata(runner, seq2, [1, 1, 1]))
+    assert (out2.block_table_tensor.data_ptr(), out2.seq_lens.data_ptr()) == ptrs
+    assert out2.seq_lens.tolist() == [want[0] + 1, want[1], want[2]]
+    state.end_step()
+
+
+def test_batch_without_evictions_is_left_alone() -> None:
+    runner = FakeRunner(PHYS)
+    state = make_state(runner)
+    state.begin_step(scheduler_output(), _plan(1))
+    cm = common_metadata(runner, [4 * BS + 5, 2 * BS, 4 * BS], [5, 1, 1])
+    assert state.compact(cm) is cm
+    state.end_step()
+    # Disarmed (between steps, warm-up, profiling): a pass-through.
+    assert state.compact(cm) is cm
+
+
+def test_hooks_never_read_device_values() -> None:
+    """Compaction and capture with every device tensor on the ``meta`` device: any host
+    read (``.item()``, ``.tolist()``, ``bool(t)``, ``.numpy()``) of one fails here."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NoScalarReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if (func is torch.ops.aten._local_scalar_dense.default
+                    and args[0].device.type != "cpu"):
+                raise AssertionError(f"host read of a device value: {func}")
+            return func(*args, **(kwargs or {}))
+
+    runner = FakeRunner(PHYS)
+    state = make_state(runner, device="meta", layers={0: torch.empty(0)})
+    state.begin_step(scheduler_output(new=("b",)),
+                     _plan(1, evict={"a": (1, 2)}, track=("a", "b", "c")))
+    cm = common_metadata(runner, [4 * BS + 5, 2 * BS, 4 * BS], [5, 1, 1], device="meta")
+    with NoScalarReads():
+        out = state.compact(cm)
+        state.capture(0, torch.empty(7, HQ * D, device="meta"))
+    assert out.block_table_tensor.device.type == "meta"
+    assert out.seq_lens_cpu_upper_bound.tolist() == [2 * BS + 5, 2 * BS, 4 * BS]
+    assert state.step.capture_dst is not None and not state.step.capture_failed
+    state.end_step()
+
+
+def _cpu_attention(query, kv, table, lens, qsl):  # noqa: ANN001, ANN202
+    from vllm import _custom_ops as ops
+
+    nb = kv.shape[0]
+    kc, vc = kv.view(nb, HKV, 2 * BS, D).chunk(2, dim=2)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=lens.shape[0], num_heads=HQ, num_kv_heads=HKV, head_dim=D, seq_lens=lens,
+        dtype=torch.float32, query_start_loc=qsl, causal=True, sliding_window_size=-1,
+        isa="vec", enable_kv_split=False, dynamic_causal=None, kv_cache_dtype="auto",
+    )
+    out = torch.zeros(query.shape[0], HQ, D)
+    ops.cpu_attention_with_kv_cache(
+        query=query, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl,
+        seq_lens=lens, scale=1.0 / math.sqrt(D), causal=True, alibi_slopes=None,
+        sliding_window=-1, block_table=table, softcap=0, scheduler_metadata=meta,
+        s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
+    )
+    return out
+
+
+@pytest.mark.parametrize("q_len", [1, 3, 37], ids=["decode", "short-chunk", "chunk"])
+def test_compacted_attention_equals_attention_over_kept_tokens(q_len) -> None:  # noqa: ANN001
+    """vLLM's CPU kernel on the compacted metadata == exact attention over the kept keys,
+    for a decode step and prefill chunks (queries at the end, causal)."""
+    torch.manual_seed(q_len)
+    t = 5 * BS - 7  # last block partial
+    phys = [11, 4, 9, 2, 6]
+    runner = FakeRunner({"r": phys, "s": [1, 3]})
+    state = make_state(runner)
+    evicted = [1, 2]  # never the newest blocks
+    state.begin_step(scheduler_output(), _plan(1, evict={"r": tuple(evicted)}))
+    kv = torch.zeros(16, HKV, BS, 2 * D)
+    key, val = torch.randn(t, HKV, D), torch.randn(t, HKV, D)
+    write_keys(kv, key, val, phys)
+    s_len = BS + 5
+    key_s, val_s = torch.randn(s_len, HKV, D), torch.randn(s_len, HKV, D)
+    write_keys(kv, key_s, val_s, [1, 3])
+    cm = state.compact(common_metadata(runner, [t, s_len], [q_len, 1]))
+    query = torch.randn(q_len + 1, HQ, D)
+    out = _cpu_attention(query, kv, cm.block_table_tensor, cm.seq_lens,
+                         cm.query_start_loc_cpu)
+    state.end_step()
+    keep = torch.cat([torch.arange(j * BS, min((j + 1) * BS, t))
+                      for j in range(5) if j not in evicted])
+    for i in range(q_len + 1):
+        if i < q_len:
+            pos, vis, k, v = t - q_len + i, keep, key, val
+        else:
+            pos, vis, k, v = s_len - 1, torch.arange(s_len), key_s, val_s
+        vis = vis[vis <= pos]
+        for h in range(HQ):
+            kh = h // (HQ // HKV)
+            w = torch.softmax(k[vis, kh] @ query[i, h] / math.sqrt(D), dim=0)
+            torch.testing.assert_close(out[i, h], w @ v[vis, kh], atol=1e-4, rtol=1e-4)
+
+
+def test_capture_and_scoring_equal_the_oracle() -> None:
+    """Plan -> capture over several steps -> one batched score per layer == the core
+    oracle on the live keys, averaged over scored layers, for two requests at once."""
+    from nexus_vllm.core import block_attention_mass
+    from nexus_vllm.integration.attention import key_view
+    from nexus_vllm.integration.step_plan import ScoreRequest
+
+    torch.manual_seed(2)
+    runner = FakeRunner({"a": PHYS["a"], "b": PHYS["c"]})
+    kv = torch.zeros(16, HKV, BS, 2 * D)
+    keys = key_view("CPU_ATTN", kv, D, "vec")
+    # Layer 0 is skipped (skip_layers=1): only layers 1 and 2 are scored.
+    state = make_state(runner, window=8, layers={1: keys, 2: keys})
+    t_a, t_b = 4 * BS + 5, 3 * BS + 9
+    key_a, key_b = torch.randn(t_a, HKV, D), torch.randn(t_b, HKV, D)
+    write_keys(kv, key_a, torch.randn(t_a, HKV, D), PHYS["a"])
+    write_keys(kv, key_b, torch.randn(t_b, HKV, D), PHYS["c"])
+    queries = {li: torch.randn(t_a + t_b, HQ, D) for li in range(3)}
+
+    def run_step(step_id, ends, starts, plan_kw):  # noqa: ANN001, ANN202
+        state.begin_step(scheduler_output(new=("a", "b") if step_id == 1 else ()),
+                         _plan(step_id, track=("a", "b"), **plan_kw))
+        qa = torch.arange(starts[0], ends[0])
+        qb = torch.arange(starts[1], ends[1])
+        cm = state.compact(common_metadata(runner, list(ends), [len(qa), len(qb)]))
+        assert cm is not None
+        for li in range(3):
+            q = torch.cat([queries[li][qa], queries[li][t_a + qb]])
+            state.capture(li, q.reshape(q.shape[0], HQ * D))
+        state.finish_forward()
+        reply = state.reply()
+        state.end_step()
+        return reply
+
+    # Step 1: prefill chunks up to 3 tokens before the end; nothing due.
+    r1 = run_step(1, (t_a - 3, t_b - 1), (0, 0), {})
+    assert r1.step_id == 1 and not r1.masses
+    # Step 2: the last tokens, with block 1 of "a" evicted; both due (windows 6 and 8).
+    sreqs = {"a": ScoreRequest(window=6, num_logical_blocks=5, evictable_below=2),
+             "b": ScoreRequest(window=8, num_logical_blocks=4, evictable_below=1)}
+    r2 = run_step(2, (t_a, t_b), (t_a - 3, t_b - 1), {"evict": {"a": (1,)}, "score": sreqs})
+    assert r2.step_id == 2 and set(r2.masses) == {"a", "b"}
+    live_a = torch.cat([key_a[:BS], key_a[2 * BS:]])
+    want_a = sum(block_attention_mass(queries[li][t_a - 6: t_a], live_a, BS)
+                 for li in (1, 2)) / 2
+    want_b = sum(block_attention_mass(queries[li][t_a + t_b - 8: t_a + t_b], key_b, BS)
+                 for li in (1, 2)) / 2
+    torch.testing.assert_close(torch.from_numpy(r2.masses["a"]), want_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(r2.masses["b"]), want_b, atol=1e-5, rtol=1e-5)
+    assert r2.scoring_seconds > 0
+    # Finished requests release their slots and bookkeeping.
+    state.begin_step(scheduler_output(finished=("a",)), _plan(3))
+    assert "a" not in state.slots and "a" not in state.evicted
+    state.end_step()
+
+
+def test_missing_plan_masks_what_may_have_been_freed() -> None:
+    """Without a usable plan the worker hides every block the scheduler may have freed
+    since its last applied plan, for that step only, and never acknowledges."""
+    from nexus_vllm.integration.step_plan import ScoreRequest
+
+    runner = FakeRunner({"a": [3, 7, 8, 2, 5, 6, 4], "b": [9, 10]})
+    state = make_state(runner)
+    sreq = ScoreRequest(window=4, num_logical_blocks=7, evictable_below=4)
+    state.begin_step(scheduler_output(), _plan(1, evict={"a": (1,)}, score={"a": sreq},
+                                               sink_blocks=1))
+    state.end_step()
+    # Step 2's plan is lost: blocks 2 and 3 of "a" (1 is known evicted) are masked.
+    state.begin_step(scheduler_output(), None)
+    assert runner.table[0, :7].tolist() == [3, 0, 0, 0, 5, 6, 4]
+    cm = state.compact(common_metadata(runner, [7 * BS, 2 * BS], [1, 1]))
+    assert cm.block_table_tensor[0, :4].tolist() == [3, 5, 6, 4]
+    assert cm.seq_lens.tolist() == [4 * BS, 2 * BS]
+    reply = state.reply()
+    assert reply.step_id is None and reply.faults == {"plan_missing": 1}
+    state.end_step()
+    assert runner.table[0, :7].tolist() == [3, 0, 8, 2, 5, 6, 4]  # restored
+    assert runner.requests["a"].block_ids[0] == [3, 0, 8, 2, 5, 6, 4]
+    # A stale plan (an old step id) is treated the same way.
+    state.begin_step(scheduler_output(), _plan(1, evict={"a": (1,)}))
+    assert runner.table[0, 2] == 0
+    assert state.reply().faults == {"plan_stale": 1}
+    state.end_step()
+    # Step 4 arrives (2 and 3 were lost): the resent nulls are applied for good.
+    state.begin_step(scheduler_output(), _plan(4, evict={"a": (1, 2)}))
+    assert runner.table[0, :7].tolist() == [3, 0, 0, 2, 5, 6, 4]
+    reply = state.reply()
+    assert reply.step_id == 4 and reply.faults == {"plan_gap": 1}
+    state.end_step()
+    assert runner.table[0, :7].tolist() == [3, 0, 0, 2, 5, 6, 4]
+
+
+def test_reset_requests_ignore_old_nulls() -> None:
+    """A resumed request has a fresh block list: nulls addressed to its old one are not
+    applied, and its eviction bookkeeping starts over."""
+    runner = FakeRunner(PHYS)
+    state = make_state(runner)
+    state.begin_step(scheduler_output(), _plan(1, evict={"a": (1,)}, track=("a",)))
+    state.end_step()
+    assert state.evicted["a"] == {1} and "a" in state.slots
+    runner.requests["a"].block_ids[0] = [20, 21, 22, 23, 24]
+    runner.table[0, :5] = [20, 21, 22, 23, 24]
+    state.begin_step(scheduler_output(resumed=("a",)), _plan(2, evict={"a": (2,)}))
+    assert runner.table[0, :5].tolist() == [20, 21, 22, 23, 24]
+    assert "a" not in state.evicted and "a" not in state.slots
+    state.end_step()
+
+
+def test_scoring_failure_drops_the_event(monkeypatch) -> None:  # noqa: ANN001
+    from nexus_vllm.integration import faults
+    from nexus_vllm.integration.step_plan import ScoreRequest
+
+    monkeypatch.setattr(faults, "_SPECS", faults.parse("score_error"))
+    runner = FakeRunner({"a": [3, 7, 8, 2, 5]})
+    kv = torch.zeros(16, HKV, BS, 2 * D)
+    from nexus_vllm.integration.attention import key_view
+
+    state = make_state(runner, layers={0: key_view("CPU_ATTN", kv, D, "vec")})
+    sreq = ScoreRequest(window=2, num_logical_blocks=5, evictable_below=1)
+    state.begin_step(scheduler_output(new=("a",)),
+                     _plan(1, track=("a",), score={"a": sreq}))
+    state.compact(common_metadata(runner, [5 * BS], [5 * BS]))
+    state.capture(0, torch.randn(5 * BS, HQ, D))
+    state.finish_forward()
+    reply = state.reply()
+    state.end_step()
+    assert reply.step_id == 1 and reply.masses == {} and reply.faults == {"score_error": 1}
+
+
+def test_self_check_catches_a_wrong_key_view(monkeypatch) -> None:  # noqa: ANN001
+    """With NEXUS_VLLM_SELF_CHECK=1 a key view that does not hold what vLLM wrote raises."""
+    from nexus_vllm.integration.attention import key_view
+    from nexus_vllm.integration.worker_state import SelfCheckError
+
+    monkeypatch.setenv("NEXUS_VLLM_SELF_CHECK", "1")
+    runner = FakeRunner({"a": [3, 7]})
+    kv = torch.zeros(16, HKV, BS, 2 * D)
+    key = torch.randn(BS + 4, HKV, D)
+    write_keys(kv, key, torch.randn(BS + 4, HKV, D), [3, 7])
+    good = key_view("CPU_ATTN", kv, D, "vec")
+    bad = kv.view(16, HKV, 2 * BS, D)[:, :, BS:, :]  # the values half
+    for view, ok in ((good, True), (bad, False)):
+        state = make_state(runner, layers={0: view})
+        state.begin_step(scheduler_output(new=("a",)), _plan(1, track=("a",)))
+        cm = common_metadata(runner, [BS + 4], [BS + 4])
+        cm.slot_mapping = torch.tensor([3 * BS + t for t in range(BS)]
+                                       + [7 * BS + t for t in range(4)])
+        state.compact(cm)
+        if ok:
+            state.check_keys(0, key)
+            assert state._keys_checked == {0}
+        else:
+            with pytest.raises(SelfCheckError, match="key view"):
+                state.check_keys(0, key)
+        state.end_step()
+
+
+def test_two_block_tables_in_one_step_are_refused() -> None:
+    runner = FakeRunner(PHYS)
+    state = make_state(runner)
+    state.begin_step(scheduler_output(), _plan(1, evict={"a": (1,)}))
+    first = common_metadata(runner, [4 * BS + 5, 2 * BS, 4 * BS], [1, 1, 1])
+    state.compact(first)
+    with pytest.raises(RuntimeError, match="one KV cache group"):
+        state.compact(common_metadata(runner, [4 * BS + 5, 2 * BS, 4 * BS], [1, 1, 1]))
+    state.end_step()
