@@ -10,8 +10,11 @@ import importlib
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "simulate": ("nexus_vllm.core.simulate", "streaming eviction on synthetic block weights"),
+    "simulate": ("nexus_vllm.sim.cli", "streaming eviction on synthetic block weights"),
     "eval": ("nexus_vllm.eval.cli", "quality per policy and budget on a real model"),
+    "records": ("nexus_vllm.eval.records", "merge and filter eval records.jsonl files"),
+    "parity": ("nexus_vllm.eval.server_parity",
+               "a running server vs. the transformers path, token for token"),
     "prepare-model": ("nexus_vllm.models", "build the embedded default model checkpoint"),
     "serve": ("nexus_vllm.integration.serve", "vllm serve with Nexus eviction on"),
 }

@@ -22,33 +22,27 @@ want headline && run headline
 want ablation && run ablation
 want kvpress && run kvpress --peer kvpress
 if want sweep; then
-  # Reuse the headline's 0.2 runs (identical keys) instead of recomputing them.
-  mkdir -p "$OUT/sweep"
-  if [ ! -e "$OUT/sweep/records.jsonl" ] && [ -e "$OUT/headline/records.jsonl" ]; then
-    grep '"question-last"' "$OUT/headline/records.jsonl" | grep -v '"method": "nexus:' \
-      > "$OUT/sweep/records.jsonl" || true
+  # Reuse the headline's question-last runs of the plain methods (identical keys, so the
+  # 0.2 budget is not recomputed); skipped once the sweep has records of its own.
+  if [ -e "$OUT/headline/records.jsonl" ]; then
+    "$PY" -m nexus_vllm.cli records "$OUT/headline/records.jsonl" --if-missing \
+      --where protocol=question-last --exclude-method-prefix nexus: \
+      --out "$OUT/sweep/records.jsonl"
   fi
   run sweep
 fi
 if want docs; then
   # Ours and kvpress's presses side by side: headline records + the peer's records.
   if [ -e "$OUT/headline/records.jsonl" ] && [ -e "$OUT/kvpress/kvpress_records.jsonl" ]; then
-    mkdir -p "$OUT/peer_compare"
-    cat "$OUT/headline/records.jsonl" "$OUT/kvpress/kvpress_records.jsonl" \
-      > "$OUT/peer_compare/records.jsonl"
+    "$PY" -m nexus_vllm.cli records "$OUT/headline/records.jsonl" \
+      "$OUT/kvpress/kvpress_records.jsonl" --out "$OUT/peer_compare/records.jsonl"
     "$PY" -m nexus_vllm.cli eval --config configs/eval/headline.yaml --out "$OUT/peer_compare" \
-      --report-only
+      --report-only --publish docs/figures/peer_compare
   fi
+  # Rebuild each run's reports from its records and copy them into docs/figures.
   for name in calibration headline ablation kvpress sweep; do
-    [ -d "$OUT/$name" ] && "$PY" -m nexus_vllm.cli eval --config "configs/eval/$name.yaml" \
-      --out "$OUT/$name" --report-only
-  done
-  for name in calibration headline ablation kvpress sweep peer_compare; do
     [ -d "$OUT/$name" ] || continue
-    mkdir -p "docs/figures/$name"
-    for f in "$OUT/$name"/*.md "$OUT/$name"/*.json "$OUT/$name"/*.jsonl "$OUT/$name"/*.png \
-             "$OUT/$name"/config.yaml; do
-      if [ -e "$f" ]; then cp "$f" "docs/figures/$name/"; fi
-    done
+    "$PY" -m nexus_vllm.cli eval --config "configs/eval/$name.yaml" --out "$OUT/$name" \
+      --report-only --publish "docs/figures/$name"
   done
 fi

@@ -25,3 +25,15 @@ def test_simulate_rejects_bad_flag_value():
     )
     assert proc.returncode == 2
     assert "budget_blocks" in proc.stderr
+
+
+def test_parity_rejects_bad_budget_without_contacting_a_server():
+    proc = subprocess.run(
+        [sys.executable, "-m", "nexus_vllm.cli", "parity", "--base-url", "http://127.0.0.1:9",
+         "--budget", "lots"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "budget must be a keep ratio" in proc.stderr

@@ -3,10 +3,10 @@
 The Triton CPU interpreter runs kernels as NumPy, so it cannot catch compiled-mode errors:
 globals that are not ``tl.constexpr``, layout problems and unsupported ops. It says nothing
 about register pressure either. This script builds every kernel ahead of time, the way
-``ops.py`` configures it for a set of model shapes (``triton.compile`` with a
-``GPUTarget``; only the PTX assembler bundled with Triton is needed, no driver). With
-``-v`` it runs that assembler (``ptxas -v``) to report registers, spills and shared memory
-per kernel::
+``nexus_vllm.kernels._launch`` configures it (tiling from ``_tuning.py``) for a set of
+model shapes (``triton.compile`` with a ``GPUTarget``; only the PTX assembler bundled with
+Triton is needed, no driver). With ``-v`` it runs that assembler (``ptxas -v``) to report
+registers, spills and shared memory per kernel::
 
     python benchmarks/kernels/aot_compile_check.py [--arch 90] [-v]
 
@@ -97,12 +97,13 @@ def _compile(fn, types: dict[str, str], consts: dict, num_warps: int, arch: int,
 def compile_all(arch: int = 90, verbose: bool = False, shapes=SCORING_SHAPES) -> list[Build]:
     """Build every kernel for ``shapes``; raises on a compile error."""
     os.environ.pop("TRITON_INTERPRET", None)
-    from nexus_vllm.kernels import ops
+    from nexus_vllm.kernels import _tuning
+    from nexus_vllm.kernels._interpreter import kernel_module
 
-    k = ops._kernels()  # compiled-mode module (reloaded if it was interpreted)
+    k = kernel_module()  # compiled-mode module (reloaded if it was interpreted)
     builds = []
     for name, dtype, w, hq, hkv, d, bs in shapes:
-        cfg = ops.scoring_config(dtype, w, hq, hkv, d, bs, interpret=False)
+        cfg = _tuning.scoring_config(dtype, w, hq, hkv, d, bs, interpret=False)
         types = {
             "q_ptr": f"*{_TL[dtype]}",
             "k_ptr": f"*{_TL[dtype]}",
@@ -124,9 +125,9 @@ def compile_all(arch: int = 90, verbose: bool = False, shapes=SCORING_SHAPES) ->
         builds.append(Build("partial", name, cfg.num_warps, shared, regs, spill))
         consts_f = {
             "BS": bs,
-            "CHUNK": ops._CHUNK,
+            "CHUNK": _tuning.CHUNK,
             "W_P": cfg.w_p,
-            "C_TILE": min(64, 2048 // cfg.w_p),
+            "C_TILE": _tuning.factor_chunk_tile(cfg.w_p),
         }
         f_types = {"seq_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32"}
         shared, regs, spill = _compile(
@@ -136,9 +137,9 @@ def compile_all(arch: int = 90, verbose: bool = False, shapes=SCORING_SHAPES) ->
         for acc in (False, True):
             consts_c = {
                 "BS": bs,
-                "CHUNK": ops._CHUNK,
+                "CHUNK": _tuning.CHUNK,
                 "W_P": cfg.w_p,
-                "BLOCK_N": ops._BLOCK_N,
+                "BLOCK_N": _tuning.BLOCK_N,
                 "ACCUMULATE": acc,
             }
             c_types = {
@@ -160,7 +161,12 @@ def compile_all(arch: int = 90, verbose: bool = False, shapes=SCORING_SHAPES) ->
             "out_seq_ptr": f"*{it}",
         }
         shared, regs, spill = _compile(
-            k._compact_block_tables_kernel, types, {"BS": 16, "BLOCK": 1024}, 4, arch, verbose
+            k._compact_block_tables_kernel,
+            types,
+            {"BS": 16, "BLOCK": _tuning.COMPACT_MAX_TILE},
+            4,
+            arch,
+            verbose,
         )
         builds.append(Build("compact", it, 4, shared, regs, spill))
     return builds

@@ -9,7 +9,7 @@ config                 what it isolates
 =====================  ===============================================================
 ``stock``              vLLM's default (FULL_AND_PIECEWISE graphs)
 ``stock-piecewise``    the same with ``cudagraph_mode=PIECEWISE``: the graph-mode cost
-``nexus-idle``         eviction on, budget far above the length: hooks without events
+``nexus-idle``         eviction on, budget = the max length: hooks without events
 ``nexus``              eviction on at ``--budget`` tokens: hooks, scoring and events
 =====================  ===============================================================
 
@@ -35,8 +35,8 @@ import time
 
 CONFIGS: dict[str, list[str]] = {
     "stock": [],
-    "stock-piecewise": ["-cc", '{"cudagraph_mode": "PIECEWISE"}'],
-    "nexus-idle": ["--kv-eviction", "nexus", "--kv-budget", "1000000"],
+    "stock-piecewise": ["-cc", '{{"cudagraph_mode": "PIECEWISE"}}'],  # str.format escapes
+    "nexus-idle": ["--kv-eviction", "nexus", "--kv-budget", "{max_len}"],
     "nexus": ["--kv-eviction", "nexus", "--kv-budget", "{budget}"],
 }
 
@@ -79,15 +79,16 @@ def main(argv: list[str] | None = None) -> int:
         from nexus_vllm.models import default_model_path
 
         model = str(default_model_path())
-    base = (["--gpu-memory-utilization", "0.5", "--max-model-len",
-             str(args.input_len + args.output_len + 64)] if gpu else CPU_FLAGS)
+    max_len = args.input_len + args.output_len + 64
+    base = (["--gpu-memory-utilization", "0.5"] if gpu else list(CPU_FLAGS))
+    base += ["--max-model-len", str(max_len)]  # the last flag wins over CPU_FLAGS
     levels = [int(c) for c in args.concurrency.split(",")]
     names = args.configs.split(",")
     rows: list[dict[str, object]] = []
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="nexus_cg_cost_"))
     bar = tqdm(total=len(names) * len(levels), desc="cudagraph cost", unit="run")
     for name in names:
-        flags = [f.format(budget=args.budget) for f in CONFIGS[name]]
+        flags = [f.format(budget=args.budget, max_len=max_len) for f in CONFIGS[name]]
         if not gpu and name == "stock-piecewise":
             bar.update(len(levels))
             continue  # no CUDA graphs on the CPU

@@ -4,10 +4,12 @@ This package is the oracle that the Triton kernels, the vLLM plugin and the eval
 are tested against.
 """
 
+from ._validate import ConfigError
 from .config import METHODS, EvictionConfig
 from .policies import (
     POLICIES,
     EvictionPolicy,
+    Evidence,
     H2OPolicy,
     KNormPolicy,
     NexusPolicy,
@@ -22,6 +24,7 @@ from .sampling import SAMPLERS, inclusion_probabilities, sample_blocks
 from .scoring import (
     block_attention_mass,
     block_attention_mass_paged,
+    cdiv,
     gather_paged_keys,
     num_blocks_for,
 )
@@ -34,7 +37,9 @@ __all__ = [
     "POLICIES",
     "SAMPLERS",
     "WALK_ROWS",
+    "ConfigError",
     "EvictionConfig",
+    "Evidence",
     "EvictionPolicy",
     "EvictionTrigger",
     "H2OPolicy",
@@ -46,6 +51,7 @@ __all__ = [
     "TOVAPolicy",
     "block_attention_mass",
     "block_attention_mass_paged",
+    "cdiv",
     "direct_scores",
     "forced_blocks",
     "gather_paged_keys",

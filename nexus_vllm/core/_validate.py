@@ -1,4 +1,6 @@
-"""Shared argument checks: every bad input raises ``ValueError`` naming the argument."""
+"""Shared argument checks: every bad input raises :class:`ConfigError` (a ``ValueError``)
+naming the argument in its message and in ``.field``, so callers map it to a flag or a
+request field without parsing the message."""
 
 from __future__ import annotations
 
@@ -9,19 +11,27 @@ from typing import Any
 import torch
 
 
+class ConfigError(ValueError):
+    """A bad setting; ``field`` is the argument's name (e.g. ``"max_tokens"``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def check_choice(name: str, value: Any, allowed: Iterable[str]) -> None:
     allowed = tuple(allowed)
     if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+        raise ConfigError(name, f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 
 
 def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int; got {value!r}")
+        raise ConfigError(name, f"{name} must be an int; got {value!r}")
     if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}; got {value}")
+        raise ConfigError(name, f"{name} must be >= {low}; got {value}")
     if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}; got {value}")
+        raise ConfigError(name, f"{name} must be <= {high}; got {value}")
 
 
 def check_float(
@@ -33,21 +43,21 @@ def check_float(
     low_open: bool = False,
 ) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number; got {value!r}")
+        raise ConfigError(name, f"{name} must be a finite number; got {value!r}")
     if low is not None and (value <= low if low_open else value < low):
-        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}; got {value}")
+        raise ConfigError(name, f"{name} must be {'>' if low_open else '>='} {low}; got {value}")
     if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}; got {value}")
+        raise ConfigError(name, f"{name} must be <= {high}; got {value}")
 
 
 def check_weights(name: str, weights: torch.Tensor) -> None:
     if not isinstance(weights, torch.Tensor) or weights.dim() != 1:
         shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights)
-        raise ValueError(f"{name} must be a 1-D tensor; got {shape}")
+        raise ConfigError(name, f"{name} must be a 1-D tensor; got {shape}")
     if weights.numel() and not bool(torch.isfinite(weights).all()):
-        raise ValueError(f"{name} must be finite (no NaN or inf)")
+        raise ConfigError(name, f"{name} must be finite (no NaN or inf)")
     if weights.numel() and bool((weights < 0).any()):
-        raise ValueError(f"{name} must be non-negative")
+        raise ConfigError(name, f"{name} must be non-negative")
 
 
 def check_mass(mass: torch.Tensor) -> None:

@@ -7,6 +7,7 @@ policies and budgets from this, so a setting means the same thing everywhere.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import math
 from dataclasses import dataclass, fields
@@ -14,15 +15,23 @@ from typing import Any
 
 import torch
 
-from ._validate import check_choice, check_float, check_int
-from .policies import POLICIES, EvictionPolicy, get_policy
-from .sampling import SAMPLERS
-from .weights import INDIRECT_MODES, WALK_ROWS
+from ._validate import ConfigError, check_choice, check_float, check_int
+from .policies import POLICIES, EvictionPolicy, NexusPolicy, get_policy
+from .weights import INDIRECT_MODES
 
 __all__ = ["METHODS", "EvictionConfig"]
 
 METHODS = ("none", *POLICIES)
-_NEXUS_KNOBS = ("steps", "lam", "walk_rows", "sampler", "n")
+# Engine-level fields that policies do not take; every other field a policy class also
+# declares is passed to it by policy() (the policy's own default is the field's default).
+_ENGINE_FIELDS = ("method", "max_tokens", "keep_ratio", "block_size", "interval", "window",
+                  "prefill_window", "chunk_size", "skip_layers", "indirect",
+                  "prefill_indirect", "seed")
+
+
+def _policy_default(cls: type, name: str) -> Any:
+    """A policy class's default for knob ``name`` (the one source of truth)."""
+    return {f.name: f.default for f in fields(cls)}[name]
 
 
 @dataclass(frozen=True)
@@ -54,8 +63,9 @@ class EvictionConfig:
         Layers below this index are not scored.
     indirect, prefill_indirect : str
         Nexus indirect mode at decode and at prefill.
-    steps, lam, walk_rows, sampler, n :
-        Nexus knobs (see :class:`~nexus_vllm.core.policies.NexusPolicy`).
+    steps, lam, walk_rows, sampler, n, knorm_prior :
+        Nexus knobs (see :class:`~nexus_vllm.core.policies.NexusPolicy`, which holds their
+        defaults).
     seed : int
         Global seed; each request's generator is seeded from (seed, request seed).
     """
@@ -71,19 +81,20 @@ class EvictionConfig:
     prefill_window: int = 32
     chunk_size: int = 512
     skip_layers: int = 2
-    indirect: str = "walk"
+    indirect: str = _policy_default(NexusPolicy, "indirect")
     prefill_indirect: str = "hub"
-    steps: int = 3
-    lam: float = 0.5
-    walk_rows: str = "newest"
-    sampler: str = "pps"
-    n: int = 4
+    steps: int = _policy_default(NexusPolicy, "steps")
+    lam: float = _policy_default(NexusPolicy, "lam")
+    walk_rows: str = _policy_default(NexusPolicy, "walk_rows")
+    sampler: str = _policy_default(NexusPolicy, "sampler")
+    n: int = _policy_default(NexusPolicy, "n")
+    knorm_prior: float = _policy_default(NexusPolicy, "knorm_prior")
     seed: int = 0
 
     def __post_init__(self) -> None:
         check_choice("method", self.method, METHODS)
         if self.max_tokens is not None and self.keep_ratio is not None:
-            raise ValueError("give at most one of max_tokens and keep_ratio")
+            raise ConfigError("max_tokens", "give at most one of max_tokens and keep_ratio")
         check_int("block_size", self.block_size, low=1)
         check_int("sink_blocks", self.sink_blocks, low=1)
         check_int("recent_blocks", self.recent_blocks, low=0)
@@ -91,9 +102,10 @@ class EvictionConfig:
             check_int("max_tokens", self.max_tokens, low=1)
             floor = self.num_forced * self.block_size
             if self.max_tokens < floor:
-                raise ValueError(
+                raise ConfigError(
+                    "max_tokens",
                     f"max_tokens must be >= (sink_blocks + recent_blocks + 1) * block_size = "
-                    f"{floor}; got {self.max_tokens}"
+                    f"{floor}; got {self.max_tokens}",
                 )
         if self.keep_ratio is not None:
             check_float("keep_ratio", self.keep_ratio, low=0.0, high=1.0, low_open=True)
@@ -102,28 +114,52 @@ class EvictionConfig:
         check_int("prefill_window", self.prefill_window, low=1)
         check_int("chunk_size", self.chunk_size, low=1)
         check_int("skip_layers", self.skip_layers, low=0)
-        check_choice("indirect", self.indirect, INDIRECT_MODES)
         check_choice("prefill_indirect", self.prefill_indirect, INDIRECT_MODES)
-        check_int("steps", self.steps, low=1)
-        check_float("lam", self.lam, low=0.0)
-        check_choice("walk_rows", self.walk_rows, WALK_ROWS)
-        check_choice("sampler", self.sampler, SAMPLERS)
-        check_int("n", self.n, low=1)
         check_int("seed", self.seed)
+        # The policies validate their own knobs (one source of truth for ranges too).
+        NexusPolicy(**self._knobs_for(NexusPolicy, prefill=False))
 
     # -- construction ---------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EvictionConfig:
         """Build from a mapping, rejecting unknown keys (typos must not pass silently)."""
         if not isinstance(data, dict):
-            raise ValueError(f"eviction config must be a mapping; got {type(data).__name__}")
+            raise ConfigError("", f"eviction config must be a mapping; got "
+                                  f"{type(data).__name__}")
         allowed = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - allowed)
+        # key=repr: a YAML file may hold non-string keys, which do not sort with str.
+        unknown = sorted(set(data) - allowed, key=repr)
         if unknown:
-            raise ValueError(
-                f"unknown eviction config key(s) {unknown}; allowed: {sorted(allowed)}"
+            hints = [f"{m[0]!r} for {k!r}" for k in unknown if isinstance(k, str)
+                     for m in [difflib.get_close_matches(k, allowed, n=1)] if m]
+            hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+            raise ConfigError(
+                str(unknown[0]),
+                f"unknown eviction config key(s) {unknown}{hint}; allowed: {sorted(allowed)}",
             )
         return cls(**data)
+
+    @classmethod
+    def from_budget(cls, method: str, budget: float | int, **knobs: Any) -> EvictionConfig:
+        """The one budget rule: a float in (0, 1] is a keep ratio of the tokens seen, an int
+        a token count (``max_tokens``).
+
+        Raises
+        ------
+        ConfigError
+            Naming ``budget`` when it is neither.
+        """
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+            raise ConfigError("budget", f"budget must be a float in (0, 1] or a positive int "
+                                        f"number of tokens; got {budget!r}")
+        if isinstance(budget, int):
+            if budget < 1:
+                raise ConfigError("budget", f"budget must be a positive token count; got "
+                                            f"{budget}")
+            return cls.from_dict({"method": method, "max_tokens": budget, **knobs})
+        if not (math.isfinite(budget) and 0.0 < budget <= 1.0):
+            raise ConfigError("budget", f"budget as a ratio must be in (0, 1]; got {budget}")
+        return cls.from_dict({"method": method, "keep_ratio": float(budget), **knobs})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -133,7 +169,7 @@ class EvictionConfig:
         merged = self.to_dict()
         unknown = sorted(set(changes) - set(merged))
         if unknown:
-            raise ValueError(f"unknown eviction config key(s) {unknown}")
+            raise ConfigError(unknown[0], f"unknown eviction config key(s) {unknown}")
         merged.update(changes)
         return EvictionConfig(**merged)
 
@@ -168,14 +204,17 @@ class EvictionConfig:
         """The policy object for decode events, or for prefill-chunk events."""
         if self.method == "none":
             raise ValueError("method 'none' has no eviction policy")
-        knobs: dict[str, Any] = {
-            "sink_blocks": self.sink_blocks,
-            "recent_blocks": self.recent_blocks,
-        }
-        if self.method == "nexus":
-            knobs.update({k: getattr(self, k) for k in _NEXUS_KNOBS})
+        return get_policy(self.method, **self._knobs_for(POLICIES[self.method],
+                                                         prefill=prefill))
+
+    def _knobs_for(self, cls: type[EvictionPolicy], *, prefill: bool) -> dict[str, Any]:
+        """This config's values of the knobs policy ``cls`` takes."""
+        takes = {f.name for f in fields(cls)}
+        knobs = {f.name: getattr(self, f.name) for f in fields(self)
+                 if f.name in takes and f.name not in _ENGINE_FIELDS}
+        if "indirect" in takes:
             knobs["indirect"] = self.prefill_indirect if prefill else self.indirect
-        return get_policy(self.method, **knobs)
+        return knobs
 
     def generator(self, request_seed: int | str = 0) -> torch.Generator:
         """CPU generator seeded from (global seed, request seed): a recomputed (preempted)

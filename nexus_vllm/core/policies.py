@@ -1,10 +1,16 @@
 """Eviction policies: one small frozen dataclass each, sharing the forced set.
 
-A policy sees the block attention mass of one request (``[W, N]``, live blocks in logical
-order) and returns the blocks to KEEP. Every policy keeps the forced set: the first
-``sink_blocks`` blocks (the attention sink), the newest ``recent_blocks`` full blocks and
-the current (last) block. The rest of the budget is filled by :meth:`EvictionPolicy.score`
-and the policy's sampler.
+A policy sees the :class:`Evidence` of one request's event (the block attention mass
+``[W, N]`` of its live blocks in logical order, or their key norms) and returns the blocks
+to KEEP. Every policy keeps the forced set: the first ``sink_blocks`` blocks (the attention
+sink), the newest ``recent_blocks`` full blocks and the current (last) block. The rest of
+the budget is filled by :meth:`EvictionPolicy.score` and the policy's sampler.
+
+A policy declares what it needs, so callers ask it instead of testing its name:
+``needs`` (which evidence it reads), ``query_rows`` (how many of the newest window rows of
+the mass it reads: the scorer computes no more), ``stochastic`` (whether its choice
+depends on the generator) and ``servable`` (whether the vLLM plugin can gather its
+evidence). Adding a policy is one class here plus one row in the tests' case table.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from .weights import INDIRECT_MODES, WALK_ROWS, nexus_weights
 
 __all__ = [
     "POLICIES",
+    "Evidence",
     "EvictionPolicy",
     "H2OPolicy",
     "KNormPolicy",
@@ -48,6 +55,27 @@ def forced_blocks(num_blocks: int, sink_blocks: int, recent_blocks: int) -> torc
 
 
 @dataclass(frozen=True)
+class Evidence:
+    """What a policy may read at one event of one request.
+
+    Attributes
+    ----------
+    mass : Tensor[W, N]
+        Block attention mass of the newest window queries on the N live blocks (rows sum
+        to 1); ``[1, N]`` of anything for policies that do not need it.
+    key_norms : Tensor[N], optional
+        Mean key norm per live block (for policies that need ``"key_norms"``).
+    """
+
+    mass: torch.Tensor
+    key_norms: torch.Tensor | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.mass.shape[1])
+
+
+@dataclass(frozen=True)
 class EvictionPolicy:
     """Base class: forced set + ``score()`` + a sampler.
 
@@ -63,7 +91,12 @@ class EvictionPolicy:
     recent_blocks: int = 4
 
     name: ClassVar[str] = "base"
-    sampler_name: ClassVar[str] = "topk"
+    # Evidence read by score(): "mass" and/or "key_norms"; empty for score-free policies.
+    evidence: ClassVar[frozenset[str]] = frozenset({"mass"})
+    # Newest rows of the window's mass that score() reads (None: all of them).
+    query_rows: ClassVar[int | None] = None
+    # Whether the vLLM plugin gathers this policy's evidence.
+    servable: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_int("sink_blocks", self.sink_blocks, low=1)
@@ -74,14 +107,25 @@ class EvictionPolicy:
         """Blocks the forced set takes once a sequence is long enough."""
         return self.sink_blocks + self.recent_blocks + 1
 
-    def score(
-        self,
-        mass: torch.Tensor,
-        *,
-        state: dict[str, Any] | None = None,
-        key_norms: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Per-block keep weight, Tensor[N]; larger means more worth keeping."""
+    @property
+    def needs(self) -> frozenset[str]:
+        """The evidence this instance reads (its class's, unless a knob adds some)."""
+        return self.evidence
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether the kept set depends on the generator (several seeds are informative)."""
+        return False
+
+    def window(self, window: int) -> int:
+        """Query rows worth scoring out of a ``window`` (fewer for ``query_rows``)."""
+        return window if self.query_rows is None else min(window, self.query_rows)
+
+    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+        """Per-block keep weight, Tensor[N]; larger means more worth keeping.
+
+        ``state`` is the caller-owned per-request dict (None when the caller keeps none).
+        """
         raise NotImplementedError
 
     def choose(
@@ -126,9 +170,11 @@ class EvictionPolicy:
         check_mass(mass)
         check_int("budget_blocks", budget_blocks, low=0)
         n = mass.shape[1]
-        weights = (
-            self.score(mass, state=state, key_norms=key_norms).detach().to("cpu", torch.float64)
-        )
+        if "key_norms" in self.needs and key_norms is None:
+            raise ValueError(f"key_norms is required by policy {self.name!r} (mean key norm "
+                             "per block)")
+        evidence = Evidence(mass=mass, key_norms=key_norms)
+        weights = self.score(evidence, state).detach().to("cpu", torch.float64)
         if weights.shape != (n,):
             raise ValueError(
                 f"{self.name}.score returned shape {tuple(weights.shape)}, want ({n},)"
@@ -171,6 +217,11 @@ class NexusPolicy(EvictionPolicy):
     sampler : {"pps", "ares", "topk"}
     n : int
         Uniforms averaged by ``ares`` (>= 1).
+    knorm_prior : float
+        Strength ``beta`` (>= 0) of a key-norm prior on the weights: each block's weight
+        is multiplied by ``exp(-beta * z)``, ``z`` its mean key norm standardised over
+        the live blocks (low-norm keys draw attention: KNorm's observation). 0, the
+        default, is plain Nexus; > 0 also reads the blocks' key norms.
     """
 
     indirect: str = "walk"
@@ -180,6 +231,7 @@ class NexusPolicy(EvictionPolicy):
     eps: float = 1e-6
     sampler: str = "pps"
     n: int = 4
+    knorm_prior: float = 0.0
 
     name: ClassVar[str] = "nexus"
 
@@ -188,22 +240,38 @@ class NexusPolicy(EvictionPolicy):
         check_choice("indirect", self.indirect, INDIRECT_MODES)
         check_choice("walk_rows", self.walk_rows, WALK_ROWS)
         check_choice("sampler", self.sampler, SAMPLERS)
-        check_int("steps", self.steps, low=1)
-        check_int("n", self.n, low=1)
-        check_float("lam", self.lam, low=0.0)
+        # Upper bounds keep a typo from making scoring arbitrarily slow or overflowing.
+        check_int("steps", self.steps, low=1, high=64)
+        check_int("n", self.n, low=1, high=1024)
+        check_float("lam", self.lam, low=0.0, high=1e6)
         check_float("eps", self.eps, low=0.0)
+        check_float("knorm_prior", self.knorm_prior, low=0.0, high=100.0)
 
-    def score(self, mass, *, state=None, key_norms=None):  # type: ignore[no-untyped-def]
-        return nexus_weights(
-            mass,
+    @property
+    def needs(self) -> frozenset[str]:
+        return self.evidence | {"key_norms"} if self.knorm_prior > 0 else self.evidence
+
+    @property
+    def stochastic(self) -> bool:
+        return self.sampler != "topk"
+
+    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+        weights = nexus_weights(
+            evidence.mass,
             indirect=self.indirect,
             steps=self.steps,
             lam=self.lam,
             walk_rows=self.walk_rows,
             eps=self.eps,
         )
+        if self.knorm_prior > 0 and evidence.key_norms is not None:
+            norms = evidence.key_norms.detach().to(weights.device, torch.float64).flatten()
+            z = (norms - norms.mean()) / norms.std(unbiased=False).clamp(min=1e-12)
+            weights = weights * torch.exp(-self.knorm_prior * z).to(weights.dtype)
+        return weights
 
-    def choose(self, weights, k, generator):  # type: ignore[no-untyped-def]
+    def choose(self, weights: torch.Tensor, k: int,
+               generator: torch.Generator | None) -> torch.Tensor:
         return sample_blocks(weights, k, sampler=self.sampler, n=self.n, generator=generator)
 
 
@@ -214,8 +282,8 @@ class H2OPolicy(EvictionPolicy):
     name: ClassVar[str] = "h2o"
     STATE_KEY: ClassVar[str] = "h2o_cumulative_mass"
 
-    def score(self, mass, *, state=None, key_norms=None):  # type: ignore[no-untyped-def]
-        current = mass.detach().to("cpu", torch.float64).sum(dim=0)
+    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+        current = evidence.mass.detach().to("cpu", torch.float64).sum(dim=0)
         if state is None:
             return current
         previous = state.get(self.STATE_KEY)
@@ -229,7 +297,7 @@ class H2OPolicy(EvictionPolicy):
         state[self.STATE_KEY] = current
         return current
 
-    def after_select(self, keep, state):  # type: ignore[no-untyped-def]
+    def after_select(self, keep: torch.Tensor, state: dict[str, Any] | None) -> None:
         if state is not None and self.STATE_KEY in state:
             state[self.STATE_KEY] = state[self.STATE_KEY][keep]
 
@@ -240,8 +308,8 @@ class SnapKVPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "snapkv"
 
-    def score(self, mass, *, state=None, key_norms=None):  # type: ignore[no-untyped-def]
-        return mass.detach().to("cpu", torch.float64).sum(dim=0)
+    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+        return evidence.mass.detach().to("cpu", torch.float64).sum(dim=0)
 
 
 @dataclass(frozen=True)
@@ -249,8 +317,10 @@ class TOVAPolicy(EvictionPolicy):
     """TOVA: the newest query's attention row only."""
 
     name: ClassVar[str] = "tova"
+    query_rows: ClassVar[int | None] = 1
 
-    def score(self, mass, *, state=None, key_norms=None):  # type: ignore[no-untyped-def]
+    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+        mass = evidence.mass
         if mass.shape[0] == 0:
             return torch.zeros(mass.shape[1], dtype=torch.float64)
         return mass[-1].detach().to("cpu", torch.float64)
@@ -261,9 +331,10 @@ class StreamingPolicy(EvictionPolicy):
     """StreamingLLM: sinks plus the most recent blocks; no scores needed."""
 
     name: ClassVar[str] = "streaming"
+    evidence: ClassVar[frozenset[str]] = frozenset()
 
-    def score(self, mass, *, state=None, key_norms=None):  # type: ignore[no-untyped-def]
-        return torch.arange(mass.shape[1], dtype=torch.float64)
+    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+        return torch.arange(evidence.num_blocks, dtype=torch.float64)
 
 
 @dataclass(frozen=True)
@@ -271,11 +342,17 @@ class RandomPolicy(EvictionPolicy):
     """Uniformly random among the non-forced blocks."""
 
     name: ClassVar[str] = "random"
+    evidence: ClassVar[frozenset[str]] = frozenset()
 
-    def score(self, mass, *, state=None, key_norms=None):  # type: ignore[no-untyped-def]
-        return torch.ones(mass.shape[1], dtype=torch.float64)
+    @property
+    def stochastic(self) -> bool:
+        return True
 
-    def choose(self, weights, k, generator):  # type: ignore[no-untyped-def]
+    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+        return torch.ones(evidence.num_blocks, dtype=torch.float64)
+
+    def choose(self, weights: torch.Tensor, k: int,
+               generator: torch.Generator | None) -> torch.Tensor:
         return torch.randperm(weights.numel(), generator=generator)[:k]
 
 
@@ -284,13 +361,14 @@ class KNormPolicy(EvictionPolicy):
     """Keep the blocks with the lowest mean key norm (high-norm keys draw little attention)."""
 
     name: ClassVar[str] = "knorm"
+    evidence: ClassVar[frozenset[str]] = frozenset({"key_norms"})
 
-    def score(self, mass, *, state=None, key_norms=None):  # type: ignore[no-untyped-def]
-        if key_norms is None:
-            raise ValueError("key_norms is required by policy 'knorm' (mean key norm per block)")
-        norms = key_norms.detach().to("cpu", torch.float64).flatten()
-        if norms.numel() != mass.shape[1] or not bool(torch.isfinite(norms).all()):
-            raise ValueError(f"key_norms must be {mass.shape[1]} finite values, one per block")
+    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+        assert evidence.key_norms is not None  # select() checks what the policy needs
+        norms = evidence.key_norms.detach().to("cpu", torch.float64).flatten()
+        n = evidence.num_blocks
+        if norms.numel() != n or not bool(torch.isfinite(norms).all()):
+            raise ValueError(f"key_norms must be {n} finite values, one per block")
         return -norms
 
 

@@ -14,6 +14,7 @@ import torch
 __all__ = [
     "block_attention_mass",
     "block_attention_mass_paged",
+    "cdiv",
     "gather_paged_keys",
     "num_blocks_for",
 ]
@@ -21,9 +22,14 @@ __all__ = [
 KV_LAYOUTS = ("NHD", "HND")
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints ``b > 0``, exactly (no float rounding for large ``a``)."""
+    return -(-a // b)
+
+
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
     """Number of blocks that hold ``num_tokens`` tokens (the last one may be partial)."""
-    return -(-num_tokens // block_size)
+    return cdiv(num_tokens, block_size)
 
 
 def _check_block_size(block_size: int) -> None:

@@ -1,9 +1,9 @@
 """Runs kvpress presses on prepared samples; executed inside the kvpress virtualenv.
 
-kvpress 0.5.5 needs transformers < 5.3 while vLLM needs >= 5.16, so this file runs as a
-script under ``.venv-kvpress/bin/python`` and imports only torch, transformers and
-kvpress (never ``nexus_vllm``). It reads the exact token ids our own harness uses, so the
-only difference between the two sides is the eviction method.
+kvpress 0.5.5 needs transformers < 5.3 while vLLM 0.32 needs transformers >= 5.16, so
+this file runs as a script under ``.venv-kvpress/bin/python`` and imports only torch,
+transformers and kvpress (never ``nexus_vllm``). It reads the exact token ids our own
+harness uses, so the only difference between the two sides is the eviction method.
 
 Protocol (kvpress's own): the whole context is prefilled at once and compressed by the
 press when the prefill ends; the question and the answer are then fed uncompressed.
@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
+# Our press name -> kvpress class; the keys are peers.PEER_PRESSES (a test checks).
 PRESS_CLASSES = {
     "snapkv": "SnapKVPress",
     "streaming": "StreamingLLMPress",
     "tova": "TOVAPress",
     "knorm": "KnormPress",
     "expected_attention": "ExpectedAttentionPress",
-    "random": "RandomPress",
 }
 
 

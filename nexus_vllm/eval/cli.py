@@ -11,6 +11,8 @@ Writes into ``--out``: ``records.jsonl`` (one line per run, resumable), ``result
 
 ``--calibrate`` runs dense only over the tasks and ``--context`` lengths (comma list) and
 writes ``calibration.md``: keep tasks and lengths where dense is well above chance.
+``--report-only`` rebuilds the reports from the records on disk; ``--publish DIR`` then
+copies the run's reports and records into DIR (``docs/figures/<run>``).
 """
 
 from __future__ import annotations
@@ -19,25 +21,16 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import sys
 from typing import Any
+
+from nexus_vllm.eval.budget import parse_budget
 
 __all__ = ["build_parser", "main"]
 
 DEFAULT_TASKS = "niah_single_noise,niah_single_prose,niah_multikey,vt,passkey"
 DEFAULT_METHODS = "dense,nexus,h2o,snapkv,tova,streaming,random"
-
-
-def _budget(text: str) -> float | int:
-    """'0.2' -> keep ratio 0.2 (float); '512' -> 512 tokens (int)."""
-    v = float(text)
-    if "." in text or "e" in text.lower():
-        return v
-    return int(v)
-
-
-def _split(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild results/table/plots from records.jsonl without running")
+    p.add_argument("--publish", type=pathlib.Path, default=None, metavar="DIR",
+                   help="afterwards copy the reports, records and config into DIR")
     return p
 
 
@@ -111,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(threads)
+    from nexus_vllm.eval.records import read_records
+    from nexus_vllm.eval.report import write_reports
     from nexus_vllm.eval.runner import RunConfig, config_dict, run_eval
     from nexus_vllm.eval.tasks import PROTOCOLS, TASKS
 
@@ -124,24 +121,26 @@ def main(argv: list[str] | None = None) -> int:
     knobs = opts.get("knobs") or {}
     if isinstance(knobs, str):
         knobs = json.loads(knobs)
-    budgets = [b if isinstance(b, (int, float)) else _budget(b)
-               for b in _as_list(opts.get("budgets", "0.2"))]
-    budgets = [_budget(str(b)) if isinstance(b, str) else b for b in budgets]
-    cfg = RunConfig(
-        model=str(opts.get("model") or "default"), tasks=tuple(tasks), methods=tuple(methods),
-        budgets=tuple(budgets), contexts=tuple(int(c) for c in _as_list(opts.get("context", 2048))),
-        protocols=tuple(protocols), samples=int(opts.get("samples", 4)),
-        seeds=int(opts.get("seeds", 2)), data_seed=int(opts.get("data_seed", 1)),
-        chunk_size=int(opts.get("chunk_size", 512)), knobs=dict(knobs), threads=threads,
-    )
+    # YAML gives numbers (kept as typed), the command line a comma list of strings.
+    raw = opts.get("budgets", "0.2")
+    try:
+        budgets = [parse_budget(b) for b in (raw if isinstance(raw, (list, tuple))
+                                             else _as_list(raw))]
+        cfg = RunConfig(
+            model=str(opts.get("model") or "default"), tasks=tuple(tasks),
+            methods=tuple(methods), budgets=tuple(budgets),
+            contexts=tuple(int(c) for c in _as_list(opts.get("context", 2048))),
+            protocols=tuple(protocols), samples=int(opts.get("samples", 4)),
+            seeds=int(opts.get("seeds", 2)), data_seed=int(opts.get("data_seed", 1)),
+            chunk_size=int(opts.get("chunk_size", 512)), knobs=dict(knobs), threads=threads,
+        )
+    except ValueError as exc:  # bad budgets, methods or knobs: say which, no traceback
+        raise SystemExit(f"nexus-vllm eval: {exc}") from None
     out.mkdir(parents=True, exist_ok=True)
-    _write_config(out, cfg, config_dict)
+    _write_config(out, config_dict(cfg))
 
     if opts.get("report_only"):
-        records = []
-        for name in ("records.jsonl", "kvpress_records.jsonl"):
-            if (out / name).exists():
-                records += [json.loads(x) for x in (out / name).read_text().splitlines() if x]
+        records = read_records(out / "records.jsonl", out / "kvpress_records.jsonl")
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -154,124 +153,32 @@ def main(argv: list[str] | None = None) -> int:
                                                      attn_implementation="sdpa").eval()
         records = run_eval(cfg, model, tokenizer, out, progress=not opts.get("no_progress"))
     if opts.get("peer") == "kvpress":
-        records = records + _run_kvpress_peer(cfg, out)
-    _write_reports(out, cfg, records, calibrate=bool(opts.get("calibrate")))
+        from nexus_vllm.eval.peers import run_kvpress_peer
+
+        records = records + run_kvpress_peer(cfg, out)
+    write_reports(out, cfg, records, calibrate=bool(opts.get("calibrate")))
     print(f"nexus-vllm eval: wrote {out}/results.json, table.md, plots", file=sys.stderr)
+    if opts.get("publish") is not None:
+        _publish(out, pathlib.Path(opts["publish"]))
     return 0
 
 
-def _run_kvpress_peer(cfg: Any, out: pathlib.Path) -> list[dict[str, Any]]:
-    """kvpress presses on exactly our samples' token ids (own virtualenv, see peers.py).
-
-    Records go to ``kvpress_records.jsonl`` (resumable per sample) in our record format,
-    with methods named ``kvpress:<press>``.
-    """
-    from transformers import AutoTokenizer
-
-    from nexus_vllm.eval.peers import PEER_PRESSES, run_kvpress
-    from nexus_vllm.eval.runner import _key
-    from nexus_vllm.eval.tasks import make_sample
-    from nexus_vllm.hf.generate import encode_prompt
-    from nexus_vllm.models import resolve_model_path
-
-    path = resolve_model_path(None if cfg.model == "default" else cfg.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    rec_path = out / "kvpress_records.jsonl"
-    records = [json.loads(x) for x in rec_path.read_text().splitlines() if x.strip()] \
-        if rec_path.exists() else []
-    budgets = [b for b in cfg.budgets if isinstance(b, float)]
-    per_sample: dict[tuple[Any, ...], int] = {}
-    for r in records:
-        sid_done = tuple(json.loads(r["key"])[:4])
-        per_sample[sid_done] = per_sample.get(sid_done, 0) + 1
-    # A sample is done when every press x budget came back (the worker streams per sample).
-    done = {k for k, n in per_sample.items() if n >= len(PEER_PRESSES) * len(budgets)}
-    samples, meta = [], {}
-    for context in cfg.contexts:
-        for task in cfg.tasks:
-            for index in range(cfg.samples):
-                for protocol in cfg.protocols:
-                    sid = (task, context, protocol, index)
-                    if sid in done:
-                        continue
-                    s = make_sample(task, seed=cfg.data_seed, index=index, target_tokens=context,
-                                    tokenizer=tokenizer, protocol=protocol)
-                    split = encode_prompt(tokenizer, s.context, s.question, preamble=s.preamble,
-                                          answer=s.target)
-                    key = json.dumps(list(sid))
-                    meta[key] = (sid, s)
-                    samples.append({"key": key, "ids": split.ids.tolist(),
-                                    "n_context": split.n_context, "n_prompt": split.n_prompt,
-                                    "max_new_tokens": s.max_new_tokens})
-    if not samples:
-        return records
-    with rec_path.open("a") as fh:
-        def on_record(r: dict[str, Any]) -> None:
-            sid, s = meta[r["key"]]
-            label = f"kvpress:{r['press']}"
-            budget = r["budget"]
-            rec = {**{k: v for k, v in r.items() if k not in ("press", "key")},
-                   "key": _key(*sid, label, budget, 0), "task": sid[0], "context": sid[1],
-                   "protocol": sid[2], "index": sid[3], "method": label, "budget": budget,
-                   "seed": 0, "score": s.score(r["prediction"]), "answers": list(s.answers),
-                   "prompt_tokens": s.num_tokens, "events": 1}
-            if rec["key"] in seen:  # re-run of a partially finished sample
-                return
-            seen.add(rec["key"])
-            fh.write(json.dumps(rec) + "\n")
-            fh.flush()
-            records.append(rec)
-
-        seen = {r["key"] for r in records}
-        run_kvpress(samples, model=path, presses=PEER_PRESSES, budgets=budgets,
-                    threads=cfg.threads, on_record=on_record)
-    return records
+# What --publish copies: the reports, the records they came from and the run's config.
+_PUBLISHED = ("*.md", "*.json", "*.jsonl", "*.png", "config.yaml")
 
 
-def _write_config(out: pathlib.Path, cfg: Any, config_dict: Any) -> None:
+def _publish(out: pathlib.Path, dest: pathlib.Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    copied = sorted({f for pattern in _PUBLISHED for f in out.glob(pattern) if f.is_file()})
+    for f in copied:
+        shutil.copy(f, dest / f.name)
+    print(f"nexus-vllm eval: copied {len(copied)} files to {dest}", file=sys.stderr)
+
+
+def _write_config(out: pathlib.Path, config: dict[str, Any]) -> None:
     import yaml
 
-    (out / "config.yaml").write_text(yaml.safe_dump(config_dict(cfg), sort_keys=False))
-
-
-def _write_reports(out: pathlib.Path, cfg: Any, records: list[dict[str, Any]], *,
-                   calibrate: bool) -> None:
-    from nexus_vllm.eval.report import (
-        calibration_table,
-        markdown_table,
-        plot_bars,
-        plot_vs_budget,
-        summary_table,
-    )
-    from nexus_vllm.eval.runner import aggregate, config_dict
-
-    rows = aggregate(records)
-    (out / "results.json").write_text(json.dumps(
-        {"config": config_dict(cfg), "rows": rows}, indent=1))
-    parts = [f"# Results: {out}\n", "Cells: mean [95% bootstrap CI over samples].\n"]
-    if calibrate:
-        parts += ["## Dense calibration (string match)\n", calibration_table(rows), ""]
-        (out / "calibration.md").write_text("\n".join(parts) + "\n")
-        return
-    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None}, key=float)
-    protocols = sorted({r["protocol"] for r in records})
-    for b in budgets:
-        for proto in [*protocols, None] if len(protocols) > 1 else [None]:
-            parts += [f"## Summary at budget {b}, {proto or 'all protocols'} "
-                      "(pooled over tasks)\n", summary_table(records, budget=b, protocol=proto),
-                      ""]
-    for metric, title, digits in (("score", "Score (RULER string match, 0-1)", 2),
-                                  ("delta_loglik", "Δ answer log-likelihood vs dense (nats)", 2),
-                                  ("kl", "KL(dense ‖ method), mean per token (nats)", 3)):
-        for b in budgets:
-            parts += [f"## {title} at budget {b}\n", markdown_table(rows, metric=metric,
-                                                                      budget=b, digits=digits), ""]
-    (out / "table.md").write_text("\n".join(parts) + "\n")
-    for metric in ("score", "delta_loglik", "kl"):
-        if len(budgets) > 1:
-            plot_vs_budget(rows, out / f"plot_{metric}.png", metric=metric)
-        for b in budgets:
-            plot_bars(rows, out / f"bars_{metric}_{b}.png", metric=metric, budget=b)
+    (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
 
 if __name__ == "__main__":  # pragma: no cover

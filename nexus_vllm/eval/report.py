@@ -1,11 +1,21 @@
-"""Markdown tables and matplotlib plots from aggregated evaluation rows."""
+"""Markdown tables and matplotlib plots from evaluation records and aggregated rows, and
+:func:`write_reports`, which writes all of them for one run directory."""
 
 from __future__ import annotations
 
+import json
 import pathlib
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["calibration_table", "markdown_table", "plot_vs_budget"]
+from nexus_vllm.core import cdiv
+
+if TYPE_CHECKING:
+    from nexus_vllm.eval.records import Record
+    from nexus_vllm.eval.runner import RunConfig
+
+__all__ = ["calibration_table", "markdown_table", "plot_bars", "plot_vs_budget",
+           "summary_table", "write_reports"]
 
 _LABELS = {"score": "score (string match)", "delta_loglik": "Δ answer log-lik vs dense",
            "kl": "KL(dense‖method) per token"}
@@ -78,7 +88,7 @@ def plot_vs_budget(rows: list[dict[str, Any]], path: pathlib.Path, *,
 
     panels = sorted({(r["task"], r["protocol"], r["context"]) for r in rows})
     ncol = min(4, len(panels))
-    nrow = -(-len(panels) // ncol)
+    nrow = cdiv(len(panels), ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.3 * nrow), squeeze=False)
     methods = list(dict.fromkeys(r["method"] for r in rows if r["method"] != "dense"))
     for ax, (task, proto, ctx) in zip(axes.flat, panels):
@@ -154,7 +164,7 @@ def plot_bars(rows: list[dict[str, Any]], path: pathlib.Path, *, metric: str = "
     return path
 
 
-def summary_table(records: list[dict[str, Any]], *, budget: Any, protocol: str | None = None,
+def summary_table(records: Sequence[Record], *, budget: Any, protocol: str | None = None,
                   min_dense_score: float = 0.5) -> str:
     """Pooled over tasks: one row per method, mean [95% CI] over (task, protocol, sample).
 
@@ -162,27 +172,27 @@ def summary_table(records: list[dict[str, Any]], *, budget: Any, protocol: str |
     calibration rule: tasks dense cannot do say nothing about eviction); the continuous
     metrics pool every task.
     """
-    from nexus_vllm.eval.runner import bootstrap_ci
+    from nexus_vllm.eval.stats import bootstrap_ci
 
-    recs = [r for r in records if (protocol is None or r["protocol"] == protocol)
-            and r["budget"] in (budget, None)]
+    recs = [r for r in records if (protocol is None or r.protocol == protocol)
+            and r.budget in (budget, None)]
     dense_by_task: dict[str, list[float]] = {}
     for r in recs:
-        if r["method"] == "dense":
-            dense_by_task.setdefault(r["task"], []).append(r["score"])
+        if r.method == "dense":
+            dense_by_task.setdefault(r.task, []).append(r.score)
     solvable = {t for t, v in dense_by_task.items() if sum(v) / len(v) >= min_dense_score}
-    methods = list(dict.fromkeys(r["method"] for r in recs))
+    methods = list(dict.fromkeys(r.method for r in recs))
     lines = ["| method | score (tasks dense solves) | Δ answer log-lik (nats) | KL per token | "
              "samples |", "|---|---|---|---|---|"]
     for m in methods:
-        units: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+        units: dict[tuple[Any, ...], list[Record]] = {}
         for r in recs:
-            if r["method"] == m:
-                units.setdefault((r["task"], r["protocol"], r["index"]), []).append(r)
+            if r.method == m:
+                units.setdefault((r.task, r.protocol, r.index), []).append(r)
 
         def ci(metric: str, tasks: set[str] | None = None,
-               _units: dict[tuple[Any, ...], list[dict[str, Any]]] = units) -> str:
-            vals = [sum(x[metric] for x in v) / len(v) for k, v in _units.items()
+               _units: dict[tuple[Any, ...], list[Record]] = units) -> str:
+            vals = [sum(getattr(x, metric) for x in v) / len(v) for k, v in _units.items()
                     if tasks is None or k[0] in tasks]
             mean, lo, hi = bootstrap_ci(vals)
             return f"{mean:.2f} [{lo:.2f}, {hi:.2f}]"
@@ -192,3 +202,54 @@ def summary_table(records: list[dict[str, Any]], *, budget: Any, protocol: str |
     lines.append("")
     lines.append(f"Score pools {sorted(solvable)} (dense >= {min_dense_score}).")
     return "\n".join(lines)
+
+
+# Report sections per metric: (record field, section title, digits).
+_TABLES = (("score", "Score (RULER string match, 0-1)", 2),
+           ("delta_loglik", "Δ answer log-likelihood vs dense (nats)", 2),
+           ("kl", "KL(dense ‖ method), mean per token (nats)", 3))
+
+
+def write_reports(out: pathlib.Path, cfg: RunConfig, records: Sequence[Record], *,
+                  calibrate: bool) -> None:
+    """Write ``results.json`` and ``table.md`` (or ``calibration.md``) and the plots.
+
+    Parameters
+    ----------
+    out : Path
+        The run directory.
+    cfg : RunConfig
+        Written into ``results.json``.
+    records : sequence of Record
+        Every record to report (ours and any peer's).
+    calibrate : bool
+        Write the dense calibration table instead of the method tables and plots.
+    """
+    from nexus_vllm.eval.runner import config_dict
+    from nexus_vllm.eval.stats import aggregate
+
+    rows = aggregate(records)
+    (out / "results.json").write_text(json.dumps(
+        {"config": config_dict(cfg), "rows": rows}, indent=1))
+    parts = [f"# Results: {out}\n", "Cells: mean [95% bootstrap CI over samples].\n"]
+    if calibrate:
+        parts += ["## Dense calibration (string match)\n", calibration_table(rows), ""]
+        (out / "calibration.md").write_text("\n".join(parts) + "\n")
+        return
+    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None}, key=float)
+    protocols = sorted({r.protocol for r in records})
+    for b in budgets:
+        for proto in [*protocols, None] if len(protocols) > 1 else [None]:
+            parts += [f"## Summary at budget {b}, {proto or 'all protocols'} "
+                      "(pooled over tasks)\n", summary_table(records, budget=b, protocol=proto),
+                      ""]
+    for metric, title, digits in _TABLES:
+        for b in budgets:
+            parts += [f"## {title} at budget {b}\n", markdown_table(rows, metric=metric,
+                                                                      budget=b, digits=digits), ""]
+    (out / "table.md").write_text("\n".join(parts) + "\n")
+    for metric, _, _ in _TABLES:
+        if len(budgets) > 1:
+            plot_vs_budget(rows, out / f"plot_{metric}.png", metric=metric)
+        for b in budgets:
+            plot_bars(rows, out / f"bars_{metric}_{b}.png", metric=metric, budget=b)

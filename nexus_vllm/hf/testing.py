@@ -1,15 +1,40 @@
-"""Tiny offline stand-ins for tests: a random Llama and a byte-level tokenizer.
+"""Tiny offline stand-ins for tests: random Llama-family models, tokenizers, checkpoints.
 
-Nothing is downloaded; both build in well under a second.
+The one builder of test models for the whole suite:
+
+- :func:`tiny_model` / :func:`tiny_llama`: an in-memory random causal LM;
+- :func:`byte_tokenizer`: one token per byte plus an eos token;
+- :func:`trained_tokenizer`: a small byte-level BPE trained on :data:`CORPUS`, with bos,
+  eos and a chat template (what a served model needs);
+- :func:`save_tiny_checkpoint`: a model and a tokenizer saved with ``save_pretrained``
+  (float32, safetensors) for ``vllm serve``, ``nexus-vllm eval --model`` and friends.
+
+Nothing is downloaded; everything builds in a second or two.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import pathlib
+from typing import Any, Literal
 
-__all__ = ["FAMILIES", "byte_tokenizer", "tiny_llama", "tiny_model"]
+__all__ = ["CORPUS", "FAMILIES", "byte_tokenizer", "save_tiny_checkpoint", "tiny_llama",
+           "tiny_model", "trained_tokenizer"]
 
 _EOS = "<|eos|>"
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+# Weight scale of every matrix (embeddings, projections, head). Ten times transformers'
+# default, so attention is far from uniform, logits are well separated and greedy
+# decoding is not decided by float reordering (chunked vs one-shot prefill, vLLM vs HF).
+INIT_STD = 0.2
+# The trained tokenizer's training text (tests that need in-vocabulary prose use it too).
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A budget for the key value cache keeps memory bounded while tokens stream.",
+    "Blocks are scored by attention mass and sampled by weighted reservoir sampling.",
+    "Once upon a time there was a little model that could count to one hundred.",
+    "one two three four five six seven eight nine ten eleven twelve thirteen",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+]
 
 
 def byte_tokenizer() -> Any:
@@ -31,15 +56,46 @@ def byte_tokenizer() -> Any:
     return fast
 
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+def trained_tokenizer(vocab_size: int = 400) -> Any:
+    """A byte-level BPE trained on :data:`CORPUS` (``<s>`` bos id 0, ``</s>`` eos id 1)
+    with a plain-text chat template. Returns a ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    return fast
 
 
-def tiny_model(family: str = "llama", vocab_size: int = 260, *, layers: int = 3, seed: int = 0,
-               eos_token_id: int | None = None) -> Any:
-    """A randomly initialised causal LM of ``family`` (hidden 64, 4 query / 2 KV heads, GQA).
+def tiny_model(family: str = "llama", vocab_size: int = 260, *, layers: int = 3,
+               heads: int = 4, kv_heads: int = 2, head_dim: int = 16, seed: int = 0,
+               eos_token_id: int | None = None, bos_token_id: int | None = None) -> Any:
+    """A randomly initialised causal LM of ``family`` (hidden 64, intermediate 128).
 
-    ``initializer_range`` is large so that logits are well separated and greedy decoding is
-    stable against float reordering between chunked and one-shot prefill.
+    Parameters
+    ----------
+    family : {"llama", "qwen2", "qwen3", "mistral"}
+    vocab_size : int
+        ``len(tokenizer)``.
+    layers, heads, kv_heads, head_dim : int
+        Depth and attention shape (default 4 query / 2 KV heads of 16: GQA). vLLM's
+        attention kernels need a head size they support, e.g. 32
+        (:func:`save_tiny_checkpoint`'s default).
+    seed : int
+        Seeds the weights: every matrix is drawn from N(0, ``INIT_STD``), norms are 1.
+    eos_token_id, bos_token_id : int, optional
+        Written to the config and the generation config.
     """
     import torch
     import transformers
@@ -52,14 +108,20 @@ def tiny_model(family: str = "llama", vocab_size: int = 260, *, layers: int = 3,
     torch.manual_seed(seed)
     cfg = config_cls(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
-        initializer_range=0.2, eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None,
-        tie_word_embeddings=False,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=8192, initializer_range=INIT_STD, eos_token_id=eos_token_id,
+        bos_token_id=bos_token_id, pad_token_id=None, tie_word_embeddings=False,
     )
     if hasattr(cfg, "sliding_window"):
         cfg.sliding_window = None  # full attention, like the released checkpoints we serve
     cfg._attn_implementation = "sdpa"
     model = model_cls(cfg).eval()
+    # Redraw every matrix explicitly rather than trusting each family's _init_weights (and
+    # its version-to-version changes): the same seed gives the same weights everywhere.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, INIT_STD)
     model.generation_config.eos_token_id = eos_token_id
     model.generation_config.pad_token_id = eos_token_id
     return model
@@ -69,3 +131,24 @@ def tiny_llama(vocab_size: int = 260, *, layers: int = 3, seed: int = 0,
                eos_token_id: int | None = None) -> Any:
     """``tiny_model("llama", ...)``."""
     return tiny_model("llama", vocab_size, layers=layers, seed=seed, eos_token_id=eos_token_id)
+
+
+def save_tiny_checkpoint(out_dir: str | pathlib.Path, *,
+                         tokenizer: Literal["trained", "byte"] = "trained",
+                         family: str = "llama", layers: int = 4, heads: int = 2,
+                         kv_heads: int = 1, head_dim: int = 32,
+                         seed: int = 0) -> pathlib.Path:
+    """Save a :func:`tiny_model` and its tokenizer to ``out_dir`` (created); return it.
+
+    The defaults (4 layers, 2 query heads, 1 KV head of size 32, the trained tokenizer
+    with a chat template) are a model ``vllm serve`` accepts on the CPU.
+    """
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = trained_tokenizer() if tokenizer == "trained" else byte_tokenizer()
+    tok.save_pretrained(out)
+    model = tiny_model(family, len(tok), layers=layers, heads=heads, kv_heads=kv_heads,
+                       head_dim=head_dim, seed=seed, eos_token_id=tok.eos_token_id,
+                       bos_token_id=tok.bos_token_id)
+    model.save_pretrained(out, safe_serialization=True)
+    return out

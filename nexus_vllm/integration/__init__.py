@@ -25,6 +25,6 @@ One engine step (``docs/architecture.md`` has the full picture):
 ``vllm_compat`` is the one home of the vLLM internals all of this relies on. ``config``
 parses flags, files, ``additional_config`` and ``vllm_xargs``; ``patches`` holds the
 three monkey-patches (CLI flags, request validation, metrics export); ``faults`` the
-test-only fault injection; ``serve`` is ``nexus-vllm serve``; ``quality`` compares the
-server with the transformers path.
+test-only fault injection; ``serve`` is ``nexus-vllm serve``. (``nexus-vllm parity``,
+in ``nexus_vllm.eval.server_parity``, compares a server with the transformers path.)
 """

@@ -11,15 +11,21 @@ This module imports no vLLM code: it is unit-testable on its own.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import pathlib
 from typing import Any
 
+from nexus_vllm.core.policies import POLICIES
+
 __all__ = [
     "ADDITIONAL_CONFIG_KEY",
     "CLI_FLAGS",
     "METHODS",
+    "REQUEST_FIELDS",
+    "RequestArgError",
+    "check_max_model_len",
     "config_from_additional",
     "load_config_file",
     "request_config",
@@ -28,9 +34,8 @@ __all__ = [
 ]
 
 ADDITIONAL_CONFIG_KEY = "nexus"
-# Methods a server can be started with (knorm needs per-token key norms that the plugin
-# does not gather yet).
-METHODS = ("none", "nexus", "h2o", "snapkv", "tova", "streaming", "random")
+# Methods a server can be started with: the policies whose evidence the plugin gathers.
+METHODS = ("none", *(name for name, cls in POLICIES.items() if cls.servable))
 # CLI flag -> EvictionConfig field.
 CLI_FLAGS = {
     "--kv-eviction": "method",
@@ -39,6 +44,26 @@ CLI_FLAGS = {
     "--kv-eviction-seed": "seed",
     "--kv-chunk-size": "chunk_size",
 }
+SERVER_FLAGS = (*CLI_FLAGS, "--kv-eviction-config")
+# Flags whose values reach EvictionConfig: ours, and vLLM's --block-size (it sets the
+# block size, hence the budget floor).
+FLAG_FIELDS = {**CLI_FLAGS, "--block-size": "block_size"}
+# The per-request fields of ``vllm_xargs``.
+REQUEST_FIELDS = ("kv_budget", "kv_eviction")
+# ``vllm_xargs`` keys that start with these (after lower-casing, ``-`` -> ``_``) are ours:
+# one that is not a field is a typo and is refused; every other key passes untouched.
+RESERVED_PREFIXES = ("kv_", "nexus")
+# Keys vLLM itself adds to ``SamplingParams.extra_args`` (seen by the engine-side check).
+FOREIGN_XARGS = frozenset({"kv_transfer_params"})
+
+
+class RequestArgError(ValueError):
+    """A bad per-request field; ``field`` is ``"vllm_xargs.<key>"`` (the HTTP 400's
+    ``param``) and the message starts with it."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.field = f"vllm_xargs.{key}"
+        super().__init__(f"{self.field}: {message}")
 
 
 def _flag_for(field: str) -> str:
@@ -81,7 +106,7 @@ def load_config_file(path: str | pathlib.Path) -> dict[str, Any]:
     return dict(data)
 
 
-def _build(knobs: dict[str, Any], source: str) -> Any:
+def _build(knobs: dict[str, Any], source: str, given: Any = ()) -> Any:
     from nexus_vllm.core import EvictionConfig
 
     try:
@@ -89,8 +114,8 @@ def _build(knobs: dict[str, Any], source: str) -> Any:
     except (TypeError, ValueError) as exc:
         # Name the flag the user typed when the bad key maps to one.
         msg = str(exc)
-        for flag, field in CLI_FLAGS.items():
-            if field in msg and field in knobs and source == "flags":
+        for flag, field in FLAG_FIELDS.items():
+            if field in msg and field in given:
                 raise ValueError(f"{flag}: {msg}") from exc
         raise ValueError(f"{source}: {msg}") from exc
 
@@ -110,7 +135,8 @@ def resolve_config(
     additional : dict, optional
         ``additional_config["nexus"]``.
     flags : dict, optional
-        ``EvictionConfig`` field -> value from the ``--kv-*`` flags (None = not given).
+        ``EvictionConfig`` field -> value from the ``--kv-*`` flags and vLLM's
+        ``--block-size`` (None = not given).
 
     Raises
     ------
@@ -121,9 +147,10 @@ def resolve_config(
     if file:
         knobs.update(load_config_file(file))
         _build(knobs, "--kv-eviction-config")
-    if additional:
+    if additional is not None:
         if not isinstance(additional, dict):
-            raise ValueError("--additional-config: 'nexus' must be a JSON object")
+            raise ValueError("--additional-config: 'nexus' must be a JSON object of "
+                             f"eviction knobs; got {additional!r}")
         knobs.update(additional)
         _build(knobs, "--additional-config nexus")
     given = {k: v for k, v in (flags or {}).items() if v is not None}
@@ -133,10 +160,11 @@ def resolve_config(
     if "keep_ratio" in given:
         knobs.pop("max_tokens", None)
     knobs.update(given)
-    cfg = _build(knobs, "flags")
+    cfg = _build(knobs, "flags", given)
     if cfg.method not in METHODS:
+        where = "--kv-eviction" if "method" in given else "nexus.method"
         raise ValueError(
-            f"--kv-eviction: {cfg.method!r} is not served; choose from {', '.join(METHODS)}"
+            f"{where}: {cfg.method!r} is not served; choose from {', '.join(METHODS)}"
         )
     if cfg.method != "none" and cfg.max_tokens is None and cfg.keep_ratio is None:
         raise ValueError(
@@ -154,58 +182,161 @@ def config_from_additional(additional_config: Any) -> Any | None:
     if not isinstance(additional_config, dict):
         return None
     knobs = additional_config.get(ADDITIONAL_CONFIG_KEY)
-    if not knobs:
+    if knobs is None or knobs == {}:
         return None
+    if not isinstance(knobs, dict):
+        # A falsy non-mapping (0, "", []) must not turn eviction off silently.
+        raise ValueError(f"'nexus' must be a mapping of eviction knobs; got {knobs!r}")
     from nexus_vllm.core import EvictionConfig
 
     cfg = EvictionConfig.from_dict(dict(knobs))
     return None if cfg.method == "none" else cfg
 
 
-def validate_request_args(extra_args: dict[str, Any] | None, server_cfg: Any | None) -> None:
-    """Check the ``vllm_xargs`` eviction fields of one request.
+def check_max_model_len(cfg: Any, max_model_len: int, num_layers: int | None = None) -> None:
+    """Refuse a server config that cannot work within the model's ``--max-model-len``.
 
     Raises
     ------
     ValueError
-        Naming ``vllm_xargs.<field>`` and what is allowed.
+        Naming the flag (or ``nexus.<key>`` for config-file keys), the allowed range and
+        the value given.
+    """
+    forced = cfg.num_forced * cfg.block_size
+    if forced > max_model_len:
+        raise ValueError(
+            f"the always-kept blocks (nexus.sink_blocks + nexus.recent_blocks + 1 = "
+            f"{cfg.num_forced} blocks of nexus.block_size {cfg.block_size} tokens = {forced} "
+            f"tokens) exceed --max-model-len {max_model_len}, so nothing could ever be "
+            "evicted; lower them")
+    if cfg.max_tokens is not None and cfg.max_tokens > max_model_len:
+        raise ValueError(
+            f"--kv-budget {_given(cfg.max_tokens)} is above --max-model-len "
+            f"{max_model_len}: no request can hold more tokens, so nothing would ever be "
+            f"evicted; allowed: {forced}..{max_model_len} tokens (or --kv-eviction none to "
+            "serve without eviction)")
+    if cfg.chunk_size > max_model_len:
+        raise ValueError(
+            f"--kv-chunk-size {_given(cfg.chunk_size)} is above --max-model-len "
+            f"{max_model_len}; allowed: 1..{max_model_len} tokens")
+    for key, meaning in (("window", "decode queries scored"),
+                         ("prefill_window", "prefill queries scored"),
+                         ("interval", "decode tokens between events")):
+        value = getattr(cfg, key)
+        if value > max_model_len:
+            raise ValueError(
+                f"nexus.{key} {value} ({meaning}) is above --max-model-len "
+                f"{max_model_len}; allowed: 1..{max_model_len}")
+    if num_layers is not None and cfg.skip_layers >= num_layers:
+        raise ValueError(
+            f"nexus.skip_layers {cfg.skip_layers} leaves no layer to score: the model has "
+            f"{num_layers} layers; allowed: 0..{num_layers - 1}")
+
+
+def _given(value: Any) -> str:
+    """``value`` as the client sent it, with its JSON type when that is the problem."""
+    text = repr(value)
+    if len(text) > 40:  # a huge number or string: enough to recognise it
+        text = f"{text[:30]}... ({len(text)} characters)"
+    kind = {bool: "a boolean", str: "a string", list: "a list", dict: "an object",
+            type(None): "null"}.get(type(value))
+    return f"{text} ({kind})" if kind else text
+
+
+def _check_unknown_keys(extra_args: dict[str, Any]) -> None:
+    for key in extra_args:
+        if not isinstance(key, str) or key in REQUEST_FIELDS or key in FOREIGN_XARGS:
+            continue
+        norm = key.strip().lower().replace("-", "_")
+        if not norm.startswith(RESERVED_PREFIXES):
+            continue  # another plugin's or logits processor's key
+        flag = "--" + norm.replace("_", "-")
+        match = difflib.get_close_matches(norm, REQUEST_FIELDS, n=1, cutoff=0.6)
+        if flag in SERVER_FLAGS and norm not in REQUEST_FIELDS:
+            hint = f": {norm} is set per server with {flag}, not per request"
+        else:
+            hint = f" (did you mean {match[0]!r}?)" if match else ""
+        raise RequestArgError(
+            key, f"unknown per-request field{hint}; per-request fields: "
+            f"{', '.join(REQUEST_FIELDS)} (keys starting with kv_ or nexus are reserved "
+            "for nexus-vllm)")
+
+
+def _budget_tokens(value: Any) -> int:
+    ok = not isinstance(value, bool) and (
+        isinstance(value, int)
+        or (isinstance(value, float) and math.isfinite(value) and value.is_integer()))
+    if not ok or value <= 0:
+        raise RequestArgError(
+            "kv_budget", f"must be a positive integer number of tokens; got {_given(value)}")
+    return int(value)
+
+
+def validate_request_args(extra_args: dict[str, Any] | None, server_cfg: Any | None,
+                          *, max_model_len: int | None = None) -> None:
+    """Check the ``vllm_xargs`` eviction fields of one request.
+
+    Parameters
+    ----------
+    extra_args : dict, optional
+        The request's ``vllm_xargs`` (``SamplingParams.extra_args``).
+    server_cfg : EvictionConfig, optional
+        The server's config (None = started with ``--kv-eviction none``).
+    max_model_len : int, optional
+        The server's ``--max-model-len``: a budget above it could never evict.
+
+    Raises
+    ------
+    RequestArgError
+        A ``ValueError`` naming ``vllm_xargs.<field>``, what is allowed and what was
+        given. Keys starting with ``kv_`` or ``nexus`` that are not fields are refused
+        (a typo must not silently serve without the intended budget); other keys pass.
     """
     if not extra_args:
         return
+    _check_unknown_keys(extra_args)
+    # An explicit per-request opt-out makes a budget meaningless: only its type counts.
+    opt_out = extra_args.get("kv_eviction") == "none"
     if "kv_eviction" in extra_args:
         method = extra_args["kv_eviction"]
         if not isinstance(method, str) or method not in METHODS:
-            raise ValueError(
-                f"vllm_xargs.kv_eviction: {method!r} is not a method; choose from "
-                f"{', '.join(METHODS)}"
-            )
-        if server_cfg is None and method != "none":
-            raise ValueError(
-                "vllm_xargs.kv_eviction: this server was started with --kv-eviction none; "
-                "per-request eviction needs a server started with eviction on"
-            )
+            match = difflib.get_close_matches(str(method).strip().lower(), METHODS, n=1)
+            hint = f" (did you mean {match[0]!r}?)" if match else ""
+            raise RequestArgError(
+                "kv_eviction", f"must be one of {', '.join(METHODS)}; got "
+                f"{_given(method)}{hint}")
+        if server_cfg is None and not opt_out:
+            raise RequestArgError(
+                "kv_eviction", f"{method!r} needs a server started with eviction on; this "
+                "server was started with --kv-eviction none (only 'none' is allowed)")
     if "kv_budget" in extra_args:
-        budget = extra_args["kv_budget"]
-        ok = (
-            isinstance(budget, int) and not isinstance(budget, bool) and budget > 0
-        ) or (isinstance(budget, float) and math.isfinite(budget) and budget.is_integer()
-              and budget > 0)
-        if not ok:
-            raise ValueError(
-                f"vllm_xargs.kv_budget: must be a positive integer number of tokens, "
-                f"got {budget!r}"
-            )
-        if server_cfg is None:
-            raise ValueError(
-                "vllm_xargs.kv_budget: this server was started with --kv-eviction none; "
-                "per-request budgets need a server started with eviction on"
-            )
+        budget = _budget_tokens(extra_args["kv_budget"])
+        if server_cfg is None and not opt_out:
+            raise RequestArgError(
+                "kv_budget", "per-request budgets need a server started with eviction on; "
+                "this server was started with --kv-eviction none")
+        if server_cfg is not None and not opt_out:
+            floor = server_cfg.num_forced * server_cfg.block_size
+            span = f"{floor}..{max_model_len}" if max_model_len else f">= {floor}"
+            if budget < floor:
+                raise RequestArgError(
+                    "kv_budget", f"must be at least {floor} tokens on this server (the "
+                    f"always-kept sink, recent and current blocks: {server_cfg.num_forced} "
+                    f"blocks of {server_cfg.block_size} tokens); allowed: {span}; got "
+                    f"{budget}")
+            if max_model_len is not None and budget > max_model_len:
+                raise RequestArgError(
+                    "kv_budget", f"{_given(extra_args['kv_budget'])} is above this server's "
+                    f"max model length ({max_model_len} tokens): no request holds more, so "
+                    f"nothing would ever be evicted; allowed: {span}, or send "
+                    "\"kv_eviction\": \"none\" to serve this request without eviction")
     if server_cfg is not None:
+        # Backstop: the per-request config must build (cross-field rules of EvictionConfig).
         try:
             request_config(server_cfg, extra_args)
         except ValueError as exc:
             name = "kv_budget" if "kv_budget" in extra_args else "kv_eviction"
-            raise ValueError(f"vllm_xargs.{name}: {exc}") from None
+            raise RequestArgError(name, str(exc)) from None
 
 
 def request_config(server_cfg: Any, extra_args: dict[str, Any] | None) -> Any | None:

@@ -12,10 +12,20 @@ Freeing at once is safe because the worker learns every null before it can read 
 reused block: the next step's plan carries it (and every later plan, until the worker
 acknowledges it), and a worker that misses a plan masks every block this manager may
 have freed since its last applied plan (``step_plan`` module docstring).
+
+Prefix caching stays on. Every token an evicting request computes after its first
+eviction attends to a pruned context, so its KV must never be offered to another request
+as a prefix hit: each request's caching is capped at its *clean watermark*, the tokens it
+had computed when it first evicted (those saw the full context). Evicting a block another
+request shares only drops this request's reference. The watermark is cleared when the
+request restarts (preempted and resumed, possibly from a prefix hit). The other way
+round, an evicting request starts from a prefix hit only up to the last chunk boundary
+before its first eviction, so it gives the same tokens with prefix caching on or off.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +39,9 @@ from nexus_vllm.integration.metrics import SchedulerCounters
 from nexus_vllm.integration.step_plan import ScoreRequest, StepPlan, WorkerReply
 from nexus_vllm.integration.vllm_compat import (
     BlockPoolView,
+    cap_prefix_caching,
+    cap_prefix_hits,
+    gate_admission,
     request_blocks,
     reset_request_ids,
     single_type_manager,
@@ -66,7 +79,8 @@ class EvictionManager:
     block_size : int
     """
 
-    def __init__(self, server_cfg: Any, kv_cache_manager: Any, block_size: int) -> None:
+    def __init__(self, server_cfg: Any, kv_cache_manager: Any, block_size: int,
+                 max_model_len: int | None = None) -> None:
         self.server_cfg = server_cfg
         self.block_size = int(block_size)
         self.kv_group = single_type_manager(kv_cache_manager)
@@ -76,6 +90,14 @@ class EvictionManager:
         # in (0 = not sent yet)}.
         self.unacked: dict[str, dict[int, int]] = {}
         self.step_id = 0
+        # Tokens each evicting request had computed at its first eviction.
+        self.clean_tokens: dict[str, int] = {}
+        cap_prefix_caching(self.kv_group, lambda r: self.clean_tokens.get(r.request_id))
+        cap_prefix_hits(kv_cache_manager, self._hit_cap)
+        # Blocks each admitted evicting request may hold at most (its bound).
+        self.max_model_len = max_model_len
+        self.bounds: dict[str, int] = {}
+        gate_admission(kv_cache_manager, self.may_admit)
         self.counters = SchedulerCounters()
         self.chunk_blocks = -(-int(server_cfg.chunk_size) // self.block_size)
         self._logged: set[str] = set()
@@ -100,6 +122,63 @@ class EvictionManager:
                 st.reset()
                 self.states[req_id] = st
         return self.states[req_id]
+
+    def _hit_cap(self, request: Any, hit: int) -> int | None:
+        """Longest prefix hit an evicting request may start from (None: no cap).
+
+        Its prompt is computed in ``chunk_size`` chunks with an event after the first
+        chunk that leaves it over budget; a hit must end at a chunk boundary before that
+        event (and on a block boundary), so the request evicts exactly as it would with
+        prefix caching off.
+        """
+        if hit == 0:
+            return None
+        st = self._state(request)
+        if st is None:
+            return None
+        cfg, bs = st.cfg, self.block_size
+        chunk, prompt = int(cfg.chunk_size), int(request.num_prompt_tokens)
+        safe, end = 0, 0
+        while end < prompt:
+            end = min(end + chunk, prompt)
+            if -(-end // bs) > int(cfg.budget_blocks(end)):
+                step = math.lcm(chunk, bs)
+                return (min(hit, safe) // step) * step
+            safe = end
+        return None  # the prompt never goes over budget: any hit is safe
+
+    # -- admission -----------------------------------------------------------------------
+    def bound_blocks(self, request: Any) -> int | None:
+        """Most blocks an evicting request ever holds (None: it does not evict).
+
+        Budget plus one prefill chunk (an event follows every chunk; a decoding request
+        never passes that either), and never more than its whole sequence needs.
+        """
+        st = self._state(request)
+        if st is None:
+            return None
+        total = int(request.num_prompt_tokens) + int(request.max_tokens)
+        if self.max_model_len is not None:
+            total = min(total, int(self.max_model_len))
+        seq_blocks = -(-total // self.block_size)
+        return min(seq_blocks, int(st.cfg.budget_blocks(total)) + self.chunk_blocks)
+
+    def may_admit(self, request: Any) -> bool:
+        """Admit an evicting request only if the free pool covers its bound on top of
+        what the admitted evicting requests may still grow to: then no evicting request
+        is ever preempted for lack of blocks another evicting request will take."""
+        need = self.bound_blocks(request)
+        if need is None:
+            return True  # not evicting: vLLM's own admission rules
+        outstanding = 0
+        for req_id, bound in self.bounds.items():
+            if req_id != request.request_id and self.blocks(req_id):
+                outstanding += max(0, bound - self.live_count(req_id))
+        if self.pool.num_free() - outstanding < need:
+            self.counters.admission_waits += 1
+            return False
+        self.bounds[request.request_id] = need
+        return True
 
     def blocks(self, req_id: str) -> list[Any]:
         return request_blocks(self.kv_group, req_id)
@@ -129,10 +208,13 @@ class EvictionManager:
         for req_id in scheduler_output.finished_req_ids:
             self.states.pop(req_id, None)
             self.unacked.pop(req_id, None)
+            self.clean_tokens.pop(req_id, None)
+            self.bounds.pop(req_id, None)
         resets = reset_request_ids(scheduler_output)
         for req_id in resets:
             # A fresh block list: old nulls no longer apply; same seed -> same evictions.
             self.unacked.pop(req_id, None)
+            self.clean_tokens.pop(req_id, None)
             st = self.states.get(req_id)
             if st is not None:
                 st.reset()
@@ -167,24 +249,31 @@ class EvictionManager:
         before = tokens_after - n
         live = self.live_indices(req_id, tokens_after)
         budget = int(cfg.budget_blocks(tokens_after))
-        prefill = before < int(request.num_prompt_tokens)
+        prompt_tokens = int(request.num_prompt_tokens)
+        prefill = before < prompt_tokens
         hard_limit = budget + self.chunk_blocks
         self.counters.over_budget_peak = max(self.counters.over_budget_peak,
                                              len(live) - hard_limit)
         self.counters.live_blocks_peak = max(self.counters.live_blocks_peak, len(live))
         if prefill:
             due = st.trigger.prefill_chunk(len(live), budget)
+            # A request resumed after preemption recomputes its generated tokens inside
+            # a prefill chunk: they count as decode tokens, as they did the first time.
+            st.trigger.decode_tokens += max(0, tokens_after - max(before, prompt_tokens))
         else:
             due = st.trigger.decode(n, len(live), budget, hard_limit)
         if not due:
             return None
-        window = int(cfg.prefill_window if prefill else cfg.window)
+        policy = cfg.policy(prefill=prefill)
+        window = policy.window(int(cfg.prefill_window if prefill else cfg.window))
         forced_tail = int(cfg.recent_blocks) + 1
         evictable_below = (min(live[-forced_tail], tokens_after // self.block_size)
                            if len(live) > forced_tail else 0)
         return ScoreRequest(window=window,
                             num_logical_blocks=-(-tokens_after // self.block_size),
-                            evictable_below=evictable_below, prefill=prefill)
+                            evictable_below=evictable_below, prefill=prefill,
+                            needs_mass="mass" in policy.needs,
+                            needs_key_norms="key_norms" in policy.needs)
 
     # -- update_from_output() ----------------------------------------------------------
     def apply_reply(self, plan: StepPlan | None, reply: WorkerReply | None,
@@ -209,16 +298,29 @@ class EvictionManager:
             if not pending:
                 del self.unacked[req_id]
         self.counters.scoring_us += int(reply.scoring_seconds * 1e6)
-        for req_id, mass in reply.masses.items():
-            sreq = plan.score.get(req_id)
+        for req_id, sreq in plan.score.items():
             request = requests.get(req_id)
             st = self.states.get(req_id)
-            if sreq is None or request is None or st is None:
+            if request is None or st is None:
                 continue
+            norms = None
+            if sreq.needs_key_norms:
+                norms_np = reply.key_norms.get(req_id)
+                if norms_np is None:
+                    continue  # dropped by the worker (a fault it counted)
+                norms = torch.from_numpy(norms_np)
+            if sreq.needs_mass:
+                scores = reply.masses.get(req_id)
+                if scores is None:
+                    continue
+                mass = torch.from_numpy(scores)
+            else:  # the policy reads no mass: one uniform row over the live blocks
+                n = self.live_count(req_id, int(request.num_computed_tokens))
+                mass = torch.full((1, n), 1.0 / max(1, n))
             try:
                 if faults.fires("policy_error"):
                     raise RuntimeError("injected policy failure")
-                self._evict(req_id, request, st, sreq, torch.from_numpy(mass))
+                self._evict(req_id, request, st, sreq, mass, norms)
             except Exception:
                 # A policy error skips this event: nothing was freed (freeing is the
                 # last step of _evict), so the worker's view stays consistent.
@@ -226,7 +328,8 @@ class EvictionManager:
                             exc=True)
 
     def _evict(self, req_id: str, request: Any, st: RequestEvictionState,
-               sreq: ScoreRequest, mass: torch.Tensor) -> None:
+               sreq: ScoreRequest, mass: torch.Tensor,
+               key_norms: torch.Tensor | None = None) -> None:
         blocks = self.blocks(req_id)
         live = [j for j in range(min(sreq.num_logical_blocks, len(blocks)))
                 if not BlockPoolView.is_null(blocks[j])]
@@ -239,13 +342,16 @@ class EvictionManager:
         if len(live) <= budget:
             return
         policy = st.cfg.policy(prefill=sreq.prefill)
-        keep = policy.select(mass, budget, generator=st.generator, state=st.policy_state)
+        keep = policy.select(mass, budget, generator=st.generator, state=st.policy_state,
+                             key_norms=key_norms)
         keep_set = {int(i) for i in keep.tolist()}
         full_blocks = tokens // self.block_size
         evict = [live[j] for j in range(len(live))
                  if j not in keep_set and live[j] < min(full_blocks, sreq.evictable_below)]
         if not evict:
             return
+        # Everything computed so far saw the full context; nothing after this will.
+        self.clean_tokens.setdefault(req_id, tokens)
         freed = [blocks[j] for j in evict]
         for j in evict:
             blocks[j] = self.pool.null_block

@@ -20,6 +20,13 @@ series                                    type     meaning
                                                    the budget always held
 ``vllm:nexus_free_blocks``                gauge    free blocks in vLLM's block pool
 ``vllm:nexus_total_blocks``               gauge    usable blocks in vLLM's block pool
+``vllm:nexus_policy_seconds_total``       counter  scheduler time planning events and running
+                                                   policies (plan + decisions + freeing)
+``vllm:nexus_step_seconds_total``         counter  engine step time (schedule to update) of an
+                                                   evicting server: the denominator of the
+                                                   eviction overhead
+``vllm:nexus_admission_waits_total``      counter  times an evicting request waited for blocks
+                                                   at admission (its bound did not fit yet)
 ``vllm:nexus_faults_total{kind}``         counter  faults absorbed without harm, by kind (a
                                                    lost or stale plan, a scoring or policy
                                                    error, ...); each kind is logged once
@@ -41,6 +48,12 @@ _COUNTERS = {
     "evicted_blocks": ("vllm:nexus_evicted_blocks", "KV blocks evicted and freed.", 1.0),
     "eviction_events": ("vllm:nexus_eviction_events", "Eviction events.", 1.0),
     "scoring_us": ("vllm:nexus_scoring_seconds", "Time spent scoring KV blocks.", 1e-6),
+    "policy_us": ("vllm:nexus_policy_seconds",
+                  "Scheduler time planning eviction events and running policies.", 1e-6),
+    "step_us": ("vllm:nexus_step_seconds", "Engine step time of an evicting server.", 1e-6),
+    "admission_waits": ("vllm:nexus_admission_waits",
+                        "Evicting requests held back at admission until their bound fits.",
+                        1.0),
 }
 _GAUGES = {
     "live_blocks": ("vllm:nexus_live_blocks", "Live KV blocks of evicting requests."),
@@ -62,6 +75,9 @@ class SchedulerCounters:
     evicted_blocks: int = 0
     eviction_events: int = 0
     scoring_us: int = 0
+    policy_us: int = 0
+    step_us: int = 0
+    admission_waits: int = 0
     live_blocks_peak: int = 0
     over_budget_peak: int = _NO_VALUE
     faults: Counter[str] = field(default_factory=Counter)
@@ -78,6 +94,9 @@ class SchedulerCounters:
             PREFIX + "evicted_blocks": self.evicted_blocks,
             PREFIX + "eviction_events": self.eviction_events,
             PREFIX + "scoring_us": self.scoring_us,
+            PREFIX + "admission_waits": self.admission_waits,
+            PREFIX + "policy_us": self.policy_us,
+            PREFIX + "step_us": self.step_us,
             PREFIX + "live_blocks_peak": self.live_blocks_peak,
         }
         if self.over_budget_peak != _NO_VALUE:
@@ -85,6 +104,7 @@ class SchedulerCounters:
         out.update({PREFIX + k: int(v) for k, v in self._gauges.items()})
         out.update({PREFIX + FAULT_PREFIX + k: int(v) for k, v in self.faults.items() if v})
         self.evicted_blocks = self.eviction_events = self.scoring_us = 0
+        self.admission_waits = self.policy_us = self.step_us = 0
         self.faults.clear()
         return out
 

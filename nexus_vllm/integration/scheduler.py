@@ -9,6 +9,7 @@ step; ``make_stats()`` adds the ``nexus:*`` metrics.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from vllm.logger import init_logger
@@ -37,7 +38,8 @@ class NexusScheduler(Scheduler):
                              "other than 'none' (use --kv-eviction)")
         if self.block_size != cfg.block_size:
             cfg = cfg.replace(block_size=int(self.block_size))
-        self.nexus = EvictionManager(cfg, self.kv_cache_manager, self.block_size)
+        self.nexus = EvictionManager(cfg, self.kv_cache_manager, self.block_size,
+                                     max_model_len=self.max_model_len)
         # The plan of the step in flight (synchronous scheduling: at most one).
         self._nexus_plan: StepPlan | None = None
         self._nexus_prev_plan: StepPlan | None = None
@@ -46,12 +48,15 @@ class NexusScheduler(Scheduler):
                     self.block_size, cfg.chunk_size, self.nexus.pool.num_usable())
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._nexus_step_start: float | None = time.perf_counter()
         self._nexus_first_count = True
         try:
             output = super().schedule(*args, **kwargs)
         finally:
             self._nexus_first_count = False
+        t0 = time.perf_counter()
         plan = self.nexus.plan_step(output, self.requests)
+        self.nexus.counters.policy_us += int((time.perf_counter() - t0) * 1e6)
         sent = plan
         if faults.fires("plan_duplicate") and self._nexus_prev_plan is not None:
             sent = self._nexus_prev_plan  # injected: the previous plan arrives again
@@ -73,12 +78,21 @@ class NexusScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         plan, self._nexus_plan = self._nexus_plan, None
+        t0 = time.perf_counter()
         try:
             self.nexus.apply_reply(plan, read_reply(model_runner_output), self.requests)
         except Exception:
             # Nothing is freed before a decision is complete, so skipping is safe.
             logger.exception("nexus-vllm: eviction step failed; skipping it")
-        return super().update_from_output(scheduler_output, model_runner_output)
+        t1 = time.perf_counter()
+        out = super().update_from_output(scheduler_output, model_runner_output)
+        counters = self.nexus.counters
+        counters.policy_us += int((t1 - t0) * 1e6)
+        start = getattr(self, "_nexus_step_start", None)
+        if start is not None:
+            counters.step_us += int((time.perf_counter() - start) * 1e6)
+            self._nexus_step_start = None
+        return out
 
     def make_stats(self, *args: Any, **kwargs: Any) -> Any:
         stats = super().make_stats(*args, **kwargs)

@@ -59,12 +59,19 @@ class ScoreRequest:
         next plan masks the live blocks in ``[sink_blocks, evictable_below)``.
     prefill : bool
         The step was a prefill chunk (the policy uses its prefill variant).
+    needs_mass : bool
+        The policy reads the window's attention mass (False for streaming and random:
+        the worker computes nothing for them; the event still counts as due, for masking).
+    needs_key_norms : bool
+        The policy reads the mean key norm of each live block (knorm).
     """
 
     window: int
     num_logical_blocks: int
     evictable_below: int
     prefill: bool = False
+    needs_mass: bool = True
+    needs_key_norms: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,9 @@ class WorkerReply:
         Attention mass of each scored request's ``window`` newest queries on its ``N``
         live blocks (the live blocks among its first ``num_logical_blocks``, in logical
         order), averaged over scored layers and all query heads of all ranks.
+    key_norms : dict[str, ndarray[N] float32]
+        Mean key L2 norm of each live block (its tokens, all KV heads, the scored layers)
+        for requests whose policy reads them.
     scoring_seconds : float
         Device time spent scoring (wall time on CPU).
     faults : dict[str, int]
@@ -114,6 +124,7 @@ class WorkerReply:
 
     step_id: int | None
     masses: dict[str, np.ndarray] = field(default_factory=dict)
+    key_norms: dict[str, np.ndarray] = field(default_factory=dict)
     scoring_seconds: float = 0.0
     faults: dict[str, int] = field(default_factory=dict)
 

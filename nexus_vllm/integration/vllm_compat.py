@@ -15,6 +15,15 @@ accessor                      vLLM internal                         why
                               single_type_managers``                null and shorten
 ``request_blocks``            ``SingleTypeKVCacheManager.           evicted entries become the
                               req_to_blocks``                       pool's null block
+``cap_prefix_caching``        ``SingleTypeKVCacheManager.           blocks computed after a
+                              cache_blocks(request, num_tokens)``   request's first eviction
+                                                                    are never published
+``cap_prefix_hits``           ``KVCacheManager.get_computed_blocks  an evicting request reuses
+                              / truncate_computed_blocks``          a prefix only up to its
+                                                                    first eviction point
+``gate_admission``            ``KVCacheManager.allocate_slots``,    admit evicting requests by
+                              ``Request.status``                    their bound (budget + one
+                                                                    chunk), not the prompt
 ``BlockPoolView``             ``BlockPool.null_block / free_blocks  freeing evicted blocks,
                               / get_num_free_blocks /               pool gauges
                               num_gpu_blocks``, ``KVCacheBlock.
@@ -60,6 +69,9 @@ __all__ = [
     "RunnerV1",
     "attention_groups",
     "attention_layers",
+    "cap_prefix_caching",
+    "cap_prefix_hits",
+    "gate_admission",
     "check_vllm_version",
     "reset_request_ids",
     "request_blocks",
@@ -116,6 +128,69 @@ def single_type_manager(kv_cache_manager: Any) -> Any:
             f"attention); this model has {len(managers)}"
         )
     return managers[0]
+
+
+def cap_prefix_caching(single: Any, cap: Any) -> None:
+    """Cap, per request, how many tokens vLLM's prefix cache may publish.
+
+    Wraps the manager's ``cache_blocks(request, num_tokens, ...)`` on the instance (vLLM
+    calls it at schedule time for the tokens about to be computed; its coordinator reaches
+    it through the instance attribute): ``num_tokens`` is clamped to ``cap(request)``
+    when that returns an int.
+    """
+    orig = single.cache_blocks
+
+    def cache_blocks(request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        limit = cap(request)
+        if limit is not None and num_tokens > limit:
+            num_tokens = limit
+        return orig(request, num_tokens, *args, **kwargs)
+
+    cache_blocks.__wrapped__ = orig  # type: ignore[attr-defined]
+    single.cache_blocks = cache_blocks
+
+
+def cap_prefix_hits(kv_cache_manager: Any, cap: Any) -> None:
+    """Cap, per request, the prefix-cache hit vLLM admits it with.
+
+    Wraps ``KVCacheManager.get_computed_blocks(request)`` on the instance (the scheduler
+    calls it at admission and records the hit it returns in the prefix-cache metrics):
+    when ``cap(request, hit_tokens)`` returns an int below the hit, the hit is truncated
+    to it with vLLM's own ``truncate_computed_blocks`` (pure slicing, no ref counts).
+    """
+    orig = kv_cache_manager.get_computed_blocks
+
+    def get_computed_blocks(request: Any) -> Any:
+        blocks, hit, boundary = orig(request)
+        limit = cap(request, hit)
+        if limit is not None and hit > limit:
+            return kv_cache_manager.truncate_computed_blocks(blocks, limit), limit, 0
+        return blocks, hit, boundary
+
+    get_computed_blocks.__wrapped__ = orig  # type: ignore[attr-defined]
+    kv_cache_manager.get_computed_blocks = get_computed_blocks
+
+
+def gate_admission(kv_cache_manager: Any, may_admit: Any) -> None:
+    """Refuse to admit a request unless ``may_admit(request)``.
+
+    Wraps ``KVCacheManager.allocate_slots(request, ...)`` on the instance: for a request
+    being admitted (status WAITING or PREEMPTED) it returns None (vLLM's "cannot
+    schedule", which stops admission for this step, first come first served) when
+    ``may_admit`` says no. Running requests are never gated.
+    """
+    from vllm.v1.request import RequestStatus
+
+    orig = kv_cache_manager.allocate_slots
+    admitting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+    def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+        if request.status in admitting and not may_admit(request):
+            return None
+        return orig(request, *args, **kwargs)
+
+    allocate_slots.__wrapped__ = orig  # type: ignore[attr-defined]
+    kv_cache_manager.allocate_slots = allocate_slots
 
 
 def request_blocks(single: Any, req_id: str) -> list[Any]:

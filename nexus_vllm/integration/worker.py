@@ -101,7 +101,7 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
             window=max(int(cfg.window), int(cfg.prefill_window)),
             max_requests=int(self.vllm_config.scheduler_config.max_num_seqs),
             device=torch.device(self.model_runner.device),
-            score_backend="torch" if current_platform.is_cpu() else "auto",
+            score_backend="batched" if current_platform.is_cpu() else "auto",
             tp_rank=tp_rank, tp_size=tp_size)
         dtype = self.model_runner.dtype
         assert isinstance(dtype, torch.dtype), dtype

@@ -166,16 +166,31 @@ class _Step:
     capture_failed: bool = False
 
 
+@dataclass(frozen=True)
+class _Due:
+    """One request to score this step."""
+
+    row: int  # batch row
+    req_id: str
+    window: int  # query rows (0: the policy reads no mass)
+    live: int  # live blocks
+    norms: bool  # the policy reads key norms
+
+
 @dataclass
 class _PendingScores:
-    """Scores on their way to the host (non-blocking copy started in finish_forward)."""
+    """Scores on their way to the host (non-blocking copy started in finish_forward).
 
-    req_ids: list[str]
-    windows: list[int]
-    live: list[int]
+    ``host`` is one float32 vector: the masses ``[R_mass, W_s, N_max]``, then the key
+    norms ``[R_norms, N_max]``, then the validity flag (the number of ranks that
+    succeeded).
+    """
+
+    mass_due: list[_Due]
+    norm_due: list[_Due]
     rows: int  # W_s, rows computed per request
     cols: int  # N_max, columns computed per request
-    host: torch.Tensor  # [R_due * W_s * N_max + 1] float32 (last entry: validity)
+    host: torch.Tensor
     done: Any  # torch.cuda.Event or None
     timer: _Timer
     world: int
@@ -517,20 +532,24 @@ class WorkerEvictionState:
         if not due:
             return
         batch = step.batch
-        rows_idx = np.array([i for i, _, _, _ in due], dtype=np.int64)
-        windows = [w for _, _, w, _ in due]
-        live = [n for _, _, _, n in due]
-        w_s, n_max = max(windows), max(live)
-        r_due = len(due)
+        mass_due = [d for d in due if d.window]
+        norm_due = [d for d in due if d.norms]
+        w_s = max((d.window for d in mass_due), default=0)
+        n_max = max(d.live for d in due)
+        r_m, r_n = len(mass_due), len(norm_due)
         # Query rows of each request in time order: ring row of logical position
         # end - w_s + t (positions before the request's start map to row 0 and are
         # dropped with the other unused rows on the host).
-        qidx = np.empty((r_due, w_s), dtype=np.int64)
-        for r, (i, req_id, _, _) in enumerate(due):
-            end = int(batch.logical_lens[i])
+        qidx = np.empty((r_m, w_s), dtype=np.int64)
+        for r, d in enumerate(mass_due):
+            end = int(batch.logical_lens[d.row])
             pos = np.arange(end - w_s, end, dtype=np.int64)
-            qidx[r] = np.where(pos >= 0, self.slots[req_id] * self.window + pos % self.window, 0)
-        flat = torch.zeros(r_due * w_s * n_max + 1, dtype=torch.float32, device=self.device)
+            qidx[r] = np.where(pos >= 0, self.slots[d.req_id] * self.window + pos % self.window,
+                               0)
+        n_mass = r_m * w_s * n_max
+        flat = torch.zeros(n_mass + r_n * n_max + 1, dtype=torch.float32, device=self.device)
+        mass_out = flat[:n_mass].view(r_m, w_s, n_max)
+        norm_out = flat[n_mass:-1].view(r_n, n_max)
         timer = _Timer(self.device)
         timer.start()
         try:
@@ -539,16 +558,19 @@ class WorkerEvictionState:
             if step.capture_failed:
                 raise RuntimeError("query capture failed in this step")
             assert self._rows is not None and self._qidx is not None
-            rows_dev = self._rows.put(rows_idx)
+            rows_dev = self._rows.put(np.array([d.row for d in mass_due + norm_due],
+                                               dtype=np.int64))
             qidx_dev = self._qidx.put(qidx.reshape(-1))
-            self._score_into(flat[:-1].view(r_due, w_s, n_max), batch, rows_dev, qidx_dev,
-                             n_max, self.score_backend)
-            if self.self_check and self._scoring_checks < _SELF_CHECK_SCORING_STEPS:
+            if r_m:
+                self._score_into(mass_out, batch, rows_dev[:r_m], qidx_dev, n_max,
+                                 self.score_backend)
+            if r_n:
+                self._key_norms_into(norm_out, batch, rows_dev[r_m:], n_max)
+            if r_m and self.self_check and self._scoring_checks < _SELF_CHECK_SCORING_STEPS:
                 self._scoring_checks += 1
-                ref = torch.zeros_like(flat[:-1])
-                self._score_into(ref.view(r_due, w_s, n_max), batch, rows_dev, qidx_dev,
-                                 n_max, "torch")
-                err = float((ref - flat[:-1]).abs().max())
+                ref = torch.zeros_like(mass_out)
+                self._score_into(ref, batch, rows_dev[:r_m], qidx_dev, n_max, "torch")
+                err = float((ref - mass_out).abs().max())
                 if err > 1e-3:
                     raise SelfCheckError(f"nexus-vllm self-check: the scoring kernel differs "
                                          f"from the torch reference by {err:.3g}")
@@ -573,32 +595,37 @@ class WorkerEvictionState:
             done.record()
         else:
             host, done = flat, None
-        self.pending = _PendingScores(req_ids=[r for _, r, _, _ in due], windows=windows,
-                                      live=live, rows=w_s, cols=n_max, host=host,
-                                      done=done, timer=timer, world=self.tp_size)
+        self.pending = _PendingScores(mass_due=mass_due, norm_due=norm_due, rows=w_s,
+                                      cols=n_max, host=host, done=done, timer=timer,
+                                      world=self.tp_size)
 
-    def _due(self, step: _Step) -> list[tuple[int, str, int, int]]:
-        """(batch row, request, window, live blocks) of each request to score now."""
+    def _due(self, step: _Step) -> list[_Due]:
+        """The requests to score now (those whose policy reads the worker's evidence)."""
         assert step.plan is not None and step.batch is not None
         batch = step.batch
         due = []
         for i, req_id in enumerate(batch.req_ids):
             sreq = step.plan.score.get(req_id)
-            if sreq is None or req_id not in self.slots:
+            if sreq is None or not (sreq.needs_mass or sreq.needs_key_norms):
                 continue
             end = int(batch.logical_lens[i])
-            valid = end - self.captured_from.get(req_id, end)
-            window = min(sreq.window, self.window, valid)
-            if window <= 0 or self.captured_end.get(req_id) != end:
-                self._fault("window_missing", "a request due for scoring has no captured "
-                            "queries; its event is skipped")
-                continue
+            window = 0
+            if sreq.needs_mass:
+                valid = end - self.captured_from.get(req_id, end)
+                window = min(sreq.window, self.window, valid)
+                if (req_id not in self.slots or window <= 0
+                        or self.captured_end.get(req_id) != end):
+                    self._fault("window_missing", "a request due for scoring has no "
+                                "captured queries; its event is skipped")
+                    continue
             nblk = -(-end // self.block_size)
             if nblk != sreq.num_logical_blocks:
                 self._fault("plan_mismatch", "the plan's block count disagrees with the "
                             "batch; the event is skipped")
                 continue
-            due.append((i, req_id, window, nblk - int(batch.evicted_counts[i])))
+            due.append(_Due(row=i, req_id=req_id, window=window,
+                            live=nblk - int(batch.evicted_counts[i]),
+                            norms=sreq.needs_key_norms))
         return due
 
     def _score_into(self, out: torch.Tensor, batch: _Batch, rows: torch.Tensor,
@@ -618,10 +645,31 @@ class WorkerEvictionState:
                                        out=out)
         out.div_(len(self.layer_keys) * self.tp_size)
 
+    def _key_norms_into(self, out: torch.Tensor, batch: _Batch, rows: torch.Tensor,
+                        n_max: int) -> None:
+        """Mean key L2 norm of each live block (over its tokens, the KV heads and the
+        scored layers) into ``out [R, n_max]``, as the transformers path computes it."""
+        tables = batch.tables.index_select(0, rows)[:, :n_max].long()
+        lens = batch.seq_lens.index_select(0, rows).long()
+        r = out.shape[0]
+        total: torch.Tensor | None = None
+        for layer in self.layer_keys:
+            cache = layer.key_cache  # [nb, Hkv, bs, D]
+            blocks = cache.index_select(0, tables.reshape(-1)).float()
+            per_token = blocks.norm(dim=-1).mean(dim=1).view(r, n_max, -1)  # [R, n, bs]
+            total = per_token if total is None else total + per_token
+        assert total is not None
+        bs = total.shape[-1]
+        pos = torch.arange(n_max * bs, device=total.device).view(1, n_max, bs)
+        valid = (pos < lens[:, None, None]).to(total.dtype)
+        per_block = (total * valid).sum(-1) / valid.sum(-1).clamp_(min=1.0)
+        out.copy_(per_block.div_(len(self.layer_keys) * self.tp_size))
+
     # -- 5. reply ----------------------------------------------------------------------
     def reply(self) -> WorkerReply:
         """The step's reply (waits for the score copy started in finish_forward)."""
         masses: dict[str, np.ndarray] = {}
+        norms: dict[str, np.ndarray] = {}
         seconds = 0.0
         pending, self.pending = self.pending, None
         if pending is not None:
@@ -631,15 +679,19 @@ class WorkerEvictionState:
             values = pending.host.cpu().numpy()
             valid = int(round(float(values[-1])))
             if valid == pending.world:
-                block = values[:-1].reshape(len(pending.req_ids), pending.rows, pending.cols)
-                for r, req_id in enumerate(pending.req_ids):
-                    w, n = pending.windows[r], pending.live[r]
-                    masses[req_id] = block[r, pending.rows - w:, :n].copy()
+                n_mass = len(pending.mass_due) * pending.rows * pending.cols
+                block = values[:n_mass].reshape(len(pending.mass_due), pending.rows,
+                                                pending.cols)
+                for r, d in enumerate(pending.mass_due):
+                    masses[d.req_id] = block[r, pending.rows - d.window:, :d.live].copy()
+                per_block = values[n_mass:-1].reshape(len(pending.norm_due), pending.cols)
+                for r, d in enumerate(pending.norm_due):
+                    norms[d.req_id] = per_block[r, :d.live].copy()
             elif valid:
                 self._fault("score_error_peer", "block scoring failed on another rank; "
                             "dropping this step's eviction events")
-        out = WorkerReply(step_id=self._ack, masses=masses, scoring_seconds=seconds,
-                          faults=dict(self.faults))
+        out = WorkerReply(step_id=self._ack, masses=masses, key_norms=norms,
+                          scoring_seconds=seconds, faults=dict(self.faults))
         self.faults.clear()
         return out
 

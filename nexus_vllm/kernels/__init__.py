@@ -7,26 +7,6 @@ are ``torch.ops.nexus_vllm.*`` custom ops and import on machines without triton 
 exact contracts.
 """
 
-from nexus_vllm.kernels.ops import (
-    BACKENDS,
-    HAS_TRITON,
-    KV_LAYOUTS,
-    block_attention_mass_paged,
-    block_attention_mass_paged_torch,
-    compact_block_tables,
-    compact_block_tables_torch,
-    resolve_backend,
-    triton_interpret_enabled,
-)
-
-__all__ = [
-    "BACKENDS",
-    "HAS_TRITON",
-    "KV_LAYOUTS",
-    "block_attention_mass_paged",
-    "block_attention_mass_paged_torch",
-    "compact_block_tables",
-    "compact_block_tables_torch",
-    "resolve_backend",
-    "triton_interpret_enabled",
-]
+# The public API is ``ops.__all__``: one list, re-exported here as it is.
+from nexus_vllm.kernels.ops import *  # noqa: F403
+from nexus_vllm.kernels.ops import __all__ as __all__

@@ -1,9 +1,10 @@
-"""Triton kernels (``@triton.jit`` only). Launchers, checks and the torch fallback: ``ops.py``.
+"""Triton kernels (``@triton.jit`` only). Checks and public launchers: ``ops.py``; launches:
+``_launch.py``; tiling: ``_tuning.py``; the torch fallback: ``_reference.py``.
 
-This module imports ``triton`` unconditionally and is only imported lazily by ``ops.py``
-once a Triton launch is requested. ``triton.jit`` decides at decoration time whether a
-kernel is compiled or interpreted (``TRITON_INTERPRET=1``), so ``ops.py`` reloads this module
-when that mode changes.
+This module imports ``triton`` unconditionally and is only imported lazily (by
+``_interpreter.kernel_module``) once a Triton launch is requested. ``triton.jit`` decides at
+decoration time whether a kernel is compiled or interpreted (``TRITON_INTERPRET=1``), so
+this module is reloaded when that mode changes.
 
 Block scoring is split in three launches so that the key cache is read exactly once:
 

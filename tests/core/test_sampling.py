@@ -34,18 +34,36 @@ def test_inclusion_probabilities_sum_and_cap(weights, k):
         assert torch.all(w[capped].double() * ratio[0] >= 1 - 1e-9)
 
 
+def _empirical_inclusion(weights: list[float], k: int, draws: int) -> torch.Tensor:
+    """Fraction of ``draws`` pps draws that keep each item, Tensor[N] (float64)."""
+    w = torch.tensor(weights)
+    g = torch.Generator().manual_seed(1234)
+    counts = torch.zeros(w.numel(), dtype=torch.float64)
+    for _ in range(draws):  # one sample_blocks call per draw: the code under test
+        counts[sample_blocks(w, k, sampler="pps", generator=g)] += 1
+    return counts / draws
+
+
+# Monte Carlo over every (weights, k): ~3 min on a 2-core box, so in the slow tier.
+@pytest.mark.slow
 @pytest.mark.parametrize("weights", WEIGHT_VECTORS)
 @pytest.mark.parametrize("k", KS)
 def test_pps_empirical_inclusion_matches_pi(weights, k):
-    w = torch.tensor(weights)
-    pi = inclusion_probabilities(w, k)
-    g = torch.Generator().manual_seed(1234)
-    counts = torch.zeros(w.numel(), dtype=torch.float64)
-    for _ in range(DRAWS):
-        counts[sample_blocks(w, k, sampler="pps", generator=g)] += 1
-    assert torch.max(torch.abs(counts / DRAWS - pi)) < 0.01
+    pi = inclusion_probabilities(torch.tensor(weights), k)
+    assert torch.max(torch.abs(_empirical_inclusion(weights, k, DRAWS) - pi)) < 0.01
 
 
+def test_pps_empirical_inclusion_matches_pi_quick():
+    """The fast tier's check of the same property: one case with two capped items, fewer
+    draws, and a per-item bound of 4 standard errors of the empirical frequency."""
+    weights, k, draws = WEIGHT_VECTORS[2], 3, 2000
+    pi = inclusion_probabilities(torch.tensor(weights), k)
+    assert int((pi == 1.0).sum()) == 2  # the case exercises capping
+    bound = 4 * torch.sqrt(pi * (1 - pi) / draws) + 1e-9
+    assert torch.all(torch.abs(_empirical_inclusion(weights, k, draws) - pi) <= bound)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("weights", WEIGHT_VECTORS[1:])
 def test_horvitz_thompson_is_unbiased(weights):
     w = torch.tensor(weights)
@@ -64,18 +82,22 @@ def test_horvitz_thompson_is_unbiased(weights):
     assert abs(float(est.mean()) - truth) < 4 * stderr + 1e-9
 
 
+@pytest.mark.slow
 def test_ares_n1_is_gumbel_top_k_in_distribution():
     w = torch.tensor([4.0, 2.0, 1.0, 1.0, 0.5, 0.25])
     k, draws = 2, 20_000
     g = torch.Generator().manual_seed(5)
     ares_sets: dict[tuple[int, ...], int] = {}
-    gumbel_sets: dict[tuple[int, ...], int] = {}
     for _ in range(draws):
         s = tuple(sample_blocks(w, k, sampler="ares", n=1, generator=g).tolist())
         ares_sets[s] = ares_sets.get(s, 0) + 1
-        gumbel = -torch.log(-torch.log(torch.rand(w.numel(), generator=g, dtype=torch.float64)))
-        t = tuple(sorted(torch.topk(torch.log(w.double()) + gumbel, k).indices.tolist()))
-        gumbel_sets[t] = gumbel_sets.get(t, 0) + 1
+    # The reference, Gumbel-top-k, all draws at once (its own generator: independent).
+    u = torch.rand(draws, w.numel(), generator=torch.Generator().manual_seed(6),
+                   dtype=torch.float64)
+    top = torch.topk(torch.log(w.double()) - torch.log(-torch.log(u)), k, dim=1).indices
+    gumbel_sets: dict[tuple[int, ...], int] = {}
+    for t in torch.sort(top, dim=1).values.tolist():
+        gumbel_sets[tuple(t)] = gumbel_sets.get(tuple(t), 0) + 1
     keys = sorted(set(ares_sets) | set(gumbel_sets))
     table = [[ares_sets.get(s, 0) for s in keys], [gumbel_sets.get(s, 0) for s in keys]]
     assert stats.chi2_contingency(table).pvalue > 0.001

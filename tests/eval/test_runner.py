@@ -10,19 +10,19 @@ import torch
 import yaml
 
 from nexus_vllm.eval.cli import main
-from nexus_vllm.eval.runner import aggregate, bootstrap_ci, parse_method
-from nexus_vllm.hf.testing import byte_tokenizer, tiny_llama
+from nexus_vllm.eval.records import Record, SampleId, read_records
+from nexus_vllm.eval.runner import RunConfig, iter_runs, parse_method
+from nexus_vllm.eval.stats import aggregate, bootstrap_ci
+from nexus_vllm.hf.testing import save_tiny_checkpoint
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    tok = byte_tokenizer()
-    tiny_llama(vocab_size=len(tok), eos_token_id=tok.eos_token_id).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    # The in-memory tests' model shape (hf.testing.tiny_llama) with the byte tokenizer.
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), tokenizer="byte", layers=3,
+                                heads=4, kv_heads=2, head_dim=16)
 
 
 def test_cli_end_to_end_and_resume(tiny_dir, tmp_path) -> None:
@@ -53,10 +53,14 @@ def test_cli_end_to_end_and_resume(tiny_dir, tmp_path) -> None:
                  "bars_score_0.3.png"):
         assert (out / name).stat().st_size > 0
     assert "| nexus |" in (out / "table.md").read_text()
-    # Resume: nothing left to run, same records.
-    assert main(argv) == 0
+    # Resume: nothing left to run, same records; --publish copies the run's files.
+    pub = tmp_path / "published"
+    assert main([*argv, "--publish", str(pub)]) == 0
     again = (out / "records.jsonl").read_text().splitlines()
     assert len(again) == len(records)
+    assert (pub / "records.jsonl").read_text().splitlines() == again
+    for name in ("table.md", "results.json", "config.yaml", "plot_score.png"):
+        assert (pub / name).read_bytes() == (out / name).read_bytes()
 
 
 def test_calibrate_writes_dense_table(tiny_dir, tmp_path) -> None:
@@ -78,16 +82,69 @@ def test_parse_method() -> None:
         parse_method("nexus:lam")
 
 
+def _record(index: int, seed: int, score: float) -> Record:
+    return Record.build(SampleId("t", 1, "p", index), "nexus", 0.2, seed, score=score,
+                        prediction="", answers=("a",), answer_loglik=-2.0,
+                        dense_answer_loglik=-1.0, answer_tokens=1, kl=0.5, kl_answer=0.7,
+                        prompt_tokens=10, cache_tokens=5, events=1, seconds=1.0)
+
+
 def test_bootstrap_ci_and_aggregate() -> None:
     m, lo, hi = bootstrap_ci([1.0, 1.0, 1.0])
     assert (m, lo, hi) == (1.0, 1.0, 1.0)
     x = np.random.default_rng(0).normal(size=200)
     m, lo, hi = bootstrap_ci(x)
     assert lo < m < hi and abs(m) < 0.2 and 0.1 < hi - lo < 0.5
-    recs = [dict(task="t", context=1, protocol="p", method="nexus", budget=0.2, index=i,
-                 seed=s, score=float(i % 2), delta_loglik=-1.0, kl=0.5, kl_answer=0.7,
-                 seconds=1.0)
-            for i in range(4) for s in range(3)]
+    recs = [_record(i, s, float(i % 2)) for i in range(4) for s in range(3)]
     (row,) = aggregate(recs)
     assert row["n"] == 4 and row["runs"] == 12 and row["score"] == 0.5
     assert row["delta_loglik"] == -1.0 and row["kl_lo"] == row["kl_hi"] == 0.5
+
+
+def _cfg(**kw) -> RunConfig:
+    base = dict(model="m", tasks=("vt",), methods=("dense", "nexus", "snapkv"), budgets=(0.2,),
+                contexts=(700,), protocols=("question-last",), samples=2, seeds=3, data_seed=1)
+    return RunConfig(**{**base, **kw})
+
+
+def test_iter_runs_order_and_keys() -> None:
+    runs = list(iter_runs(_cfg()))
+    # per sample: dense, nexus x 3 seeds (stochastic), snapkv x 1 seed
+    assert len(runs) == 2 * (1 + 3 + 1)
+    assert [r.method.label for r in runs[:5]] == ["dense", "nexus", "nexus", "nexus", "snapkv"]
+    assert runs[0].key == '["vt", 700, "question-last", 0, "dense", null, 0]'
+    assert runs[3].key == '["vt", 700, "question-last", 0, "nexus", 0.2, 2]'
+    assert runs[5].sample == SampleId("vt", 700, "question-last", 1)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"budgets": (1.5,)}, "'nexus' at budget 1.5: budget as a ratio"),
+    ({"budgets": (0,)}, "positive token count"),
+    ({"budgets": (64,)}, "max_tokens must be >="),  # below the forced blocks at block 32
+    ({"knobs": {"lamda": 0.5}}, "did you mean 'lam'"),
+    ({"methods": ("nexus:lam",)}, "key=value"),
+    ({"samples": 0}, "samples and seeds"),
+])
+def test_run_config_checks_every_method_and_budget_up_front(kw, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        _cfg(**kw)
+
+
+def test_report_only_reproduces_the_published_tables(tmp_path) -> None:
+    """docs/figures/headline re-reported by today's code: same tables, same results."""
+    import pathlib
+    import shutil
+
+    src = pathlib.Path(__file__).parents[2] / "docs" / "figures" / "headline"
+    out = tmp_path / "headline"
+    out.mkdir()
+    shutil.copy(src / "records.jsonl", out)
+    config = pathlib.Path(__file__).parents[2] / "configs" / "eval" / "headline.yaml"
+    assert main(["--config", str(config), "--out", str(out), "--report-only"]) == 0
+    # The first line names the run directory.
+    assert (out / "table.md").read_text().splitlines()[1:] == \
+        (src / "table.md").read_text().splitlines()[1:]
+    assert json.loads((out / "results.json").read_text())["rows"] == \
+        json.loads((src / "results.json").read_text())["rows"]
+    assert read_records(out / "records.jsonl")[0].to_dict() == \
+        json.loads((src / "records.jsonl").read_text().splitlines()[0])

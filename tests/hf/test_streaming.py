@@ -58,7 +58,10 @@ def test_cache_within_budget_after_every_event(model, tok, method: str, budget) 
     text, session = generate(model, tok, CONTEXT, QUESTION, method=method, budget=budget,
                              chunk_size=64, max_new_tokens=20, return_session=True,
                              **KNOBS)
-    assert isinstance(text, str)
+    # Every generated token but the last was fed back: the session saw the prompt plus
+    # 1..19 of them, and the text decodes something (no eos at the very first step).
+    generated = session.seen - encode_prompt(tok, CONTEXT, QUESTION).n_prompt + 1
+    assert 1 < generated <= 20 and text
     cfg = session.config
     assert session.events, "the prompt is long enough that eviction must fire"
     assert any(not e.prefill for e in session.events), "decode events must fire too"

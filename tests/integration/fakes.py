@@ -20,9 +20,10 @@ class FakeRunner:
     """``requests[id].block_ids[0]``, ``input_batch.{req_ids, req_id_to_index,
     block_table[0].block_table.np, num_reqs, generators}`` and ``discard_request_mask``."""
 
-    def __init__(self, block_ids: dict[str, list[int]], max_blocks: int = 16) -> None:
+    def __init__(self, block_ids: dict[str, list[int]], max_blocks: int = 16,
+                 max_rows: int = 0) -> None:
         req_ids = list(block_ids)
-        self.table = np.zeros((len(req_ids) + 2, max_blocks), dtype=np.int32)
+        self.table = np.zeros((max(max_rows, len(req_ids) + 2), max_blocks), dtype=np.int32)
         for row, r in enumerate(req_ids):
             self.table[row, : len(block_ids[r])] = block_ids[r]
         bt = SimpleNamespace(block_table=SimpleNamespace(np=self.table))
@@ -30,7 +31,7 @@ class FakeRunner:
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             block_table=[bt], num_reqs=len(req_ids), generators={})
         self.requests = {r: SimpleNamespace(block_ids=[list(block_ids[r])]) for r in req_ids}
-        self.discard_request_mask = SimpleNamespace(np=np.zeros(len(req_ids) + 2, dtype=bool))
+        self.discard_request_mask = SimpleNamespace(np=np.zeros(self.table.shape[0], dtype=bool))
 
 
 def adapter(runner: FakeRunner) -> Any:

@@ -135,7 +135,7 @@ class TestServeParser:
         assert cfg is not None
         assert ea.scheduler_cls == "nexus_vllm.integration.scheduler.NexusScheduler"
         assert ea.worker_cls == "nexus_vllm.integration.worker.NexusWorker"
-        assert ea.enable_prefix_caching is False and ea.block_size == 32
+        assert ea.enable_prefix_caching is None and ea.block_size == 32  # left to vLLM
         assert ea.long_prefill_token_threshold == 512 and ea.async_scheduling is False
 
     def test_cross_field_error_exits_naming_flag(self) -> None:

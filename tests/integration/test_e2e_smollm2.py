@@ -1,5 +1,6 @@
 """One realistic case: the embedded SmolLM2-135M-Instruct served with Nexus eviction at
-a 256-token budget on a ~600-token chat (~55 s on 2 CPU cores)."""
+a 256-token budget on a ~600-token chat, and ``nexus-vllm parity`` against the same
+server, eviction off and on (~3 min on 2 CPU cores)."""
 
 from __future__ import annotations
 
@@ -54,18 +55,36 @@ def test_smollm2_long_chat_under_budget(smol_server) -> None:  # noqa: ANN001
     assert after["vllm:nexus_free_blocks"] == after["vllm:nexus_total_blocks"]
 
 
-def test_quality_tool_dense_matches_hf_path(smol_server, capsys) -> None:  # noqa: ANN001
-    """The suite's prompts through the server reproduce the transformers path exactly with
-    eviction off, so server-vs-HF comparisons at a budget compare eviction only."""
+def _parity(smol_server, capsys, *flags: str) -> tuple[int, list[dict], dict]:  # noqa: ANN001
+    """``nexus-vllm parity`` against the module's server: (exit code, rows, summary)."""
     import json
 
-    from nexus_vllm.integration.quality import main
+    from nexus_vllm.cli import main
 
-    assert main(["--base-url", smol_server.base_url, "--samples", "2", "--context", "512",
-                 "--method", "none", "--budget", str(BUDGET), "--hf"]) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()
-            if line.startswith("{")]
-    samples = [r for r in rows if "index" in r]
-    assert len(samples) == 2
-    assert all(r["server_text"] == r["hf_text"] for r in samples), samples
-    assert rows[-1]["summary"]["diff"] == 0.0
+    rc = main(["parity", "--base-url", smol_server.base_url, "--samples", "2",
+               "--context", "512", *flags])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    return rc, [x for x in lines if "index" in x], lines[-1]["summary"]
+
+
+def test_parity_dense_server_equals_transformers(smol_server, capsys) -> None:  # noqa: ANN001
+    """The suite's prompts through the server reproduce the transformers path token for
+    token with eviction off, so any difference at a budget comes from eviction."""
+    rc, rows, summary = _parity(smol_server, capsys, "--method", "none")
+    assert len(rows) == 2
+    assert rc == 0 and all(r["ids_match"] for r in rows), rows
+    assert all(r["server_text"] == r["hf_text"] for r in rows)
+    assert all(r["server_evicted_blocks"] == r["hf_evicted_blocks"] == 0 for r in rows)
+    assert summary["diff"] == 0.0
+
+
+def test_parity_with_eviction_server_equals_transformers(smol_server, capsys) -> None:  # noqa: ANN001
+    """With Nexus eviction on (the budget sent per request, the server's chunk size), the
+    real model evicts the same blocks and gives the same token ids on both paths."""
+    rc, rows, summary = _parity(smol_server, capsys, "--method", "nexus",
+                                "--budget", str(BUDGET), "--chunk-size", str(CHUNK))
+    assert len(rows) == 2
+    assert all(r["prompt_tokens"] > BUDGET + CHUNK for r in rows)  # prefill must evict
+    assert rc == 0 and all(r["ids_match"] for r in rows), rows
+    assert all(r["server_evicted_blocks"] == r["hf_evicted_blocks"] > 0 for r in rows), rows
+    assert summary["ids_match"] == summary["evicted_match"] == 2

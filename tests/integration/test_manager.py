@@ -29,7 +29,9 @@ def _setup(num_blocks: int = 64, budget: int = 256, chunk: int = 128):  # noqa: 
     single = FullAttentionManager(spec, block_pool=pool, enable_caching=False,
                                   kv_cache_group_id=0, scheduler_block_size=BS)
     kvm = SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=(single,)),
-                          block_pool=pool)
+                          block_pool=pool, get_computed_blocks=lambda r: ((), 0, 0),
+                          truncate_computed_blocks=lambda blocks, n: blocks,
+                          allocate_slots=lambda *a, **k: None)
     cfg = resolve_config(flags={"method": "nexus", "max_tokens": budget, "chunk_size": chunk,
                                 "seed": 3})
     return EvictionManager(cfg, kvm, BS), single, pool
@@ -193,3 +195,64 @@ def test_stale_scores_are_skipped() -> None:
     free = pool.get_num_free_blocks()
     mgr.apply_reply(plan, reply, reqs)
     assert pool.get_num_free_blocks() == free and mgr.counters.faults["stale_scores"] == 1
+
+
+@pytest.mark.parametrize("prompt, budget, chunk, hit, want", [
+    (2000, 512, 128, 1024, 512),   # first event after the chunk ending at 640
+    (2000, 512, 128, 256, 256),    # a shorter hit is kept
+    (2000, 512, 128, 320, 256),    # ... rounded down to a chunk boundary
+    (300, 512, 128, 288, None),    # the prompt never goes over budget: no cap
+    (2000, 512, 96, 1024, 480),    # chunk 96, block 32: first event after 576
+])
+def test_prefix_hits_stop_before_the_first_eviction(prompt, budget, chunk, hit,
+                                                    want) -> None:  # noqa: ANN001
+    mgr, single, pool = _setup(budget=budget, chunk=chunk)
+    assert mgr._hit_cap(_request("r", prompt), hit) == want
+
+
+def test_caching_is_capped_at_the_clean_watermark() -> None:
+    """After its first eviction a request publishes no more blocks to the prefix cache."""
+    mgr, single, pool = _setup()
+    from nexus_vllm.integration.vllm_compat import cap_prefix_caching
+
+    assert hasattr(single.cache_blocks, "__wrapped__")  # the manager capped vLLM's
+    seen: list[int] = []
+
+    fake = SimpleNamespace(cache_blocks=lambda request, n, *a, **k: seen.append(n))
+    cap_prefix_caching(fake, lambda r: mgr.clean_tokens.get(r.request_id))
+    reqs = {"r": _request("r", prompt=1000)}
+    plan = _step(mgr, single, reqs, {"r": 384}, new=("r",))
+    fake.cache_blocks(reqs["r"], 384)
+    mgr.apply_reply(plan, _reply(plan, mgr), reqs)
+    assert mgr.clean_tokens["r"] == 384
+    _step(mgr, single, reqs, {"r": 128})
+    fake.cache_blocks(reqs["r"], 512)
+    assert seen == [384, 384]
+    # Preempted and resumed: the watermark goes with the old block list.
+    mgr.plan_step(_output({"r": 128}, resumed=("r",)), reqs)
+    assert "r" not in mgr.clean_tokens
+
+
+def test_admission_by_bound() -> None:
+    """An evicting request is admitted only if the pool covers its bound (budget + one
+    chunk) on top of what admitted evicting requests may still grow to."""
+    from vllm.v1.request import RequestStatus
+
+    mgr, single, pool = _setup(num_blocks=30)  # 29 usable; bound = 8 + 4 = 12 blocks
+    reqs = {}
+    for rid in ("a", "b", "c"):
+        r = _request(rid, prompt=1000)
+        r.max_tokens, r.status = 64, RequestStatus.WAITING
+        reqs[rid] = r
+    assert mgr.bound_blocks(reqs["a"]) == 12
+    assert mgr.may_admit(reqs["a"])
+    _step(mgr, single, {"a": reqs["a"]}, {"a": 128}, new=("a",))  # holds 4 of its 12
+    assert mgr.may_admit(reqs["b"])  # 25 free - 8 outstanding >= 12
+    _step(mgr, single, {"b": reqs["b"]}, {"b": 128}, new=("b",))
+    assert not mgr.may_admit(reqs["c"])  # 21 free - 16 outstanding < 12
+    assert mgr.counters.admission_waits == 1
+    short = _request("d", prompt=100)
+    short.max_tokens = 20  # the whole sequence needs 4 blocks: that is its bound
+    assert mgr.bound_blocks(short) == 4 and mgr.may_admit(short)
+    off = _request("e", prompt=1000, kv_eviction="none")
+    assert mgr.bound_blocks(off) is None and mgr.may_admit(off)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nexus_vllm.core.scoring import block_attention_mass, gather_paged_keys, num_blocks_for
-from nexus_vllm.kernels import ops
+from nexus_vllm.kernels import _launch, _reference, ops
 from nexus_vllm.kernels.ops import block_attention_mass_paged
 
 triton_only = pytest.mark.skipif(not ops.HAS_TRITON, reason="triton is not installed")
@@ -131,6 +131,23 @@ def test_torch_backend_equals_core(seq_lens, kv_layout):
     torch.testing.assert_close(got, core, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+@pytest.mark.parametrize("seq_lens", SEQ_LEN_SETS)
+def test_batched_backend_within_bound(seq_lens, kv_layout, dtype):
+    """The vectorised torch path (the plugin's CPU scorer) against fp64, with the same
+    2x-the-input-dtype-error bound as the Triton kernel, and garbage past each row's
+    blocks (it gathers whole rows)."""
+    q, kc, bt, sl = _make_case(seq_lens, 4, 4, 2, 32, 16, dtype, kv_layout)
+    bt = bt.clone()
+    for i, s in enumerate(sl.tolist()):
+        bt[i, num_blocks_for(s, 16) :] = kc.shape[0] + 7  # out of range: must not matter
+    got = block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, backend="batched")
+    exact, lowp, core = _references(q, kc, bt, sl, kv_layout)
+    _assert_within_bound(got, exact, lowp, dtype)
+    torch.testing.assert_close(got, core, rtol=0, atol=2e-6)
+
+
 @triton_only
 @pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -209,7 +226,7 @@ def test_triton_many_chunks_and_splits(monkeypatch):
     q, kc, bt, sl = _make_case(seq_lens, 8, 4, 1, 16, 16, torch.bfloat16, "HND", q_scale=3.0)
     exact, lowp, _ = _references(q, kc, bt, sl, "HND")
     one = block_attention_mass_paged(q, kc, bt, sl, kv_layout="HND", backend="triton")
-    monkeypatch.setattr(ops, "_num_programs_target", lambda device: 1000)
+    monkeypatch.setattr(_launch, "num_programs_target", lambda device: 1000)
     many = block_attention_mass_paged(q, kc, bt, sl, kv_layout="HND", backend="triton")
     _assert_within_bound(one, exact, lowp, torch.bfloat16)
     torch.testing.assert_close(many, one, rtol=1e-6, atol=1e-7)
@@ -358,6 +375,26 @@ def test_opcheck_fake_impls():
     )
 
 
+def test_public_api():
+    """The package re-exports ``ops.__all__`` (one list), the very same objects."""
+    import nexus_vllm.kernels as pkg
+
+    assert pkg.__all__ == [
+        "BACKENDS",
+        "HAS_TRITON",
+        "KV_LAYOUTS",
+        "block_attention_mass_paged",
+        "block_attention_mass_paged_batched",
+        "block_attention_mass_paged_torch",
+        "compact_block_tables",
+        "compact_block_tables_torch",
+        "resolve_backend",
+        "triton_interpret_enabled",
+    ]
+    for name in pkg.__all__:
+        assert getattr(pkg, name) is getattr(ops, name), name
+
+
 def test_imports_without_triton():
     """The package must import (and score via torch) where triton is missing."""
     code = (
@@ -415,3 +452,12 @@ def test_gpu_matches_reference(case, dtype, block_size, kv_layout):
     out = torch.ones_like(got)
     block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, out=out)
     torch.testing.assert_close(out, got + 1, rtol=0, atol=1e-6)
+
+
+def test_batched_backend_chunks_requests(monkeypatch):
+    """A tight scratch budget splits the batch into one request per chunk: same result."""
+    q, kc, bt, sl = _make_case([50, 7, 33, 0, 80], 4, 4, 2, 32, 16, torch.float32, "HND")
+    whole = block_attention_mass_paged(q, kc, bt, sl, kv_layout="HND", backend="batched")
+    monkeypatch.setattr(_reference, "_BATCHED_LOGITS", 1)
+    split = block_attention_mass_paged(q, kc, bt, sl, kv_layout="HND", backend="batched")
+    torch.testing.assert_close(split, whole, rtol=0, atol=0)

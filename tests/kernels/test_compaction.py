@@ -12,8 +12,12 @@ triton_only = pytest.mark.skipif(not ops.HAS_TRITON, reason="triton is not insta
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 BACKENDS = ["torch", pytest.param("triton", marks=triton_only)]
-INT_DTYPES = [torch.int32, torch.int64]
-BLOCK_SIZES = [16, 32, 128]
+# (table dtype, block size): both index dtypes, and block sizes up to a wide 128.
+DTYPE_BLOCK_SIZES = [
+    pytest.param(torch.int32, 16, id="int32-bs16"),
+    pytest.param(torch.int64, 32, id="int64-bs32"),
+    pytest.param(torch.int32, 128, id="int32-bs128"),
+]
 # (requests, max_blocks): one row, a typical batch, tables wider than one kernel tile.
 TABLE_SHAPES = [(1, 5), (7, 33), (3, 1500)]
 NULL_FRACTIONS = [0.0, 0.4, 1.0]
@@ -53,17 +57,17 @@ def _random_tables(r, m, block_size, null_frac, dtype, null_block=0, gen_seed=SE
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("dtype", "block_size"), DTYPE_BLOCK_SIZES)
 @pytest.mark.parametrize("null_frac", NULL_FRACTIONS)
-@pytest.mark.parametrize("shape", TABLE_SHAPES)
-def test_compaction_matches_oracle(shape, null_frac, backend):
+@pytest.mark.parametrize("shape", TABLE_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_compaction_matches_oracle(shape, null_frac, dtype, block_size, backend):
     r, m = shape
-    for dtype, block_size in zip(INT_DTYPES + INT_DTYPES[:1], BLOCK_SIZES):
-        bt, sl = _random_tables(r, m, block_size, null_frac, dtype)
-        want_t, want_s = _oracle(bt, sl, block_size, 0)
-        got_t, got_s = compact_block_tables(bt, sl, block_size, backend=backend)
-        assert got_t.dtype == dtype and got_s.dtype == dtype
-        torch.testing.assert_close(got_t, want_t, rtol=0, atol=0)
-        torch.testing.assert_close(got_s, want_s, rtol=0, atol=0)
+    bt, sl = _random_tables(r, m, block_size, null_frac, dtype)
+    want_t, want_s = _oracle(bt, sl, block_size, 0)
+    got_t, got_s = compact_block_tables(bt, sl, block_size, backend=backend)
+    assert got_t.dtype == dtype and got_s.dtype == dtype
+    torch.testing.assert_close(got_t, want_t, rtol=0, atol=0)
+    torch.testing.assert_close(got_s, want_s, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -11,7 +11,11 @@ validation or plugin metrics; each patch's Plan names the hook that would replac
 |-----------------|---------------------------------------------------|------------|
 | engine_args     | ``EngineArgs.add_cli_args`` / ``from_cli_args`` / | API server |
 |                 | ``create_engine_config``                          |            |
-| input_processor | ``InputProcessor._validate_params``               | API server |
+| openai_serving  | ``OpenAIServingCompletion.render_completion_      | API server |
+|                 | request`` / ``OpenAIServingChat.render_chat_      |            |
+|                 | request`` (``vllm_xargs`` -> 400 before a stream) |            |
+| input_processor | ``InputProcessor._validate_params`` (backstop for | API server |
+|                 | the other ways into the engine)                   |            |
 | stat_logger     | ``StatLoggerManager.record``                      | API server |
 
 Not patches, but overrides through vLLM's own extension points, leaning on internals
@@ -50,8 +54,14 @@ def apply_all() -> None:
     if _APPLIED:
         return
     _APPLIED = True
-    from nexus_vllm.integration.patches import engine_args, input_processor, stat_logger
+    from nexus_vllm.integration.patches import (
+        engine_args,
+        input_processor,
+        openai_serving,
+        stat_logger,
+    )
 
     engine_args.apply()
     input_processor.apply()
+    openai_serving.apply()
     stat_logger.apply()

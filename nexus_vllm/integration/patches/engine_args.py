@@ -16,9 +16,12 @@ How
       with (each refusal names the flag and what to use instead), select our scheduler
       and worker, set the block size, chunked prefill at ``chunk_size`` tokens per request
       and step, synchronous scheduling, vLLM's V1 model runner
-      (``VLLM_USE_V2_MODEL_RUNNER=0``) and, on CUDA, PIECEWISE CUDA graphs; turn prefix
-      caching off (logged); after vLLM builds its config, refuse models with sliding
-      windows, ALiBi, MLA, hybrid layers or an encoder. Also covers the Python
+      (``VLLM_USE_V2_MODEL_RUNNER=0``) and, on CUDA, PIECEWISE CUDA graphs; after vLLM
+      builds its config, refuse models with sliding
+      windows, ALiBi, MLA, hybrid layers or an encoder, and settings that cannot work
+      within its ``max_model_len`` (``check_max_model_len``: a budget above it never
+      evicts); vLLM's own refusal of the chunk size is restated naming
+      ``--kv-chunk-size``. Also covers the Python
       ``LLM(..., additional_config={"nexus": {...}})`` path.
 vLLM version
     0.32.0 (``vllm/engine/arg_utils.py``).
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +44,7 @@ from nexus_vllm.integration.config import (
     ADDITIONAL_CONFIG_KEY,
     CLI_FLAGS,
     METHODS,
+    check_max_model_len,
     config_from_additional,
     resolve_config,
 )
@@ -120,8 +125,13 @@ def _apply_cli_config(engine_args: Any, args: argparse.Namespace) -> None:
     file = getattr(args, "kv_eviction_config", None)
     additional = dict(getattr(engine_args, "additional_config", None) or {})
     nexus = additional.get(ADDITIONAL_CONFIG_KEY)
-    if not file and not nexus and all(v is None for v in flags.values()):
+    # ``nexus`` of 0, "" or [] is an error (resolve_config), not a silent "off".
+    if not file and nexus in (None, {}) and all(v is None for v in flags.values()):
         return
+    # vLLM's --block-size sets the block size (translate_engine_args), hence the budget
+    # floor: check the budget against it here, where the error can name the flags.
+    if getattr(engine_args, "block_size", None) is not None:
+        flags["block_size"] = engine_args.block_size
     try:
         cfg = resolve_config(file=file, additional=nexus, flags=flags)
     except ValueError as exc:
@@ -230,6 +240,29 @@ def check_model_config(vllm_config: Any, cfg: Any) -> None:
             f"--kv-eviction {cfg.method}: model {model.model} uses {' and '.join(reasons)}; "
             "eviction supports decoder-only models with full attention and one KV cache "
             "group (serve this model with --kv-eviction none)")
+    # Only now is max_model_len known (vLLM derives it from the model when not given).
+    layers = getattr(model.hf_text_config, "num_hidden_layers", None)
+    try:
+        check_max_model_len(cfg, int(model.max_model_len),
+                            layers if isinstance(layers, int) else None)
+    except ValueError as exc:
+        # The "--kv-eviction" prefix makes the CLI path exit with this one line.
+        raise ValueError(f"--kv-eviction {cfg.method}: {exc}") from None
+
+
+def explain_vllm_refusal(cfg: Any, exc: ValueError) -> ValueError | None:
+    """vLLM's refusal of a value the plugin derived from a ``--kv-*`` flag, restated as
+    one line naming that flag (None when ``exc`` is not one)."""
+    if cfg is None:
+        return None
+    # translate_engine_args passes --kv-chunk-size as long_prefill_token_threshold, which
+    # vLLM's SchedulerConfig refuses above max_model_len (a multi-line pydantic error).
+    m = re.search(r"long_prefill_token_threshold \((\d+)\) cannot be greater than the "
+                  r"max_model_len \((\d+)\)", str(exc))
+    if m is None:
+        return None
+    return ValueError(f"--kv-eviction {cfg.method}: --kv-chunk-size {m.group(1)} is above "
+                      f"--max-model-len {m.group(2)}; allowed: 1..{m.group(2)} tokens")
 
 
 def translate_engine_args(engine_args: Any) -> Any | None:
@@ -249,11 +282,8 @@ def translate_engine_args(engine_args: Any) -> Any | None:
         engine_args.block_size = cfg.block_size
     elif engine_args.block_size != cfg.block_size:
         cfg = cfg.replace(block_size=int(engine_args.block_size))
-    if engine_args.enable_prefix_caching is not False:
-        logger.warning(
-            "nexus-vllm: prefix caching is turned off because --kv-eviction %s evicts "
-            "blocks (an evicted sequence no longer matches its block hashes)", cfg.method)
-    engine_args.enable_prefix_caching = False
+    # Prefix caching stays as the user set it: an evicting request publishes only the
+    # blocks it computed before its first eviction (manager.py, the clean watermark).
     engine_args.enable_chunked_prefill = True
     # Each evicting request prefills at most one chunk per step; an eviction event
     # follows each chunk, so a request never holds more than budget + one chunk.
@@ -309,7 +339,13 @@ def apply() -> None:
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             cfg = translate_engine_args(self)
-            vllm_config = orig_create(self, *args, **kwargs)
+            try:
+                vllm_config = orig_create(self, *args, **kwargs)
+            except ValueError as exc:
+                ours = explain_vllm_refusal(cfg, exc)
+                if ours is None:
+                    raise
+                raise ours from exc
             if cfg is not None:
                 check_model_config(vllm_config, cfg)
         except ValueError as exc:

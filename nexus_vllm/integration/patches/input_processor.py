@@ -3,12 +3,14 @@
 Why
     ``vllm_xargs`` reaches ``SamplingParams.extra_args`` unchecked; a bad ``kv_budget``
     would only surface in the engine core, where an exception kills the engine. Requests
-    must instead fail alone with HTTP 400 naming the field.
+    must instead fail alone with HTTP 400 naming the field. OpenAI requests are checked
+    earlier, before any stream starts (``openai_serving``); this is the backstop for every
+    other way into the engine (``LLM``/``AsyncLLM`` in Python, batch and other endpoints).
 How
     Wrap ``InputProcessor._validate_params`` (the API server's request validation, whose
     ``ValueError``/``VLLMValidationError`` become HTTP 400): after vLLM's own checks, run
     :func:`nexus_vllm.integration.config.validate_request_args` against the server's config
-    read from ``vllm_config.additional_config``.
+    and ``max_model_len``, read once from ``vllm_config`` (:func:`server_limits`).
 vLLM version
     0.32.0 (``vllm/v1/engine/input_processor.py``).
 Plan
@@ -19,38 +21,54 @@ Plan
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
-from nexus_vllm.integration.config import config_from_additional, validate_request_args
+from nexus_vllm.integration.config import (
+    RequestArgError,
+    config_from_additional,
+    validate_request_args,
+)
 
-__all__ = ["apply"]
-
-_UNSET = object()
+__all__ = ["apply", "server_limits"]
 
 
-def apply() -> None:
+def server_limits(input_processor: Any) -> tuple[Any | None, int | None]:
+    """(server ``EvictionConfig`` or None, ``max_model_len``) of the engine behind
+    ``input_processor``; computed once and kept on it."""
+    limits: tuple[Any | None, int | None] | None = getattr(
+        input_processor, "_nexus_limits", None)
+    if limits is None:
+        vllm_config = input_processor.vllm_config
+        max_len = getattr(vllm_config.model_config, "max_model_len", None)
+        limits = (config_from_additional(vllm_config.additional_config),
+                  int(max_len) if max_len else None)
+        input_processor._nexus_limits = limits
+    return limits
+
+
+def _wrap(orig: Callable[..., Any]) -> Callable[..., Any]:
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.engine.input_processor import InputProcessor
-
-    orig = InputProcessor._validate_params
-    if getattr(orig, "_nexus_patched", False):
-        return
 
     @functools.wraps(orig)
     def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
         result = orig(self, params, *args, **kwargs)
         if isinstance(params, SamplingParams) and params.extra_args:
-            server_cfg = getattr(self, "_nexus_server_cfg", _UNSET)
-            if server_cfg is _UNSET:
-                server_cfg = config_from_additional(self.vllm_config.additional_config)
-                self._nexus_server_cfg = server_cfg
+            server_cfg, max_len = server_limits(self)
             try:
-                validate_request_args(params.extra_args, server_cfg)
-            except ValueError as exc:
-                field = str(exc).split(":", 1)[0]
-                raise VLLMValidationError(str(exc), parameter=field) from None
+                validate_request_args(params.extra_args, server_cfg, max_model_len=max_len)
+            except RequestArgError as exc:
+                raise VLLMValidationError(str(exc), parameter=exc.field) from None
         return result
 
     _validate_params._nexus_patched = True  # type: ignore[attr-defined]
-    InputProcessor._validate_params = _validate_params  # type: ignore[method-assign]
+    return _validate_params
+
+
+def apply() -> None:
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    orig = InputProcessor._validate_params
+    if not getattr(orig, "_nexus_patched", False):
+        InputProcessor._validate_params = _wrap(orig)  # type: ignore[method-assign]

@@ -16,25 +16,30 @@ block has a latent importance and a class:
 Every policy sees the same mass matrices (``[W, N]`` per event) and keeps the same
 budget. Survival per class at the end of the stream shows the theory: under top-K a
 block dies at its first dip below the cutoff (survival is a min over events); under
-sampling it survives with the product of its inclusion probabilities. The plot is the
-paper's Figure 3: survival against time-averaged weight, a step for top-K and a smooth
-curve for sampling.
+sampling it survives with the product of its inclusion probabilities.
+
+This module is the simulation only (torch, no I/O); ``nexus_vllm.sim.cli`` is the
+``nexus-vllm simulate`` command and the plot.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ._validate import check_int
-from .policies import EvictionPolicy, get_policy
+from nexus_vllm.core import EvictionPolicy, get_policy
+from nexus_vllm.core._validate import check_int
 
-__all__ = ["BLOCK_CLASSES", "SimulationConfig", "SimulationResult", "main", "simulate"]
+__all__ = [
+    "BLOCK_CLASSES",
+    "DEFAULT_POLICIES",
+    "SimulationConfig",
+    "SimulationResult",
+    "simulate",
+]
 
 BLOCK_CLASSES = ("background", "intermittent", "bridge", "spike")
 
@@ -51,6 +56,28 @@ DEFAULT_POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
     "knorm": ("knorm", {}),
 }
 
+# The stream's shape. Importances are in units of the median background block (1.0).
+# With the default config (34 live blocks cut to 32 at each event, 4 of them forced) the
+# cutoff, i.e. the importance of the best block evicted, sits at about 0.9-1.0 of that
+# unit: top-K on direct mass drops two blocks out of 30 candidates per event.
+BACKGROUND_LOG_SIGMA = 0.6  # spread of background importance: lognormal(0, 0.6)
+# Fixed importances of the special classes (background is drawn):
+#   intermittent 6.0: far above the cutoff, except when it dips (DIP_FACTOR below);
+#   bridge 1.6: above the cutoff on the time average, and flat, so a single row never
+#     singles it out;
+#   spike 1.0: its mass is set by SPIKE_* below; the importance only sets its key norm,
+#     at the background median, so knorm cannot tell spikes apart.
+CLASS_IMPORTANCE = {"intermittent": 6.0, "bridge": 1.6, "spike": 1.0}
+DIP_PROB = 0.5  # an intermittent block dips in a random half of the events...
+DIP_FACTOR = 0.15  # ...to 6.0 * 0.15 = 0.9: just under the cutoff, where top-K drops it
+ATTENTION_LOG_SIGMA = 0.4  # per-(event, query, block) noise on direct attention
+KEY_NORM_LOG_SIGMA = 0.3  # key norm = noise / importance: informative but not exact
+SPIKE_FLOOR = 0.05  # a spike's mass on every query but one...
+SPIKE_PEAK_PER_ROW = 6.0  # ...and W * 6.0 on that one: a column mean of about 6
+# Offset between a stream's seed and its policies' sampler seed, so the sampler's draws
+# do not reuse the stream generator's sequence (which would correlate them with the data).
+POLICY_SEED_OFFSET = 10_000
+
 
 @dataclass(frozen=True)
 class SimulationConfig:
@@ -66,6 +93,8 @@ class SimulationConfig:
         New blocks arriving before each event.
     window : int
         W, window queries per event.
+    sink_blocks, recent_blocks : int
+        The policies' forced set (as in ``EvictionConfig``).
     class_probs : dict
         Probability that a new block is of each class.
     seeds : int
@@ -134,43 +163,41 @@ class _Stream:
         probs = torch.tensor([cfg.class_probs[n] for n in names], dtype=torch.float64)
         picks = torch.multinomial(probs, total, replacement=True, generator=self.gen)
         self.classes = [names[i] for i in picks.tolist()]
-        # Background importance ~ lognormal(0, 0.6); the other classes sit where the
-        # cutoff of a 24-of-26 budget usually falls, so fluctuations decide their fate.
-        base = torch.exp(0.6 * torch.randn(total, generator=self.gen, dtype=torch.float64))
-        self.importance = base
+        self.importance = torch.exp(
+            BACKGROUND_LOG_SIGMA * torch.randn(total, generator=self.gen, dtype=torch.float64)
+        )
         for j, c in enumerate(self.classes):
-            if c == "intermittent":
-                self.importance[j] = 6.0
-            elif c == "bridge":
-                self.importance[j] = 1.6
-            elif c == "spike":
-                self.importance[j] = 1.0
+            if c in CLASS_IMPORTANCE:
+                self.importance[j] = CLASS_IMPORTANCE[c]
         self.key_norms = (
             1.0
             / self.importance
-            * torch.exp(0.3 * torch.randn(total, generator=self.gen, dtype=torch.float64))
+            * torch.exp(
+                KEY_NORM_LOG_SIGMA * torch.randn(total, generator=self.gen, dtype=torch.float64)
+            )
         )
-        self.dips = torch.rand(cfg.events, total, generator=self.gen) < 0.5
+        self.dips = torch.rand(cfg.events, total, generator=self.gen) < DIP_PROB
         # Each event's mass is drawn once so every policy sees identical evidence.
         self.noise = torch.exp(
-            0.4
+            ATTENTION_LOG_SIGMA
             * torch.randn(cfg.events, cfg.window, total, generator=self.gen, dtype=torch.float64)
         )
         self.spike_rows = torch.randint(0, cfg.window, (cfg.events, total), generator=self.gen)
 
     def mass(self, event: int, live: list[int]) -> torch.Tensor:
+        """Row-normalised block mass ``[W, len(live)]`` of ``event`` over the ``live`` blocks."""
         ids = torch.tensor(live)
         w = self.cfg.window
         mass = self.importance[ids][None, :] * self.noise[event][:, ids]
         for col, j in enumerate(live):
             kind = self.classes[j]
             if kind == "intermittent" and bool(self.dips[event, j]):
-                mass[:, col] *= 0.15
+                mass[:, col] *= DIP_FACTOR
             elif kind == "bridge":
                 mass[:, col] = self.importance[j]  # flat: moderate support from every row
             elif kind == "spike":
-                mass[:, col] = 0.05
-                mass[int(self.spike_rows[event, j]), col] = 6.0 * w
+                mass[:, col] = SPIKE_FLOOR
+                mass[int(self.spike_rows[event, j]), col] = SPIKE_PEAK_PER_ROW * w
         return (mass / mass.sum(dim=1, keepdim=True)).float()
 
 
@@ -179,7 +206,7 @@ def _run_one(
 ) -> list[int]:
     live = list(range(cfg.budget_blocks))
     nxt = cfg.budget_blocks
-    gen = torch.Generator().manual_seed(10_000 + seed)
+    gen = torch.Generator().manual_seed(POLICY_SEED_OFFSET + seed)
     state: dict[str, Any] = {}
     for event in range(cfg.events):
         live += list(range(nxt, nxt + cfg.blocks_per_event))
@@ -199,12 +226,21 @@ def simulate(
     cfg: SimulationConfig | None = None,
     policies: dict[str, tuple[str, dict[str, Any]]] | None = None,
     *,
-    progress: bool = False,
+    on_stream: Callable[[int], None] | None = None,
 ) -> SimulationResult:
     """Run every policy over ``cfg.seeds`` synthetic streams.
 
     Survival counts blocks born in the first quarter of the stream (old enough to have
     faced many events) that are still cached after the last event.
+
+    Parameters
+    ----------
+    cfg : SimulationConfig, optional
+        The stream's shape (defaults: ``SimulationConfig()``).
+    policies : dict, optional
+        ``name -> (policy, knobs)``; defaults to :data:`DEFAULT_POLICIES`.
+    on_stream : callable, optional
+        Called with the seed after each stream (a progress bar, for example).
     """
     cfg = cfg or SimulationConfig()
     policies = policies or DEFAULT_POLICIES
@@ -218,12 +254,7 @@ def simulate(
     class_counts = dict.fromkeys(BLOCK_CLASSES, 0)
     curves: dict[str, list[tuple[float, bool]]] = {name: [] for name in built}
     horizon = cfg.budget_blocks + (cfg.events * cfg.blocks_per_event) // 4
-    seeds = range(cfg.seeds)
-    if progress:
-        from tqdm import tqdm
-
-        seeds = tqdm(seeds, desc="simulate", unit="stream")
-    for seed in seeds:
+    for seed in range(cfg.seeds):
         stream = _Stream(cfg, seed)
         tracked = range(cfg.sink_blocks, horizon)
         for j in tracked:
@@ -239,6 +270,8 @@ def simulate(
                 alive = j in survivors
                 alive_counts[name][stream.classes[j]] += int(alive)
                 curves[name].append((float(avg_weight[pos]), alive))
+        if on_stream is not None:
+            on_stream(seed)
     survival = {
         name: {
             c: per[c] / class_counts[c] if class_counts[c] else float("nan") for c in BLOCK_CLASSES
@@ -246,75 +279,3 @@ def simulate(
         for name, per in alive_counts.items()
     }
     return SimulationResult(cfg, survival, curves)
-
-
-def plot_survival(
-    result: SimulationResult, path: str | Path, names: list[str] | None = None
-) -> Path:
-    """Figure-3-style plot: survival probability against time-averaged weight (binned)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = names or [
-        n for n in ("nexus", "nexus-ares", "nexus-topk", "snapkv") if n in result.curves
-    ]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name in names:
-        pts = torch.tensor(result.curves[name], dtype=torch.float64)
-        order = torch.argsort(pts[:, 0])
-        x, alive = pts[order, 0], pts[order, 1]
-        bins = torch.tensor_split(torch.arange(x.numel()), 24)
-        xs = [float(x[b].mean()) for b in bins if b.numel()]
-        ys = [float(alive[b].mean()) for b in bins if b.numel()]
-        ax.plot(xs, ys, marker="o", ms=3, label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("time-averaged attention weight of the block")
-    ax.set_ylabel("survival probability to the end of the stream")
-    ax.set_title("Survival under a fixed budget: top-K is a step, sampling is smooth")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nexus-vllm simulate", description=__doc__.split("\n")[0])
-    parser.add_argument("--events", type=int, default=SimulationConfig.events)
-    parser.add_argument("--budget-blocks", type=int, default=SimulationConfig.budget_blocks)
-    parser.add_argument("--blocks-per-event", type=int, default=SimulationConfig.blocks_per_event)
-    parser.add_argument("--window", type=int, default=SimulationConfig.window)
-    parser.add_argument("--seeds", type=int, default=SimulationConfig.seeds)
-    parser.add_argument("--plot", default="simulate_survival.png", help="where to write the plot")
-    parser.add_argument("--json", default=None, help="also write survival numbers as JSON here")
-    args = parser.parse_args(argv)
-    try:
-        cfg = SimulationConfig(
-            events=args.events,
-            budget_blocks=args.budget_blocks,
-            blocks_per_event=args.blocks_per_event,
-            window=args.window,
-            seeds=args.seeds,
-        )
-    except ValueError as exc:
-        parser.error(str(exc))
-    result = simulate(cfg, progress=True)
-    print(
-        f"survival to the end of the stream, blocks born in its first quarter ({cfg.seeds} streams)"
-    )
-    print(result.table())
-    print(f"plot: {plot_survival(result, args.plot)}")
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps({"config": asdict(cfg), "survival": result.survival}, indent=2)
-        )
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

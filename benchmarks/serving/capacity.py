@@ -1,0 +1,702 @@
+"""Serving capacity and speed: stock vLLM against vLLM with KV eviction, same model, same pool.
+
+Starts, one after another on the same model and the same KV pool
+(``--num-gpu-blocks-override``, prefix caching off everywhere):
+
+==============  ===============================================================
+config          server
+==============  ===============================================================
+``stock``       plain ``vllm serve`` (no eviction)
+``nexus``       ``--kv-eviction nexus`` at the budget below
+``snapkv`` ...  the same with a baseline policy (``--configs``; any served method)
+==============  ===============================================================
+
+and drives each with ``vllm bench serve`` (random prompts of exactly ``--input-len``
+tokens, ``--output-len`` tokens each, EOS ignored) at each ``--concurrency`` level
+(``--prompts-per-slot`` x level prompts, at least ``--min-prompts``). The budget is
+``--keep`` of the input, rounded up to whole blocks; evicting servers prefill in chunks of
+``--chunk`` tokens, so an evicting request never holds more than its *bound* = budget
+blocks + one chunk, and is admitted only when the free pool covers that bound. Stock
+vLLM admits a request when its prompt fits and preempts running requests when decode
+runs out of blocks.
+
+While each run goes, ``/metrics`` is polled: ``vllm:num_requests_running`` (the
+concurrency actually reached), ``vllm:kv_cache_usage_perc`` (pool blocks in use) and, for
+evicting servers, ``vllm:nexus_live_blocks_max`` (blocks of the largest request); the
+deltas of ``vllm:num_preemptions_total`` and the ``vllm:nexus_*`` counters give the
+preemptions, admission waits and the eviction overhead (scoring + policy seconds over
+engine step seconds). It prints and writes (``--out DIR``):
+
+* ``runs/<config>-c<level>.json``: the ``vllm bench serve`` result and the row;
+* ``capacity.json``: every row, the settings and the headline;
+* ``capacity.md``: the table and the headline;
+* ``throughput.png``, ``preemptions.png``, ``pool_usage.png``, ``running.png``.
+
+``--update-docs`` writes the table, headline and plots into the section between
+``<!-- serving:begin -->`` and ``<!-- serving:end -->`` of ``docs/performance.md``
+(created at the end if missing) and copies the PNGs to ``docs/figures/serving/``.
+
+    python benchmarks/serving/capacity.py                       # CPU, embedded SmolLM2
+    python benchmarks/serving/capacity.py --model MODEL --concurrency 8,32,128 \\
+        --input-len 8192 --output-len 256 --pool-blocks 1100      # a GPU
+
+``--smoke`` (with ``--model`` a tiny checkpoint) runs short lengths, concurrency 1,2 and one
+baseline: a check of the script, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import platform
+import re
+import shlex
+import shutil
+import sys
+import threading
+import time
+from typing import Any
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+DOCS = REPO / "docs" / "performance.md"
+FIGURES = REPO / "docs" / "figures" / "serving"
+BEGIN, END = "<!-- serving:begin -->", "<!-- serving:end -->"
+METHODS = ("nexus", "snapkv", "streaming", "h2o", "tova", "random")
+# Servers without eviction. ``stock-chunked`` (opt-in) is vLLM with the evicting servers'
+# prefill chunk and admission by the first chunk (``--no-scheduler-reserve-full-isl``, the
+# behaviour before vLLM 0.32 reserved the full prompt at admission): it over-admits and
+# preempts where ``stock`` queues.
+STOCK = {
+    "stock": [],
+    "stock-chunked": ["--no-scheduler-reserve-full-isl", "--long-prefill-token-threshold",
+                      "{chunk}"],
+}
+PLOTS = {
+    "throughput": ("output_tok_s", "output tokens / s"),
+    "preemptions": ("preemptions", "preemptions (during the level)"),
+    "pool_usage": ("peak_pool_blocks", "peak KV blocks in use (pool)"),
+    "running": ("peak_running", "peak running requests"),
+}
+
+
+# -- settings ---------------------------------------------------------------------------
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None,
+                   help="HF model name or path (default: the embedded SmolLM2 checkpoint)")
+    p.add_argument("--configs", default="stock,nexus,snapkv,streaming",
+                   help=f"comma-separated: {', '.join(STOCK)} and any of "
+                        f"{', '.join(METHODS)}")
+    p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated levels")
+    p.add_argument("--input-len", type=int, default=2048)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--keep", type=float, default=0.2,
+                   help="budget as a fraction of --input-len, rounded up to whole blocks")
+    p.add_argument("--chunk", type=int, default=64,
+                   help="prefill chunk of evicting requests (--kv-chunk-size), tokens")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--pool-blocks", type=int, default=None,
+                   help="--num-gpu-blocks-override for every config (default: two full "
+                        "requests of --max-model-len, plus vLLM's null block)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: input + output + one block")
+    p.add_argument("--prompts-per-slot", type=int, default=1,
+                   help="prompts sent per unit of concurrency at each level")
+    p.add_argument("--min-prompts", type=int, default=2, help="fewest prompts per level")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--poll", type=float, default=0.2, help="seconds between /metrics polls")
+    p.add_argument("--out", type=pathlib.Path, default=REPO / "runs" / "serving_capacity",
+                   help="output directory (default: runs/serving_capacity)")
+    p.add_argument("--update-docs", action="store_true",
+                   help="write the section of docs/performance.md and docs/figures/serving/")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny lengths, concurrency 1,2, one baseline (script check)")
+    p.add_argument("--from-json", type=pathlib.Path, default=None, metavar="CAPACITY_JSON",
+                   help="run nothing: rewrite the table, plots (and with --update-docs the "
+                        "docs section) from a capacity.json of an earlier run")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.input_len, args.output_len, args.chunk = 1024, 16, 64
+        args.concurrency, args.configs = "1,2", "stock,nexus,streaming"
+        args.prompts_per_slot, args.min_prompts = 1, 2
+    names = args.configs.split(",")
+    unknown = set(names) - {*STOCK, *METHODS}
+    if unknown:
+        p.error(f"--configs: unknown {sorted(unknown)}; choose from "
+                f"{', '.join([*STOCK, *METHODS])}")
+    if len(set(names)) != len(names):
+        p.error("--configs: each config once")
+    try:
+        args.levels = sorted({int(c) for c in args.concurrency.split(",")})
+    except ValueError:
+        p.error(f"--concurrency: comma-separated integers, got {args.concurrency!r}")
+    if not args.levels or args.levels[0] < 1:
+        p.error("--concurrency: levels must be >= 1")
+    if not 0.0 < args.keep <= 1.0:
+        p.error("--keep: a fraction in (0, 1]")
+    for name in ("input_len", "output_len", "chunk", "block_size", "prompts_per_slot",
+                 "min_prompts"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be >= 1")
+    args.names = names
+    return args
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def derive(args: argparse.Namespace) -> dict[str, int]:
+    """Budget, bounds and pool in blocks/tokens from the options (what the servers get)."""
+    from nexus_vllm.core import EvictionConfig
+
+    bs = args.block_size
+    forced = EvictionConfig(block_size=bs).num_forced
+    budget_blocks = max(math.ceil(args.keep * args.input_len / bs - 1e-9), forced)
+    seq_tokens = args.input_len + args.output_len
+    max_model_len = args.max_model_len or seq_tokens + bs
+    if max_model_len < seq_tokens:
+        raise SystemExit(f"--max-model-len {max_model_len} < input + output = {seq_tokens}")
+    full_blocks = _cdiv(max_model_len, bs)
+    # vLLM starts only if one request of max_model_len fits in the usable pool (all blocks
+    # but the null block).
+    pool = args.pool_blocks or 2 * full_blocks + 1
+    if pool - 1 < full_blocks:
+        raise SystemExit(f"--pool-blocks {pool}: vLLM needs at least {full_blocks + 1} "
+                         f"(one --max-model-len {max_model_len} request plus the null block)")
+    seq_blocks = _cdiv(seq_tokens, bs)
+    bound = min(seq_blocks, budget_blocks + _cdiv(args.chunk, bs))
+    return {
+        "block_size": bs, "budget_tokens": budget_blocks * bs, "budget_blocks": budget_blocks,
+        "chunk_tokens": args.chunk, "bound_blocks": bound, "seq_blocks": seq_blocks,
+        "prompt_blocks": _cdiv(args.input_len, bs), "max_model_len": max_model_len,
+        "pool_blocks": pool, "usable_blocks": pool - 1,
+        # What admission alone allows: stock by whole prompts (vLLM 0.32 reserves the full
+        # input at admission), evicting servers by their bound.
+        "stock_fit": (pool - 1) // _cdiv(args.input_len, bs),
+        "evicting_fit": (pool - 1) // bound,
+    }
+
+
+def server_flags(name: str, d: dict[str, int], max_seqs: int, gpu: bool) -> list[str]:
+    base = (["--gpu-memory-utilization", "0.9"] if gpu else
+            ["--enforce-eager", "--dtype", "float32", "--distributed-executor-backend", "uni"])
+    flags = [*base, "--max-model-len", str(d["max_model_len"]), "--max-num-seqs", str(max_seqs),
+             "--block-size", str(d["block_size"]), "--num-gpu-blocks-override",
+             str(d["pool_blocks"]), "--no-enable-prefix-caching"]
+    if name in STOCK:
+        flags += [f.format(chunk=d["chunk_tokens"]) for f in STOCK[name]]
+    else:
+        flags += ["--kv-eviction", name, "--kv-budget", str(d["budget_tokens"]),
+                  "--kv-chunk-size", str(d["chunk_tokens"])]
+    return flags
+
+
+# -- measurement ------------------------------------------------------------------------
+def _faults(text: str) -> float:
+    return sum(float(m.group(1)) for m in
+               re.finditer(r"^vllm:nexus_faults_total\{[^}]*\}\s+(\S+)$", text, re.M))
+
+
+class Poller(threading.Thread):
+    """Polls ``/metrics`` until stopped; keeps the maxima the table needs."""
+
+    def __init__(self, server: Any, usable: int, interval: float) -> None:
+        super().__init__(daemon=True)
+        self.server, self.usable, self.interval = server, usable, interval
+        self.stop_event = threading.Event()
+        self.samples = 0
+        self.peak_running = 0.0
+        self.peak_waiting = 0.0
+        self.peak_pool = 0.0
+        self.peak_per_request = 0.0
+        self.peak_live_max = 0.0
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                m = self.server.metrics()
+            except Exception:  # noqa: BLE001 - a missed poll is only a missed sample
+                m = None
+            if m:
+                self.samples += 1
+                running = m.get("vllm:num_requests_running", 0.0)
+                total = m.get("vllm:nexus_total_blocks", self.usable) or self.usable
+                used = m.get("vllm:kv_cache_usage_perc", 0.0) * total
+                self.peak_running = max(self.peak_running, running)
+                self.peak_waiting = max(self.peak_waiting,
+                                        m.get("vllm:num_requests_waiting", 0.0))
+                self.peak_pool = max(self.peak_pool, used)
+                if running > 0:
+                    self.peak_per_request = max(self.peak_per_request, used / running)
+                self.peak_live_max = max(self.peak_live_max,
+                                         m.get("vllm:nexus_live_blocks_max", 0.0))
+            self.stop_event.wait(self.interval)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(timeout=30)
+
+
+def _snapshot(server: Any) -> dict[str, float]:
+    import requests
+
+    m = server.metrics()
+    text = requests.get(server.base_url + "/metrics", timeout=10).text
+    m["faults"] = _faults(text)
+    return m
+
+
+def _delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def run_level(server: Any, name: str, level: int, args: argparse.Namespace,
+              d: dict[str, int], result_dir: pathlib.Path) -> tuple[dict[str, Any], dict]:
+    from nexus_vllm.eval.server import bench_serve
+
+    num_prompts = max(level * args.prompts_per_slot, args.min_prompts)
+    before = _snapshot(server)
+    poller = Poller(server, d["usable_blocks"], args.poll)
+    poller.start()
+    t0 = time.monotonic()
+    try:
+        res = bench_serve(server, input_len=args.input_len, output_len=args.output_len,
+                          num_prompts=num_prompts, concurrency=level, result_dir=result_dir,
+                          label=f"bench-{name}-c{level}", seed=args.seed + level,
+                          in_process=True)
+    finally:
+        time.sleep(max(2 * args.poll, 0.5))  # the last steps' stats reach /metrics
+        poller.stop()
+    wall = time.monotonic() - t0
+    after = _snapshot(server)
+    evicting = name not in STOCK
+    step_s = _delta(after, before, "vllm:nexus_step_seconds_total")
+    scoring_s = _delta(after, before, "vllm:nexus_scoring_seconds_total")
+    policy_s = _delta(after, before, "vllm:nexus_policy_seconds_total")
+    if evicting:
+        peak_req = poller.peak_live_max
+        peak_gauge = after.get("vllm:nexus_live_blocks_peak", 0.0)
+        if peak_gauge > before.get("vllm:nexus_live_blocks_peak", 0.0):
+            peak_req = max(peak_req, peak_gauge)  # the high-water mark rose in this level
+    else:
+        peak_req = poller.peak_per_request
+    errors: Any = res.get("errors") or []
+    row: dict[str, Any] = {
+        "config": name, "concurrency": level, "num_prompts": num_prompts,
+        "completed": int(res["completed"]), "failed": int(res["failed"]),
+        "peak_running": int(poller.peak_running),
+        "client_max_concurrent": res.get("max_concurrent_requests"),
+        "peak_waiting": int(poller.peak_waiting),
+        "preemptions": int(_delta(after, before, "vllm:num_preemptions_total")),
+        "output_tok_s": float(res["output_throughput"]),
+        "duration_s": float(res["duration"]),
+        "ttft_p50_ms": float(res["median_ttft_ms"]), "ttft_p99_ms": float(res["p99_ttft_ms"]),
+        "tpot_p50_ms": float(res["median_tpot_ms"]), "tpot_p99_ms": float(res["p99_tpot_ms"]),
+        "peak_pool_blocks": round(poller.peak_pool, 1),
+        "peak_pool_frac": round(poller.peak_pool / d["usable_blocks"], 4),
+        "peak_blocks_per_request": round(peak_req, 1),
+        "bound_blocks": d["bound_blocks"] if evicting else d["seq_blocks"],
+        "overhead": (scoring_s + policy_s) / step_s if evicting and step_s > 0 else None,
+        "scoring_s": round(scoring_s, 4), "policy_s": round(policy_s, 4),
+        "step_s": round(step_s, 4),
+        "evicted_blocks": int(_delta(after, before, "vllm:nexus_evicted_blocks_total")),
+        "eviction_events": int(_delta(after, before, "vllm:nexus_eviction_events_total")),
+        "admission_waits": int(_delta(after, before, "vllm:nexus_admission_waits_total")),
+        "faults": int(after["faults"] - before["faults"]),
+        "live_blocks_peak_lifetime": after.get("vllm:nexus_live_blocks_peak"),
+        "over_budget_peak_lifetime": after.get("vllm:nexus_live_blocks_over_budget"),
+        "mean_input_len": (res["total_input_tokens"] / res["completed"]
+                           if res.get("completed") else None),
+        "errors": sorted({str(e) for e in errors if e})[:5],
+        "polls": poller.samples, "wall_s": round(wall, 1),
+        "load1": round(os.getloadavg()[0], 1),
+    }
+    return row, res
+
+
+def _log_problems(path: pathlib.Path) -> dict[str, Any]:
+    """Counts of alarming lines in a server log (tracebacks, errors, nexus warnings)
+    before its shutdown began (vLLM logs an ``EngineDeadError`` when it is stopped)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return {}
+    stop = next((i for i, ln in enumerate(lines) if "[shutdown]" in ln), len(lines))
+    lines = lines[:stop]
+    pick = {
+        "tracebacks": [ln for ln in lines if ln.startswith("Traceback")],
+        "errors": [ln for ln in lines if " ERROR " in ln or ln.startswith("ERROR")],
+        "nexus_warnings": [ln for ln in lines if "nexus-vllm" in ln and "WARNING" in ln],
+        "preemption_lines": [ln for ln in lines if "preempt" in ln.lower()],
+    }
+    return {k: {"count": len(v), "first": v[:3]} for k, v in pick.items()}
+
+
+# -- reporting --------------------------------------------------------------------------
+def _fmt(value: Any, spec: str = ".1f") -> str:
+    if value is None:
+        return "-"
+    return format(value, spec)
+
+
+def headline(rows: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """The numbers the issue asks for, each against ``stock`` of the same run."""
+    by = {n: {r["concurrency"]: r for r in rows if r["config"] == n} for n in names}
+    top = max((r["concurrency"] for r in rows), default=None)
+    out: dict[str, Any] = {"top_level": top, "no_preemption_concurrency": {},
+                           "concurrency_ratio": {}, "throughput_ratio_top": {},
+                           "preempts_at": {}, "throughput_ratio_when_preempting": {},
+                           "overhead_max": {}}
+    for n, rs in by.items():
+        clean = [r["peak_running"] for r in rs.values()
+                 if r["preemptions"] == 0 and r["failed"] == 0]
+        out["no_preemption_concurrency"][n] = max(clean) if clean else 0
+    stock = by.get("stock", {})
+    base = out["no_preemption_concurrency"].get("stock")
+    for n, rs in by.items():
+        if n == "stock":
+            continue
+        if base:
+            out["concurrency_ratio"][n] = out["no_preemption_concurrency"][n] / base
+        if top in rs and top in stock and stock[top]["output_tok_s"] > 0:
+            out["throughput_ratio_top"][n] = rs[top]["output_tok_s"] / stock[top]["output_tok_s"]
+        ovh = [r["overhead"] for r in rs.values() if r["overhead"] is not None]
+        if ovh:
+            out["overhead_max"][n] = max(ovh)
+            out.setdefault("overhead_split", {})[n] = {
+                k: round(sum(r[k] for r in rs.values()), 2)
+                for k in ("scoring_s", "policy_s", "step_s", "eviction_events")}
+    for ref in (n for n in by if n in STOCK):
+        levels = sorted(c for c, r in by[ref].items() if r["preemptions"] > 0)
+        out["preempts_at"][ref] = levels
+        out["throughput_ratio_when_preempting"][ref] = {
+            n: {c: rs[c]["output_tok_s"] / by[ref][c]["output_tok_s"]
+                for c in levels if c in rs and by[ref][c]["output_tok_s"] > 0}
+            for n, rs in by.items() if n not in STOCK}
+    return out
+
+
+def table_md(rows: list[dict[str, Any]]) -> str:
+    stock = {r["concurrency"]: r for r in rows if r["config"] == "stock"}
+    head = ("| config | conc. | done | failed | peak running | preempt. | out tok/s | vs stock "
+            "| TTFT p50 / p99 ms | TPOT p50 / p99 ms | peak pool blocks | peak blocks/req "
+            "| adm. waits | overhead | load |")
+    lines = [head, "|" + "---|" * 15]
+    for r in rows:
+        ref = stock.get(r["concurrency"])
+        ratio = (f"{r['output_tok_s'] / ref['output_tok_s']:.2f}x"
+                 if ref and ref["output_tok_s"] > 0 else "-")
+        evict = r["config"] not in STOCK
+        ovh = f"{100 * r['overhead']:.1f}%" if r["overhead"] is not None else "-"
+        lines.append(
+            f"| {r['config']} | {r['concurrency']} | {r['completed']} | {r['failed']} "
+            f"| {r['peak_running']} | {r['preemptions']} | {r['output_tok_s']:.1f} | {ratio} "
+            f"| {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
+            f"| {r['tpot_p50_ms']:.0f} / {r['tpot_p99_ms']:.0f} "
+            f"| {r['peak_pool_blocks']:.0f} | {r['peak_blocks_per_request']:.1f} "
+            f"| {r['admission_waits'] if evict else '-'} | {ovh} | {r.get('load1', '-')} |")
+    return "\n".join(lines)
+
+
+def headline_md(h: dict[str, Any], d: dict[str, int]) -> str:
+    npc = h["no_preemption_concurrency"]
+    lines = ["Largest number of concurrent requests served without preemption "
+             "(peak `vllm:num_requests_running` over the levels with no preemption): "
+             + ", ".join(f"{n} **{v}**" for n, v in npc.items())
+             + f" (admission alone allows stock {d['stock_fit']}, evicting "
+             f"{d['evicting_fit']}).", ""]
+    for n, ratio in h["concurrency_ratio"].items():
+        line = (f"- **{n}**: {ratio:.2f}x stock's concurrency without preemption; output "
+                f"throughput at concurrency {h['top_level']}: "
+                f"{_fmt(h['throughput_ratio_top'].get(n), '.2f')}x stock")
+        if n in h["overhead_max"]:
+            sp = h["overhead_split"][n]
+            line += (f"; eviction overhead at most {_pct(h['overhead_max'][n]):.1f}% of "
+                     f"step time (all levels: scoring {sp['scoring_s']:.1f} s + policy "
+                     f"{sp['policy_s']:.1f} s of {sp['step_s']:.1f} s, "
+                     f"{sp['eviction_events']:.0f} events)")
+        lines.append(line + ".")
+    for ref, levels in h["preempts_at"].items():
+        if not levels:
+            lines.append(f"- {ref} did not preempt at any level"
+                         + (": it queues a request until its whole prompt fits (vLLM 0.32 "
+                            "reserves the full input at admission)." if ref == "stock"
+                            else "."))
+            continue
+        for n, by_c in h["throughput_ratio_when_preempting"][ref].items():
+            pairs = ", ".join(f"c={c}: {v:.2f}x" for c, v in by_c.items())
+            lines.append(f"- where {ref} preempts, {n}'s output throughput vs {ref}: {pairs}")
+    return "\n".join(lines)
+
+
+def _pct(x: float | None) -> float | None:
+    return None if x is None else 100 * x
+
+
+def plots(rows: list[dict[str, Any]], names: list[str], out: pathlib.Path,
+          d: dict[str, int]) -> list[pathlib.Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for fname, (key, label) in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        for i, n in enumerate(names):
+            rs = sorted((r for r in rows if r["config"] == n), key=lambda r: r["concurrency"])
+            if rs:
+                # Markers shrink from config to config so that equal values stay visible.
+                ax.plot([r["concurrency"] for r in rs], [r[key] for r in rs],
+                        marker="osD^vx"[i % 6], markersize=max(10 - 2 * i, 3), label=n,
+                        linestyle="-" if n in ("stock", "nexus") else "--")
+        if key == "peak_pool_blocks":
+            ax.axhline(d["usable_blocks"], color="grey", linewidth=0.8, linestyle=":")
+            ax.text(0.02, d["usable_blocks"], " pool", va="bottom", fontsize=8,
+                    transform=ax.get_yaxis_transform())
+        ax.set_xscale("log", base=2)
+        levels = sorted({r["concurrency"] for r in rows})
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("client concurrency")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / f"{fname}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def machine() -> str:
+    import torch
+
+    try:
+        import vllm
+
+        vv = vllm.__version__
+    except Exception:  # noqa: BLE001
+        vv = "?"
+    if torch.cuda.is_available():
+        dev = torch.cuda.get_device_name()
+    else:
+        cpu = platform.processor() or platform.machine()
+        try:
+            for ln in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+                if ln.startswith("model name"):
+                    cpu = ln.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+        dev = f"CPU: {cpu}, {os.cpu_count()} cores"
+    return f"{dev}; torch {torch.__version__}, vLLM {vv}"
+
+
+def command_line(argv: list[str]) -> str:
+    script = pathlib.Path(__file__).resolve()
+    try:
+        script_s = str(script.relative_to(pathlib.Path.cwd()))
+    except ValueError:
+        script_s = str(script.relative_to(REPO)) if script.is_relative_to(REPO) else str(script)
+    return shlex.join(["python", script_s, *argv])
+
+
+def docs_section(result: dict[str, Any], pngs: list[pathlib.Path]) -> str:
+    d, s = result["derived"], result["settings"]
+    where = "GPU" if result["gpu"] else "CPU"
+    rel = "figures/serving"
+    figs = " ".join(f"![{p.stem}]({rel}/{p.name})" for p in pngs)
+    return "\n".join([
+        BEGIN,
+        f"## Serving: capacity and speed against stock vLLM ({where})",
+        "",
+        "Produced by `benchmarks/serving/capacity.py` (do not edit by hand; rerun with "
+        "`--update-docs`):",
+        "",
+        "```bash",
+        result["command"],
+        "```",
+        "",
+        f"- **Machine:** {result['machine']}; load average {result['load_before']} before, "
+        f"{result['load_after']} after (shared box: timings are noisy). Wall time "
+        f"{result['wall_s'] / 60:.1f} min.",
+        f"- **Model:** `{pathlib.Path(result['model']).name}`; random prompts of "
+        f"{s['input_len']} tokens, {s['output_len']} output tokens (EOS ignored), "
+        f"`vllm bench serve --max-concurrency` at each level, "
+        f"max({s['prompts_per_slot']} x level, {s['min_prompts']}) prompts per level.",
+        f"- **Same pool for every config:** `--num-gpu-blocks-override {d['pool_blocks']}` "
+        f"({d['usable_blocks']} usable blocks of {d['block_size']} tokens), `--max-model-len "
+        f"{d['max_model_len']}`, prefix caching off. A stock request holds "
+        f"{d['seq_blocks']} blocks at its end.",
+        f"- **Eviction:** `--kv-budget {d['budget_tokens']}` ({s['keep']:.0%} of the input "
+        f"rounded up to blocks: {d['budget_blocks']} blocks), `--kv-chunk-size "
+        f"{d['chunk_tokens']}`: bound = {d['bound_blocks']} blocks per request.",
+        *([f"- **stock-chunked:** stock vLLM with `--long-prefill-token-threshold "
+           f"{d['chunk_tokens']} --no-scheduler-reserve-full-isl` (the evicting servers' "
+           "chunk, admission by the first chunk as before vLLM 0.32)."]
+          if "stock-chunked" in s["configs"].split(",") else []),
+        "- **Columns:** peak running = max of `vllm:num_requests_running` polled every "
+        f"{s['poll']} s; preempt. = delta of `vllm:num_preemptions_total`; peak pool = "
+        "`vllm:kv_cache_usage_perc` x usable blocks; peak blocks/req = "
+        "`vllm:nexus_live_blocks_max` (its high-water mark) for evicting servers, peak "
+        "pool / running for stock; adm. waits = delta of `vllm:nexus_admission_waits_total`; "
+        "overhead = delta (scoring + policy seconds) / delta step seconds of the "
+        "`vllm:nexus_*` counters; load = the box's 1-minute load average as the level "
+        "ended (2 cores: above ~2, other jobs were taking CPU from the run).",
+        "",
+        table_md(result["rows"]),
+        "",
+        headline_md(result["headline"], d),
+        *(["", caveat] if (caveat := load_caveat(result)) else []),
+        "",
+        figs,
+        END,
+    ])
+
+
+def load_caveat(result: dict[str, Any]) -> str:
+    """A warning when other jobs loaded the box during the run ('' when it was quiet)."""
+    if result["gpu"]:
+        return ""
+    cores = os.cpu_count() or 1
+    loads = [r["load1"] for r in result["rows"] if r.get("load1") is not None]
+    if not loads or max(loads) <= 1.5 * cores:
+        return ""
+    return (f"**Caveat: a loaded box.** The 1-minute load average was "
+            f"{min(loads):.1f}-{max(loads):.1f} on {cores} cores while the levels ran "
+            "(other jobs). Configs run one after another, so throughput, TTFT and TPOT "
+            "ratios between configs mix in how the load changed; concurrency, preemptions "
+            "and pool/blocks-per-request numbers do not depend on speed. The overhead is a "
+            "ratio within one server but also grows with contention.")
+
+
+def update_docs(result: dict[str, Any], pngs: list[pathlib.Path]) -> None:
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for p in pngs:
+        shutil.copy2(p, FIGURES / p.name)
+        copied.append(FIGURES / p.name)
+    section = docs_section(result, copied)
+    text = DOCS.read_text()
+    if BEGIN in text and END in text:
+        pre, rest = text.split(BEGIN, 1)
+        post = rest.split(END, 1)[1]
+        text = pre + section + post
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    DOCS.write_text(text)
+
+
+# -- main -------------------------------------------------------------------------------
+def report(result: dict[str, Any], out: pathlib.Path, update: bool) -> None:
+    """Table, headline and plots of ``result`` into ``out`` (and the docs)."""
+    names = [n for n in result["settings"]["configs"].split(",")
+             if any(r["config"] == n for r in result["rows"])]
+    result["headline"] = h = headline(result["rows"], names)
+    pngs = plots(result["rows"], names, out, result["derived"]) if result["rows"] else []
+    md = table_md(result["rows"]) + "\n\n" + headline_md(h, result["derived"]) + "\n"
+    if caveat := load_caveat(result):
+        md += "\n" + caveat + "\n"
+    (out / "capacity.md").write_text(md)
+    (out / "capacity.json").write_text(json.dumps(result, indent=2, default=str))
+    print("\n" + md)
+    if update:
+        update_docs(result, pngs)
+        print(f"updated {DOCS} and {FIGURES}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse(argv)
+    if args.from_json is not None:
+        report(json.loads(args.from_json.read_text()), args.from_json.parent,
+               args.update_docs)
+        return 0
+    import torch
+    from tqdm import tqdm
+
+    from nexus_vllm.eval.server import VllmServer
+
+    t_start = time.monotonic()
+    load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    gpu = torch.cuda.is_available()
+    model = args.model
+    if model is None:
+        from nexus_vllm.models import default_model_path
+
+        model = str(default_model_path())
+    d = derive(args)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "runs").mkdir(exist_ok=True)
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    max_seqs = max(args.levels)
+    print(f"capacity: budget {d['budget_tokens']} tokens ({d['budget_blocks']} blocks), "
+          f"bound {d['bound_blocks']} blocks, stock request {d['seq_blocks']} blocks, pool "
+          f"{d['usable_blocks']} usable blocks -> admission fits stock {d['stock_fit']}, "
+          f"evicting {d['evicting_fit']}; out {out}", flush=True)
+    rows: list[dict[str, Any]] = []
+    servers: dict[str, Any] = {}
+    bar = tqdm(total=len(args.names) * len(args.levels), desc="capacity", unit="run")
+    for name in args.names:
+        bar.set_postfix_str(f"{name}: starting")
+        t0 = time.monotonic()
+        try:
+            server = VllmServer(model, server_flags(name, d, max_seqs, gpu), logs,
+                                base_flags=[], startup_timeout=900)
+        except Exception as exc:  # noqa: BLE001 - report and go on with the next config
+            servers[name] = {"error": str(exc)[-2000:]}
+            tqdm.write(f"{name}: server failed to start: {str(exc)[-500:]}")
+            bar.update(len(args.levels))
+            continue
+        servers[name] = {"startup_s": round(time.monotonic() - t0, 1),
+                         "log": str(server.log_path), "flags": server_flags(name, d, max_seqs,
+                                                                              gpu)}
+        try:
+            for level in args.levels:
+                bar.set_postfix_str(f"{name} c={level}")
+                try:
+                    row, res = run_level(server, name, level, args, d, out / "bench")
+                except Exception as exc:  # noqa: BLE001
+                    tqdm.write(f"{name} c={level}: {str(exc)[-800:]}")
+                    servers[name].setdefault("level_errors", {})[level] = str(exc)[-2000:]
+                    bar.update(1)
+                    continue
+                rows.append(row)
+                (out / "runs" / f"{name}-c{level}.json").write_text(
+                    json.dumps({"row": row, "bench": res}, indent=2))
+                tqdm.write(f"{name:>9} c={level:<3} running {row['peak_running']:>2} "
+                           f"preempt {row['preemptions']:>3} out {row['output_tok_s']:7.1f} "
+                           f"tok/s TTFT p50 {row['ttft_p50_ms']:7.0f} ms pool "
+                           f"{row['peak_pool_blocks']:5.0f} per-req "
+                           f"{row['peak_blocks_per_request']:5.1f} overhead "
+                           f"{_fmt(_pct(row['overhead']))}%")
+                bar.update(1)
+        finally:
+            server.stop()
+            servers[name]["log_problems"] = _log_problems(server.log_path)
+    bar.close()
+    result: dict[str, Any] = {
+        "command": command_line(argv), "machine": machine(), "gpu": gpu, "model": model,
+        "settings": {k: v for k, v in vars(args).items()
+                     if k not in ("out", "names", "levels", "from_json")} | {"out": str(out)},
+        "derived": d, "servers": servers, "rows": rows,
+        "load_before": load_before,
+        "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "wall_s": round(time.monotonic() - t_start, 1),
+    }
+    report(result, out, args.update_docs)
+    print(f"wall time {result['wall_s'] / 60:.1f} min; results in {out}")
+    expected = len(args.names) * len(args.levels)
+    failed = sum(r["failed"] for r in rows)
+    return 0 if len(rows) == expected and failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

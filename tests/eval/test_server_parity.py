@@ -1,0 +1,150 @@
+"""``nexus-vllm parity`` against a stand-in server (no vLLM): the request it sends, the
+token-id comparison, the evicted-block counts and the exit code. The real server is
+compared in tests/integration/test_e2e_smollm2.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+import torch
+
+from nexus_vllm.cli import main as cli_main
+from nexus_vllm.core import EvictionConfig
+from nexus_vllm.hf import generate_ids
+from nexus_vllm.hf.testing import save_tiny_checkpoint
+
+torch.set_num_threads(1)
+
+# The stand-in server's eviction config (what a server started with these flags runs).
+SERVER_KNOBS = {"block_size": 8, "chunk_size": 64, "seed": 3}
+FLAGS = ["--block-size", "8", "--chunk-size", "64", "--eviction-seed", "3"]
+
+
+class _Server:
+    """Answers /v1/models, /metrics and greedy /v1/completions with the transformers path,
+    as the plugin would; ``corrupt`` flips the last generated token."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.tok = AutoTokenizer.from_pretrained(path)
+        self.evicted = 0
+        self.corrupt = False
+        self.requests: list[dict[str, Any]] = []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _send(self, body: str, kind: str = "application/json") -> None:
+                data = body.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self.path == "/v1/models":
+                    self._send(json.dumps({"data": [{"id": "tiny"}]}))
+                else:
+                    self._send("# TYPE vllm:nexus_evicted_blocks_total counter\n"
+                               f"vllm:nexus_evicted_blocks_total{{model_name=\"tiny\"}} "
+                               f"{float(owner.evicted)}\n", "text/plain")
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self._send(json.dumps(owner.complete(body)))
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.requests.append(body)
+        xargs = body["vllm_xargs"]
+        cfg = None if xargs["kv_eviction"] == "none" else EvictionConfig.from_budget(
+            xargs["kv_eviction"], xargs["kv_budget"], **SERVER_KNOBS)
+        ids, session = generate_ids(self.model, body["prompt"], cfg,
+                                    max_new_tokens=body["max_tokens"],
+                                    eos_token_ids={self.tok.eos_token_id})
+        self.evicted += sum(e.blocks_before - e.blocks_after for e in session.events)
+        if self.corrupt:
+            ids = [*ids[:-1], (ids[-1] + 1) % len(self.tok)]
+        return {"choices": [{"text": self.tok.decode(ids, skip_special_tokens=True),
+                             "token_ids": ids}]}
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), tokenizer="byte")
+    s = _Server(str(path))
+    yield s, str(path)
+    s.stop()
+
+
+def _run(capsys, server, *flags: str) -> tuple[int, list[dict[str, Any]], dict[str, Any]]:
+    s, path = server
+    rc = cli_main(["parity", "--base-url", s.base_url, "--model", path, "--task", "passkey",
+                   "--context", "400", "--samples", "2", *flags])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    return rc, lines[:-1], lines[-1]["summary"]
+
+
+def test_parity_with_eviction_compares_ids_and_evicted_blocks(server, capsys) -> None:
+    s, _ = server
+    rc, rows, summary = _run(capsys, server, "--method", "nexus", "--budget", "96", *FLAGS)
+    assert rc == 0 and len(rows) == 2
+    assert s.requests[-1]["vllm_xargs"] == {"kv_eviction": "nexus", "kv_budget": 96}
+    assert s.requests[-1]["temperature"] == 0.0 and s.requests[-1]["return_token_ids"]
+    for r in rows:
+        assert r["ids_match"] and r["first_difference"] is None
+        assert r["server_text"] == r["hf_text"]
+        assert r["server_evicted_blocks"] == r["hf_evicted_blocks"] > 0
+    assert summary["ids_match"] == summary["evicted_match"] == 2 and summary["budget"] == 96
+
+
+def test_parity_reports_a_difference_and_fails(server, capsys) -> None:
+    s, _ = server
+    s.corrupt = True
+    try:
+        rc, rows, summary = _run(capsys, server, "--method", "none")
+    finally:
+        s.corrupt = False
+    assert rc == 1 and summary["ids_match"] == 0
+    assert s.requests[-1]["vllm_xargs"] == {"kv_eviction": "none"}
+    for r in rows:
+        assert r["ids_match"] is False and r["first_difference"] is not None
+        assert r["server_evicted_blocks"] == r["hf_evicted_blocks"] == 0
+
+
+def test_a_different_server_config_shows_up(server, capsys) -> None:
+    # Told the wrong chunk size, the HF side evicts at other steps than the server.
+    rc, rows, _ = _run(capsys, server, "--method", "nexus", "--budget", "96",
+                       "--block-size", "8", "--chunk-size", "32", "--eviction-seed", "3")
+    assert any(r["server_evicted_blocks"] != r["hf_evicted_blocks"] or not r["ids_match"]
+               for r in rows)
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--budget", "lots"], "budget must be a keep ratio"),
+    (["--budget", "1.5"], "ratio must be in"),
+    (["--knobs", "[1]"], "JSON object"),
+    (["--knobs", '{"lamda": 1}'], "did you mean 'lam'"),
+    (["--samples", "0"], "--samples"),
+])
+def test_bad_flags_are_refused_before_any_request(flags, match, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["parity", "--base-url", "http://127.0.0.1:9", *flags])
+    assert exc.value.code == 2 and match in capsys.readouterr().err

@@ -1,0 +1,39 @@
+"""Cheap checks of the benchmark scripts that need a GPU or minutes to run for real."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load(rel: str):  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location(pathlib.Path(rel).stem, REPO / rel)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cudagraph_cost_configs_format() -> None:
+    """Every config's flags survive str.format (the JSON of -cc has braces) and the idle
+    budget equals the max length (a budget above it is refused at startup)."""
+    mod = _load("benchmarks/serving/cudagraph_cost.py")
+    flags = {name: [f.format(budget=256, max_len=832) for f in v]
+             for name, v in mod.CONFIGS.items()}
+    assert flags["stock-piecewise"] == ["-cc", '{"cudagraph_mode": "PIECEWISE"}']
+    assert flags["nexus-idle"][-1] == "832" and flags["nexus"][-1] == "256"
+
+
+@pytest.mark.slow
+def test_cpu_scoring_runs() -> None:
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks/kernels/cpu_scoring.py"),
+                          "--repeats", "1"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [ln for ln in out.stdout.splitlines() if ln.startswith("| ") and "x |" in ln]
+    assert len(rows) == 4

@@ -1,0 +1,86 @@
+"""Smoke test of ``benchmarks/serving/capacity.py --smoke`` on the tiny random Llama.
+
+Three real ``vllm serve`` processes (stock, nexus, streaming) one after another, two
+concurrency levels each: about 1.5-2 minutes on 2 idle CPU cores, most of it server
+start-up. Checks that the script writes its JSON, table and plots and that the numbers are
+sane; the timings of a tiny model on a shared box mean nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.tiny_model import build_tiny_llama
+
+pytestmark = [
+    pytest.mark.slow, pytest.mark.e2e,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vllm is not installed"),
+]
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "serving" / "capacity.py"
+
+
+def test_capacity_smoke(tmp_path: pathlib.Path) -> None:
+    model = build_tiny_llama(tmp_path / "tiny")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--model", str(model),
+                           "--out", str(out)], capture_output=True, text=True, timeout=900,
+                          cwd=REPO)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+    result = json.loads((out / "capacity.json").read_text())
+    for name in ("capacity.md", "throughput.png", "preemptions.png", "pool_usage.png",
+                 "running.png"):
+        assert (out / name).stat().st_size > 0, name
+    table = (out / "capacity.md").read_text()
+    assert "| config | conc." in table and "| nexus | 2 |" in table
+    assert "stock **" in table
+
+    d = result["derived"]
+    rows = result["rows"]
+    assert {(r["config"], r["concurrency"]) for r in rows} == {
+        (c, n) for c in ("stock", "nexus", "streaming") for n in (1, 2)}
+    for r in rows:
+        assert (out / "runs" / f"{r['config']}-c{r['concurrency']}.json").is_file()
+        assert r["failed"] == 0 and r["completed"] == r["num_prompts"], r
+        assert r["output_tok_s"] > 0 and r["ttft_p50_ms"] > 0, r
+        assert 0 <= r["peak_pool_blocks"] <= d["usable_blocks"], r
+        assert r["faults"] == 0, r
+        if r["config"] == "stock":
+            assert r["overhead"] is None
+        else:
+            # Never above the bound (budget + one chunk), and eviction did happen.
+            assert 0 < r["live_blocks_peak_lifetime"] <= d["bound_blocks"], r
+            assert r["peak_blocks_per_request"] <= d["bound_blocks"], r
+            assert r["over_budget_peak_lifetime"] <= 0, r
+            assert r["evicted_blocks"] > 0 and r["preemptions"] == 0, r
+            assert r["overhead"] is not None and 0 <= r["overhead"] < 1, r
+    h = result["headline"]
+    assert set(h["no_preemption_concurrency"]) == {"stock", "nexus", "streaming"}
+    assert h["top_level"] == 2 and "nexus" in h["throughput_ratio_top"]
+
+    # --update-docs, pointed at copies: the marked section is created once, then replaced.
+    spec = importlib.util.spec_from_file_location("capacity", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    capacity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(capacity)
+    docs = tmp_path / "performance.md"
+    docs.write_text("# Kernel performance\n\nkept.\n")
+    capacity.DOCS, capacity.FIGURES = docs, tmp_path / "figures" / "serving"
+    pngs = sorted(out.glob("*.png"))
+    for _ in range(2):
+        capacity.update_docs(result, pngs)
+    text = docs.read_text()
+    assert text.startswith("# Kernel performance\n\nkept.\n")
+    assert text.count(capacity.BEGIN) == 1 and text.count(capacity.END) == 1
+    assert "## Serving: capacity and speed against stock vLLM (CPU)" in text
+    assert result["command"] in text and "](figures/serving/throughput.png)" in text
+    assert (tmp_path / "figures" / "serving" / "throughput.png").is_file()
