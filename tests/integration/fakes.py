@@ -96,3 +96,26 @@ def write_keys(kv: torch.Tensor, key: torch.Tensor, val: torch.Tensor,
     slot = torch.tensor([blocks[t // bs] * bs + t % bs for t in range(key.shape[0])])
     ops.cpu_attn_reshape_and_cache(key, val, kc, vc, slot, "vec", k_scale=1.0, v_scale=1.0,
                                    kv_cache_dtype="auto")
+
+
+def scheduler_side(num_blocks: int = 64, **flags: Any) -> tuple[Any, Any, Any]:
+    """``(EvictionManager, FullAttentionManager, BlockPool)``: the scheduler side over
+    vLLM's real block pool, with a stand-in for the parts of ``KVCacheManager`` the
+    manager hooks (prefix hits, admission). ``flags`` are ``EvictionConfig`` fields."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from nexus_vllm.integration.config import resolve_config
+    from nexus_vllm.integration.manager import EvictionManager
+
+    pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=False, hash_block_size=BS)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    single = FullAttentionManager(spec, block_pool=pool, enable_caching=False,
+                                  kv_cache_group_id=0, scheduler_block_size=BS)
+    kvm = SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=(single,)),
+                          block_pool=pool, get_computed_blocks=lambda r: ((), 0, 0),
+                          truncate_computed_blocks=lambda blocks, n: blocks,
+                          allocate_slots=lambda *a, **k: None)
+    cfg = resolve_config(flags={"method": "nexus", "seed": 3, **flags})
+    return EvictionManager(cfg, kvm, BS), single, pool

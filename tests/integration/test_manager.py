@@ -9,32 +9,14 @@ import pytest
 import torch
 
 from tests.integration.conftest import HAS_VLLM
+from tests.integration.fakes import scheduler_side
 
 pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 
-BS = 32
 
 
 def _setup(num_blocks: int = 64, budget: int = 256, chunk: int = 128):  # noqa: ANN202
-    from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    from nexus_vllm.integration.config import resolve_config
-    from nexus_vllm.integration.manager import EvictionManager
-
-    pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=False, hash_block_size=BS)
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=32,
-                             dtype=torch.float32)
-    single = FullAttentionManager(spec, block_pool=pool, enable_caching=False,
-                                  kv_cache_group_id=0, scheduler_block_size=BS)
-    kvm = SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=(single,)),
-                          block_pool=pool, get_computed_blocks=lambda r: ((), 0, 0),
-                          truncate_computed_blocks=lambda blocks, n: blocks,
-                          allocate_slots=lambda *a, **k: None)
-    cfg = resolve_config(flags={"method": "nexus", "max_tokens": budget, "chunk_size": chunk,
-                                "seed": 3})
-    return EvictionManager(cfg, kvm, BS), single, pool
+    return scheduler_side(num_blocks, max_tokens=budget, chunk_size=chunk)
 
 
 def _request(req_id: str, prompt: int, **extra):  # noqa: ANN003, ANN202
