@@ -17,6 +17,7 @@ import torch
 
 from ._validate import ConfigError, check_choice, check_float, check_int
 from .policies import POLICIES, EvictionPolicy, NexusPolicy, get_policy
+from .scoring import cdiv
 from .weights import INDIRECT_MODES
 
 __all__ = ["METHODS", "EvictionConfig"]
@@ -191,7 +192,7 @@ class EvictionConfig:
         for a ratio; never below the forced set. Without a budget, every block.
         """
         check_int("num_tokens_seen", num_tokens_seen, low=0)
-        seen_blocks = -(-num_tokens_seen // self.block_size)
+        seen_blocks = cdiv(num_tokens_seen, self.block_size)
         if self.max_tokens is not None:
             allowed = self.max_tokens // self.block_size
         elif self.keep_ratio is not None:

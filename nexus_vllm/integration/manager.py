@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from nexus_vllm.core import EvictionTrigger
+from nexus_vllm.core import EvictionTrigger, cdiv
 from nexus_vllm.integration import faults
 from nexus_vllm.integration.config import request_config
 from nexus_vllm.integration.metrics import SchedulerCounters
@@ -99,7 +99,7 @@ class EvictionManager:
         self.bounds: dict[str, int] = {}
         gate_admission(kv_cache_manager, self.may_admit)
         self.counters = SchedulerCounters()
-        self.chunk_blocks = -(-int(server_cfg.chunk_size) // self.block_size)
+        self.chunk_blocks = cdiv(int(server_cfg.chunk_size), self.block_size)
         self._logged: set[str] = set()
 
     # -- helpers -----------------------------------------------------------------------
@@ -141,7 +141,7 @@ class EvictionManager:
         safe, end = 0, 0
         while end < prompt:
             end = min(end + chunk, prompt)
-            if -(-end // bs) > int(cfg.budget_blocks(end)):
+            if cdiv(end, bs) > int(cfg.budget_blocks(end)):
                 step = math.lcm(chunk, bs)
                 return (min(hit, safe) // step) * step
             safe = end
@@ -160,7 +160,7 @@ class EvictionManager:
         total = int(request.num_prompt_tokens) + int(request.max_tokens)
         if self.max_model_len is not None:
             total = min(total, int(self.max_model_len))
-        seq_blocks = -(-total // self.block_size)
+        seq_blocks = cdiv(total, self.block_size)
         return min(seq_blocks, int(st.cfg.budget_blocks(total)) + self.chunk_blocks)
 
     def may_admit(self, request: Any) -> bool:
@@ -186,7 +186,7 @@ class EvictionManager:
     def live_indices(self, req_id: str, num_tokens: int | None = None) -> list[int]:
         blocks = self.blocks(req_id)
         if num_tokens is not None:
-            blocks = blocks[: -(-num_tokens // self.block_size)]
+            blocks = blocks[: cdiv(num_tokens, self.block_size)]
         return [j for j, b in enumerate(blocks) if not BlockPoolView.is_null(b)]
 
     def live_count(self, req_id: str, num_tokens: int | None = None) -> int:
@@ -270,7 +270,7 @@ class EvictionManager:
         evictable_below = (min(live[-forced_tail], tokens_after // self.block_size)
                            if len(live) > forced_tail else 0)
         return ScoreRequest(window=window,
-                            num_logical_blocks=-(-tokens_after // self.block_size),
+                            num_logical_blocks=cdiv(tokens_after, self.block_size),
                             evictable_below=evictable_below, prefill=prefill,
                             needs_mass="mass" in policy.needs,
                             needs_key_norms="key_norms" in policy.needs)

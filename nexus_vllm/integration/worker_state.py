@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 
+from nexus_vllm.core import cdiv
 from nexus_vllm.integration import faults
 from nexus_vllm.integration.step_plan import ScoreRequest, StepPlan, WorkerReply
 from nexus_vllm.integration.vllm_compat import (
@@ -618,7 +619,7 @@ class WorkerEvictionState:
                     self._fault("window_missing", "a request due for scoring has no "
                                 "captured queries; its event is skipped")
                     continue
-            nblk = -(-end // self.block_size)
+            nblk = cdiv(end, self.block_size)
             if nblk != sreq.num_logical_blocks:
                 self._fault("plan_mismatch", "the plan's block count disagrees with the "
                             "batch; the event is skipped")

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from nexus_vllm.core.scoring import cdiv
 from nexus_vllm.kernels._interpreter import (
     kernel_module,
     launch_context,
@@ -50,11 +51,11 @@ def block_mass_triton(
         _, hkv, bs, _ = key_cache.shape
         s_kb, s_kh, s_kt, s_kd = key_cache.stride()
     cfg = scoring_config(queries.dtype, w, hq, hkv, d, bs, interpret=triton_interpret_enabled())
-    num_chunks = -(-max_blocks // CHUNK)
+    num_chunks = cdiv(max_blocks, CHUNK)
     base_programs = r * hkv * cfg.head_tiles
-    splits = max(1, min(num_chunks, -(-num_programs_target(queries.device) // base_programs)))
-    chunks_per_prog = -(-num_chunks // splits)
-    splits = -(-num_chunks // chunks_per_prog)
+    splits = max(1, min(num_chunks, cdiv(num_programs_target(queries.device), base_programs)))
+    chunks_per_prog = cdiv(num_chunks, splits)
+    splits = cdiv(num_chunks, chunks_per_prog)
 
     dev = queries.device
     partial = torch.empty((r, hq, cfg.w_p, max_blocks), dtype=torch.float32, device=dev)
@@ -79,7 +80,7 @@ def block_mass_triton(
             w, max_blocks,
             BS=bs, CHUNK=CHUNK, W_P=cfg.w_p, C_TILE=factor_chunk_tile(cfg.w_p),
         )  # fmt: skip
-        k._block_mass_combine_kernel[(r, -(-max_blocks // BLOCK_N))](
+        k._block_mass_combine_kernel[(r, cdiv(max_blocks, BLOCK_N))](
             seq_lens, partial, m_buf, out,
             partial.stride(0), partial.stride(1), partial.stride(2),
             m_buf.stride(0), m_buf.stride(1), m_buf.stride(2),

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nexus_vllm.core.scoring import cdiv
+
 # Blocks per statistics chunk: the partial kernel's register tile width, and the unit of
 # the (max, sum) statistics that the factor kernel combines.
 CHUNK = 16
@@ -101,7 +103,7 @@ def scoring_config(
         w_p=w_p,
         d_p=max(16, next_pow2(d)),
         g_tile=g_tile,
-        head_tiles=-(-group // g_tile),
+        head_tiles=cdiv(group, g_tile),
         block_m=block_m,
         tile=tile,
         upcast=dtype == torch.float32 or interpret,
