@@ -13,7 +13,7 @@ One engine step (``docs/architecture.md`` has the full picture):
    then runs vLLM's step. The attention backend vLLM picked is our subclass
    (``attention``): its builder mixin compacts evicted entries out of the metadata, its
    impl mixin copies the newest queries into a ring. After the forward the requests due
-   are scored (one kernel call per scored layer), summed over ranks, and copied to the
+   are scored (one call for all scored layers), summed over ranks, and copied to the
    host on rank 0.
 3. ``NexusWorker.sample_tokens`` attaches the ``step_plan.WorkerReply`` (the plan's
    acknowledgement and the block masses); ``NexusScheduler.update_from_output`` runs each

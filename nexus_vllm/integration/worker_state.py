@@ -19,9 +19,8 @@ One step (``NexusWorker.execute_model``):
 3. During the forward, :meth:`capture` (from the impl mixin, every scored layer) copies
    the newest queries of tracked requests into a preallocated ring
    ``[scored layers, slots, W, Hq, D]``.
-4. :meth:`finish_forward` scores every request due with one
-   ``nexus_vllm.kernels.block_attention_mass_paged`` call per scored layer for all of
-   them, sums the masses over tensor-parallel ranks (with a validity flag, so a failure
+4. :meth:`finish_forward` scores every request due, all scored layers at once, with one
+   ``nexus_vllm.kernels.block_attention_mass_paged_layers`` call, sums the masses over tensor-parallel ranks (with a validity flag, so a failure
    on one rank drops the event on all ranks instead of deadlocking), and starts one
    non-blocking copy to the host on the output rank.
 5. :meth:`reply` (after sampling) turns that copy into the step's
@@ -631,19 +630,19 @@ class WorkerEvictionState:
 
     def _score_into(self, out: torch.Tensor, batch: _Batch, rows: torch.Tensor,
                     qidx: torch.Tensor, n_max: int, backend: str) -> None:
-        """One kernel call per scored layer for all requests due, summed into ``out``."""
-        from nexus_vllm.kernels import block_attention_mass_paged
+        """Every scored layer for all requests due in one call, summed into ``out``."""
+        from nexus_vllm.kernels import block_attention_mass_paged_layers
 
         assert self.ring is not None
         r_due, w_s, _ = out.shape
-        _, slots, w, heads, dim = self.ring.shape
+        layers, slots, w, heads, dim = self.ring.shape
         tables = batch.tables.index_select(0, rows)[:, :n_max]
         lens = batch.seq_lens.index_select(0, rows)
-        for k, layer in enumerate(self.layer_keys):
-            q = self.ring[k].view(slots * w, heads, dim).index_select(0, qidx)
-            block_attention_mass_paged(q.view(r_due, w_s, heads, dim), layer.key_cache,
-                                       tables, lens, kv_layout="HND", backend=backend,
-                                       out=out)
+        q = self.ring.view(layers, slots * w, heads, dim).index_select(1, qidx)
+        block_attention_mass_paged_layers(
+            q.view(layers, r_due, w_s, heads, dim),
+            [layer.key_cache for layer in self.layer_keys], tables, lens,
+            kv_layout="HND", backend=backend, out=out)
         out.div_(len(self.layer_keys) * self.tp_size)
 
     def _key_norms_into(self, out: torch.Tensor, batch: _Batch, rows: torch.Tensor,

@@ -11,6 +11,7 @@ Pure torch: no triton import.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -63,9 +64,20 @@ def block_attention_mass_paged_torch(
 _BATCHED_LOGITS = 1 << 19
 
 
-# Additive mask value: finite, so a fully masked row gives a (discarded) uniform row
-# instead of NaN.
+# Mask value: finite, so a fully masked row gives a (discarded) uniform row instead of NaN.
 _MASKED = -1.0e30
+
+
+def _first_masked_column(lens: torch.Tensor, w: int, block_size: int, width: int) -> int:
+    """Block-aligned column before which no query row of ``lens`` has a hidden key.
+
+    Query ``i`` of a request sits at ``len - w + i`` and sees keys up to there, so every
+    key below ``min(lens) - w + 1`` is visible to all rows. The start is read from
+    ``lens`` on CPU only (free there); elsewhere it is 0: nothing is read back.
+    """
+    if lens.device.type != "cpu":
+        return 0
+    return min(max(0, int(lens.min()) - w + 1) // block_size * block_size, width)
 
 
 def block_attention_mass_paged_batched(
@@ -76,48 +88,71 @@ def block_attention_mass_paged_batched(
     out: torch.Tensor,
     kv_layout: str = "NHD",
 ) -> torch.Tensor:
-    """The torch path vectorised over requests: added into ``out`` like the others.
+    """The torch path vectorised over requests: added into ``out`` like the others."""
+    return block_attention_mass_paged_batched_layers(
+        queries[None], [key_cache], block_tables, seq_lens, out, kv_layout
+    )
 
-    All requests' keys are gathered through their (whole) block-table rows at once, and
-    one masked softmax per chunk of requests replaces the per-request loop; keys past a
-    request's length are masked, so garbage entries past its blocks never count. Reads no
-    value back to the host.
+
+def block_attention_mass_paged_batched_layers(
+    queries: torch.Tensor,
+    key_caches: Sequence[torch.Tensor],
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    kv_layout: str = "NHD",
+) -> torch.Tensor:
+    """The batched path over several layers: ``queries[l]`` against ``key_caches[l]``,
+    all summed into ``out`` (float32 ``[R, W, max_blocks]``).
+
+    What depends only on the batch (gather ids, query positions, the mask) is built once
+    per chunk of requests, then each layer costs a gather, one ``bmm``, a masked tail, a
+    softmax and the per-block sums. All requests' keys are gathered through their whole
+    block-table rows; keys past a request's length (garbage entries past its blocks
+    included) and future keys are masked, but only from the first column any row may not
+    see (``_first_masked_column``), so the mask touches a sliver of the logits.
     """
-    r, w, hq, d = queries.shape
+    layers, r, w, hq, d = queries.shape
     m = block_tables.shape[1]
-    if r == 0 or w == 0 or m == 0:
+    if layers == 0 or r == 0 or w == 0 or m == 0:
         return out
-    nb = key_cache.shape[0]
+    nb = key_caches[0].shape[0]
     if kv_layout == "NHD":
-        bs, hkv = key_cache.shape[1], key_cache.shape[2]
+        bs, hkv = key_caches[0].shape[1], key_caches[0].shape[2]
     else:
-        hkv, bs = key_cache.shape[1], key_cache.shape[2]
+        hkv, bs = key_caches[0].shape[1], key_caches[0].shape[2]
     g, t = hq // hkv, m * bs
+    dev = queries.device
+    # The softmax scale is folded into the (small) queries instead of the logits.
     scale = 1.0 / math.sqrt(d)
-    key_pos = torch.arange(t, device=queries.device)
     step = max(1, _BATCHED_LOGITS // max(1, hq * w * t))
     for lo in range(0, r, step):
         hi = min(r, lo + step)
+        n = hi - lo
+        lens = seq_lens[lo:hi].long()
+        pos = lens[:, None] - w + torch.arange(w, device=dev)  # [n, W] query positions
+        first = _first_masked_column(lens, w, bs, t)
+        key_pos = torch.arange(first, t, device=dev)
+        # [n, 1, 1, W, t - first]: broadcast over KV heads and the query heads of each.
+        hidden = (key_pos[None, None, :] > pos[:, :, None])[:, None, None]
+        # Rows at negative positions (a request shorter than the window) are dropped.
+        live_rows = (pos >= 0)[:, :, None].float()
         ids = block_tables[lo:hi].long().clamp(0, nb - 1).reshape(-1)
-        blocks = key_cache.index_select(0, ids).float()
-        if kv_layout == "NHD":  # [n, bs, Hkv, D] -> [R, Hkv, M * bs, D]
-            keys = blocks.view(hi - lo, m, bs, hkv, d).permute(0, 3, 1, 2, 4)
-        else:  # [n, Hkv, bs, D]
-            keys = blocks.view(hi - lo, m, hkv, bs, d).permute(0, 2, 1, 3, 4)
-        keys = keys.reshape(hi - lo, hkv, t, d)
-        # Query heads grouped by KV head: [R * Hkv, G * W, D], rows g-major.
-        q = queries[lo:hi].float().view(hi - lo, w, hkv, g, d).permute(0, 2, 3, 1, 4)
-        pos = seq_lens[lo:hi].long()[:, None] - w + torch.arange(w, device=queries.device)
-        # Additive mask (future or absent keys), fused into the matmul by baddbmm; a
-        # finite floor keeps rows at negative positions NaN-free (they are zeroed below).
-        bias = torch.zeros(hi - lo, w, t, device=queries.device)
-        bias.masked_fill_(key_pos[None, None, :] > pos[:, :, None], _MASKED)
-        bias = bias[:, None, None].expand(hi - lo, hkv, g, w, t).reshape(-1, g * w, t)
-        logits = torch.baddbmm(bias, q.reshape(-1, g * w, d), keys.reshape(-1, t, d)
-                               .transpose(-1, -2), alpha=scale)
-        probs = torch.softmax(logits, dim=-1).view(hi - lo, hkv * g, w, m, bs)
-        mass = probs.sum(dim=-1).mean(dim=1) * (pos >= 0)[:, :, None]
-        out[lo:hi] += mass
+        for q_layer, cache in zip(queries, key_caches, strict=True):
+            blocks = cache.index_select(0, ids)
+            if kv_layout == "NHD":  # [n * M, bs, Hkv, D] -> [n, Hkv, M, bs, D]
+                keys = blocks.view(n, m, bs, hkv, d).permute(0, 3, 1, 2, 4)
+            else:  # [n * M, Hkv, bs, D]
+                keys = blocks.view(n, m, hkv, bs, d).permute(0, 2, 1, 3, 4)
+            keys = keys.reshape(n * hkv, t, d).float()
+            # Query heads grouped by KV head: [n * Hkv, G * W, D], rows g-major.
+            q = (q_layer[lo:hi].float() * scale).view(n, w, hkv, g, d).permute(0, 2, 3, 1, 4)
+            logits = torch.bmm(q.reshape(n * hkv, g * w, d), keys.transpose(1, 2))
+            if first < t:
+                # A finite floor keeps fully masked rows NaN-free (they are dropped).
+                logits.view(n, hkv, g, w, t)[..., first:].masked_fill_(hidden, _MASKED)
+            probs = torch.softmax(logits, dim=-1).view(n, hq, w, m, bs)
+            out[lo:hi] += probs.sum(dim=-1).mean(dim=1) * live_rows
     return out
 
 

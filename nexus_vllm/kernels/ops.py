@@ -18,6 +18,12 @@ backend="auto", out=None) -> Tensor[R, W, max_blocks] float32``
     ``out`` (float32 ``[R, W, max_blocks]``) the result is *added* into it (one buffer for
     several layers) and ``out`` is returned.
 
+``block_attention_mass_paged_layers(queries, key_caches, block_tables, seq_lens, *, ...)``
+    The same over several layers of one batch (``queries`` ``[L, R, W, Hq, D]``, one key
+    cache per layer), summed: what the vLLM plugin calls once per eviction step. A
+    composition of the op above (one launch per layer), except on the ``"batched"``
+    backend, which builds the batch's gather ids and mask once for all layers.
+
 ``compact_block_tables(block_tables, seq_lens, block_size, *, null_block=0, out_tables=None,
 out_seq_lens=None, backend="auto", validate=True) -> (out_tables, out_seq_lens)``
     ``block_tables`` ``[R, max_blocks]`` (int32/int64) are *logical* block tables in which
@@ -60,12 +66,15 @@ Where the rest lives: ``_reference.py`` the torch paths, ``_triton_kernels.py`` 
 ``_interpreter.py`` what lets the CPU CI run them under ``TRITON_INTERPRET=1``.
 """
 
+from collections.abc import Sequence
+
 import torch
 
 from nexus_vllm.kernels._interpreter import triton_interpret_enabled
 from nexus_vllm.kernels._launch import block_mass_triton, compact_triton
 from nexus_vllm.kernels._reference import (
     block_attention_mass_paged_batched,
+    block_attention_mass_paged_batched_layers,
     block_attention_mass_paged_torch,
     block_size_of,
     compact_block_tables_torch,
@@ -84,6 +93,7 @@ __all__ = [
     "KV_LAYOUTS",
     "block_attention_mass_paged",
     "block_attention_mass_paged_batched",
+    "block_attention_mass_paged_layers",
     "block_attention_mass_paged_torch",
     "compact_block_tables",
     "compact_block_tables_torch",
@@ -166,6 +176,55 @@ def block_attention_mass_paged(
     torch.ops.nexus_vllm.block_attention_mass_paged_add_(
         queries, key_cache, block_tables, seq_lens, out, kv_layout, backend
     )
+    return out
+
+
+def block_attention_mass_paged_layers(
+    queries: torch.Tensor,
+    key_caches: Sequence[torch.Tensor],
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    kv_layout: str = "NHD",
+    backend: str = "auto",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`block_attention_mass_paged` over several layers of one batch, summed.
+
+    Parameters
+    ----------
+    queries : Tensor[L, R, W, Hq, D]
+        Layer ``l``'s window queries, scored against ``key_caches[l]``.
+    key_caches : sequence of L key caches
+        Same shapes, dtype and layout as the single-layer op takes.
+    block_tables, seq_lens, kv_layout, backend, out
+        As for :func:`block_attention_mass_paged`; shared by every layer.
+
+    Returns
+    -------
+    Tensor[R, W, max_blocks] (float32)
+        The sum over layers of the single-layer result (added into ``out`` if given).
+        The ``"batched"`` backend builds what depends only on the batch (gather ids,
+        positions, the mask) once for all layers; the others run one launch per layer.
+    """
+    if queries.dim() != 5 or queries.shape[0] != len(key_caches):
+        raise ValueError(f"queries must be [L={len(key_caches)}, R, W, Hq, D], got shape "
+                         f"{tuple(queries.shape)}")
+    for q, cache in zip(queries, key_caches, strict=True):
+        _check_mass_args(q, cache, block_tables, seq_lens, kv_layout, backend, out)
+    if out is None:
+        r, w = queries.shape[1:3]
+        out = torch.zeros((r, w, block_tables.shape[1]), dtype=torch.float32,
+                          device=queries.device)
+    if resolve_backend(backend, queries.device) == "batched":
+        block_attention_mass_paged_batched_layers(
+            queries, key_caches, block_tables, seq_lens, out, kv_layout
+        )
+        return out
+    for q, cache in zip(queries, key_caches, strict=True):
+        torch.ops.nexus_vllm.block_attention_mass_paged_add_(
+            q, cache, block_tables, seq_lens, out, kv_layout, backend
+        )
     return out
 
 

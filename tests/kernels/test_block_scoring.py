@@ -14,7 +14,7 @@ import torch
 
 from nexus_vllm.core.scoring import block_attention_mass, gather_paged_keys, num_blocks_for
 from nexus_vllm.kernels import _launch, _reference, ops
-from nexus_vllm.kernels.ops import block_attention_mass_paged
+from nexus_vllm.kernels.ops import block_attention_mass_paged, block_attention_mass_paged_layers
 
 triton_only = pytest.mark.skipif(not ops.HAS_TRITON, reason="triton is not installed")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -385,6 +385,7 @@ def test_public_api():
         "KV_LAYOUTS",
         "block_attention_mass_paged",
         "block_attention_mass_paged_batched",
+        "block_attention_mass_paged_layers",
         "block_attention_mass_paged_torch",
         "compact_block_tables",
         "compact_block_tables_torch",
@@ -452,6 +453,61 @@ def test_gpu_matches_reference(case, dtype, block_size, kv_layout):
     out = torch.ones_like(got)
     block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, out=out)
     torch.testing.assert_close(out, got + 1, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+def test_batched_backend_masks_only_the_tail(monkeypatch, kv_layout):
+    """Long rows of different lengths (the mask starts several blocks in, and a shorter row
+    has garbage where a longer one has keys): the same result as masking every column."""
+    seq_lens = [150, 97, 129]
+    q, kc, bt, sl = _make_case(seq_lens, 8, 4, 2, 32, 16, torch.float32, kv_layout)
+    bt = bt.clone()
+    for i, s in enumerate(sl.tolist()):
+        bt[i, num_blocks_for(s, 16) :] = kc.shape[0] + 7  # out of range: must not matter
+    assert _reference._first_masked_column(sl.long(), 8, 16, bt.shape[1] * 16) == 80
+    tail = block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, backend="batched")
+    monkeypatch.setattr(_reference, "_first_masked_column", lambda *args: 0)
+    full = block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, backend="batched")
+    torch.testing.assert_close(tail, full, rtol=0, atol=0)
+    _, _, core = _references(q, kc, bt, sl, kv_layout)
+    torch.testing.assert_close(tail, core, rtol=0, atol=2e-6)
+
+
+LAYER_BACKENDS = ["torch", "batched", pytest.param("triton", marks=triton_only)]
+
+
+@pytest.mark.parametrize("backend", LAYER_BACKENDS)
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+def test_layers_op_sums_the_single_layer_op(backend, kv_layout, monkeypatch):
+    """Three layers with their own queries and caches in one call (the plugin's scoring
+    step) equal three single-layer calls added up, on every backend."""
+    if backend == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    seq_lens = [0, 40, 97, 130]
+    cases = [_make_case(seq_lens, 8, 4, 2, 32, 16, torch.float32, kv_layout) for _ in range(3)]
+    _, _, bt, sl = cases[0]
+    gen = torch.Generator().manual_seed(SEED + 1)
+    queries = torch.stack([torch.randn(q.shape, generator=gen) for q, *_ in cases])
+    caches = [torch.randn(kc.shape, generator=gen) for _, kc, _, _ in cases]
+    one_by_one = torch.zeros(len(seq_lens), 8, bt.shape[1])
+    for q, kc in zip(queries, caches, strict=True):
+        block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, backend="torch",
+                                   out=one_by_one)
+    got = block_attention_mass_paged_layers(queries, caches, bt, sl, kv_layout=kv_layout,
+                                            backend=backend)
+    torch.testing.assert_close(got, one_by_one, rtol=0, atol=6e-6)
+    again = torch.ones_like(got)
+    block_attention_mass_paged_layers(queries, caches, bt, sl, kv_layout=kv_layout,
+                                      backend=backend, out=again)
+    torch.testing.assert_close(again, got + 1, rtol=0, atol=1e-6)
+
+
+def test_layers_op_rejects_mismatched_layers():
+    q, kc, bt, sl = _make_case([20], 2, 4, 2, 32, 16, torch.float32, "NHD")
+    with pytest.raises(ValueError, match=r"queries must be \[L=2"):
+        block_attention_mass_paged_layers(q[None], [kc, kc], bt, sl, backend="batched")
+    with pytest.raises(ValueError, match="key_cache dtype"):
+        block_attention_mass_paged_layers(q[None], [kc.half()], bt, sl, backend="batched")
 
 
 def test_batched_backend_chunks_requests(monkeypatch):
