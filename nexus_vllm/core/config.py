@@ -18,7 +18,7 @@ import torch
 from ._validate import ConfigError, check_choice, check_float, check_int
 from .policies import POLICIES, EvictionPolicy, NexusPolicy, get_policy
 from .scoring import cdiv
-from .weights import INDIRECT_MODES
+from .weights import check_indirect
 
 __all__ = ["METHODS", "EvictionConfig"]
 
@@ -83,7 +83,7 @@ class EvictionConfig:
     chunk_size: int = 512
     skip_layers: int = 2
     indirect: str = _policy_default(NexusPolicy, "indirect")
-    prefill_indirect: str = "hub"
+    prefill_indirect: str = "walk"
     steps: int = _policy_default(NexusPolicy, "steps")
     lam: float = _policy_default(NexusPolicy, "lam")
     walk_rows: str = _policy_default(NexusPolicy, "walk_rows")
@@ -115,7 +115,7 @@ class EvictionConfig:
         check_int("prefill_window", self.prefill_window, low=1)
         check_int("chunk_size", self.chunk_size, low=1)
         check_int("skip_layers", self.skip_layers, low=0)
-        check_choice("prefill_indirect", self.prefill_indirect, INDIRECT_MODES)
+        check_indirect("prefill_indirect", self.prefill_indirect)
         check_int("seed", self.seed)
         # The policies validate their own knobs (one source of truth for ranges too).
         NexusPolicy(**self._knobs_for(NexusPolicy, prefill=False))

@@ -22,7 +22,7 @@ import torch
 
 from ._validate import check_choice, check_float, check_int, check_mass
 from .sampling import SAMPLERS, sample_blocks, top_k_indices
-from .weights import INDIRECT_MODES, WALK_ROWS, nexus_weights
+from .weights import WALK_ROWS, check_indirect, nexus_weights
 
 __all__ = [
     "POLICIES",
@@ -202,11 +202,11 @@ class EvictionPolicy:
 
 @dataclass(frozen=True)
 class NexusPolicy(EvictionPolicy):
-    """Nexus Sampling: walk/hub weights, then exact-inclusion (or A-Res) sampling.
+    """Nexus Sampling: direct + indirect (walk) weights, then exact-inclusion (or A-Res) sampling.
 
     Parameters
     ----------
-    indirect : {"walk", "hub", "ppr", "none"}
+    indirect : {"walk", "ppr", "none"}
     steps : int
         Walk steps H (>= 1).
     lam : float
@@ -237,7 +237,7 @@ class NexusPolicy(EvictionPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_choice("indirect", self.indirect, INDIRECT_MODES)
+        check_indirect("indirect", self.indirect)
         check_choice("walk_rows", self.walk_rows, WALK_ROWS)
         check_choice("sampler", self.sampler, SAMPLERS)
         # Upper bounds keep a typo from making scoring arbitrarily slow or overflowing.

@@ -9,12 +9,22 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import check_choice, check_float, check_int, check_mass
+from ._validate import ConfigError, check_choice, check_float, check_int, check_mass
 
-__all__ = ["INDIRECT_MODES", "WALK_ROWS", "direct_scores", "indirect_scores", "nexus_weights"]
+__all__ = ["INDIRECT_MODES", "WALK_ROWS", "check_indirect", "direct_scores", "indirect_scores",
+           "nexus_weights"]
 
-INDIRECT_MODES = ("walk", "hub", "ppr", "none")
+INDIRECT_MODES = ("walk", "ppr", "none")
 WALK_ROWS = ("newest", "oldest", "cycle")
+
+
+def check_indirect(name: str, value: object) -> None:
+    """Validate an indirect mode, with a pointer for configs that still say ``hub``."""
+    if value == "hub":
+        raise ConfigError(name, f"{name}='hub' was removed: for row-normalised mass its "
+                                "column sums are proportional to the direct score, so it "
+                                "was 'none' in disguise; use 'none' or 'walk'")
+    check_choice(name, value, INDIRECT_MODES)
 
 
 def _row_normalise(mass: torch.Tensor) -> torch.Tensor:
@@ -69,9 +79,9 @@ def indirect_scores(
     ----------
     mass : Tensor[W, N]
         Block attention mass of the window queries.
-    indirect : {"walk", "hub", "ppr", "none"}
+    indirect : {"walk", "ppr", "none"}
         ``walk``: ``C <- C + S_q * (1 + S_q . C)`` over ``steps`` chosen rows ``q`` of the
-        row-normalised mass ``S``; ``hub``: column sums of ``mass``; ``ppr``: damped power
+        row-normalised mass ``S``; ``ppr``: damped power
         iteration ``s <- (1-beta) a + beta s A`` over the co-attention matrix
         ``A = rownorm(S^T S)`` (blocks that the same queries attend to link each other);
         ``none``: zeros.
@@ -81,15 +91,13 @@ def indirect_scores(
     Tensor[N] (float64)
     """
     check_mass(mass)
-    check_choice("indirect", indirect, INDIRECT_MODES)
+    check_indirect("indirect", indirect)
     check_choice("walk_rows", walk_rows, WALK_ROWS)
     check_int("steps", steps, low=1)
     w, n = mass.shape
     if w == 0 or indirect == "none":
         return torch.zeros(n, dtype=torch.float64, device=mass.device)
     m = mass.double()
-    if indirect == "hub":
-        return m.sum(dim=0)
     s = _row_normalise(m)
     if indirect == "walk":
         c = torch.zeros(n, dtype=torch.float64, device=mass.device)
@@ -122,7 +130,7 @@ def nexus_weights(
     mass : Tensor[W, N]
         Attention mass each window query puts on each block (rows need not be
         normalised).
-    indirect : {"walk", "hub", "ppr", "none"}
+    indirect : {"walk", "ppr", "none"}
         How the indirect score ``c`` is built; see :func:`indirect_scores`.
     steps : int
         H, the number of walk steps (or power iterations for ``ppr``); >= 1.

@@ -84,13 +84,13 @@ def test_walk_lifts_bridge_above_single_query_spike():
     w_walk = nexus_weights(mass, indirect="walk", lam=0.5)
     assert a[spike] > a[bridge]  # direct attention alone prefers the spike
     assert w_walk[bridge] > w_walk[spike]  # the walk surfaces the bridge
-    for mode in ("walk", "hub", "ppr"):
+    for mode in ("walk", "ppr"):
         assert indirect_scores(mass, indirect=mode)[bridge] > 0
 
 
 def test_nexus_weights_modes_and_ramp():
     mass = random_mass(8, 10, 3)
-    for mode in ("walk", "hub", "ppr", "none"):
+    for mode in ("walk", "ppr", "none"):
         for rows in ("newest", "oldest", "cycle"):
             w = nexus_weights(mass, indirect=mode, walk_rows=rows)
             assert w.shape == (10,) and torch.all(w >= 0)
@@ -178,7 +178,7 @@ def test_eviction_config():
     assert (
         not EvictionConfig().enabled and not EvictionConfig(method="none", max_tokens=512).enabled
     )
-    assert ratio.policy(prefill=True).indirect == "hub" and ratio.policy().indirect == "walk"
+    assert ratio.policy(prefill=True).indirect == "walk" and ratio.policy().indirect == "walk"
     assert EvictionConfig.from_dict({"method": "tova", "max_tokens": 512}).method == "tova"
     g1, g2 = cfg.generator("req-1"), cfg.generator("req-1")
     assert torch.equal(torch.rand(3, generator=g1), torch.rand(3, generator=g2))
@@ -197,6 +197,9 @@ def test_eviction_config():
         ({"block_size": 0}, "block_size"),
         ({"sampler": "x"}, "sampler"),
         ({"n": 0}, "n must be"),
+        ({"prefill_indirect": "hub"}, "prefill_indirect='hub' was removed"),
+        ({"indirect": "hub"}, "indirect='hub' was removed"),
+        ({"prefill_indirect": "walks"}, "prefill_indirect must be one of"),
     ],
 )
 def test_bad_eviction_config(kwargs, match):
