@@ -90,6 +90,10 @@ class EvictionEvent:
     blocks_after: int
     budget_blocks: int
     kept_positions: torch.Tensor  # LongTensor[T_after], logical positions still cached
+    # What the policy read: the logical ids of the live blocks it scored (LongTensor[N],
+    # in cache order) and their mass (Tensor[W, N]; None for score-free policies).
+    live_blocks: torch.Tensor | None = None
+    mass: torch.Tensor | None = None
 
 
 class StreamingSession:
@@ -219,10 +223,12 @@ class StreamingSession:
         b = cfg.block_size
         t = self.cache_len
         policy = cfg.policy(prefill=prefill)
-        if "mass" in policy.needs:
+        scored = "mass" in policy.needs
+        if scored:
             mass = self.block_mass(policy.window(cfg.prefill_window if prefill else cfg.window))
         else:
             mass = torch.full((1, n_blocks), 1.0 / n_blocks)  # the policy reads no scores
+        live_blocks = self.positions[::b] // b if self.record_events else None
         norms = self.key_norms() if "key_norms" in policy.needs else None
         keep = policy.select(
             mass, budget_blocks, generator=self.generator, state=self.state, key_norms=norms
@@ -239,7 +245,8 @@ class StreamingSession:
             self.events.append(EvictionEvent(
                 seen=self.seen, prefill=prefill, blocks_before=n_blocks,
                 blocks_after=num_blocks_for(self.cache_len, b), budget_blocks=budget_blocks,
-                kept_positions=self.positions.clone()))
+                kept_positions=self.positions.clone(), live_blocks=live_blocks,
+                mass=mass.detach().cpu() if scored else None))
         return True
 
     def decode_step_done(self) -> None:
