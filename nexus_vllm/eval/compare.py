@@ -14,9 +14,8 @@ import argparse
 import dataclasses
 import json
 import pathlib
-from typing import Any
 
-from nexus_vllm.eval.records import _field_value, read_records, select_records
+from nexus_vllm.eval.records import load_selected
 from nexus_vllm.eval.stats import METRICS, paired_comparison
 
 
@@ -40,18 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    where: dict[str, Any] = {}
-    for item in args.where:
-        name, eq, value = item.partition("=")
-        if not eq or not name:
-            p.error(f"--where must be FIELD=VALUE, got {item!r}")
-        where[name] = _field_value(value)
-    missing = [str(s) for s in args.sources if not s.exists()]
-    if missing:
-        p.error(f"no such file(s): {', '.join(missing)}")
+    records = load_selected(p, args.sources, args.where)
     metrics = args.metric or ["score", "delta_loglik", "kl"]
     try:
-        records = select_records(read_records(*args.sources), where=where)
         if args.task:
             records = [r for r in records if r.task in args.task]
         found = [paired_comparison(records, args.a, b, metric=m)

@@ -168,6 +168,39 @@ def _field_value(text: str) -> Any:
         return text
 
 
+def parse_where(items: Sequence[str]) -> dict[str, Any]:
+    """``["FIELD=VALUE", ...]`` (the ``--where`` options) as a mapping.
+
+    Raises
+    ------
+    ValueError
+        For an item without ``=`` or without a field name.
+    """
+    where: dict[str, Any] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            raise ValueError(f"--where must be FIELD=VALUE, got {item!r}")
+        where[name] = _field_value(value)
+    return where
+
+
+def load_selected(parser: argparse.ArgumentParser, sources: Sequence[pathlib.Path],
+                  where_items: Sequence[str],
+                  exclude_method_prefixes: Sequence[str] = ()) -> list[Record]:
+    """The records of ``sources`` that ``--where`` keeps, for a command line: every bad
+    input (a malformed ``--where``, a missing file, an unknown field) is ``parser.error``."""
+    try:
+        where = parse_where(where_items)
+        missing = [str(s) for s in sources if not s.exists()]
+        if missing:
+            raise ValueError(f"no such file(s): {', '.join(missing)}")
+        return select_records(read_records(*sources), where=where,
+                              exclude_method_prefixes=exclude_method_prefixes)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def select_records(records: Sequence[Record], *, where: dict[str, Any] | None = None,
                    exclude_method_prefixes: Sequence[str] = ()) -> list[Record]:
     """The records whose fields equal ``where`` and whose method starts with none of
@@ -199,20 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.if_missing and args.out.exists():
         return 0
-    where: dict[str, Any] = {}
-    for item in args.where:
-        name, eq, value = item.partition("=")
-        if not eq or not name:
-            p.error(f"--where must be FIELD=VALUE, got {item!r}")
-        where[name] = _field_value(value)
-    missing = [str(s) for s in args.sources if not s.exists()]
-    if missing:
-        p.error(f"no such file(s): {', '.join(missing)}")
-    try:
-        kept = select_records(read_records(*args.sources), where=where,
-                              exclude_method_prefixes=args.exclude_method_prefix)
-    except ValueError as exc:
-        p.error(str(exc))
+    kept = load_selected(p, args.sources, args.where, args.exclude_method_prefix)
     n = write_records(args.out, kept)
     print(f"nexus-vllm records: wrote {n} records to {args.out}")
     return 0
