@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces docs/results.md on a CPU box (the numbers there come from these commands).
-#   scripts/run_eval.sh [calibration|headline|ablation|prefill|paired|sweep|kvpress|docs|all]
+#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|sweep|kvpress|docs|all]
 #   (default: all)
 # Each run resumes from its records.jsonl if interrupted. 1 torch thread per run.
 set -euo pipefail
@@ -15,13 +15,14 @@ run() {  # name, extra args...
 what=${1:-all}
 want() { [ "$what" = all ] || [ "$what" = "$1" ]; }
 case "$what" in
-  calibration|headline|ablation|prefill|paired|sweep|kvpress|docs|all) ;;
+  calibration|headline|ablation|prefill|knorm_prior|paired|sweep|kvpress|docs|all) ;;
   *) echo "unknown target $what" >&2; exit 2 ;;
 esac
 want calibration && run calibration
 want headline && run headline
 want ablation && run ablation
 want prefill && run prefill
+want knorm_prior && run knorm_prior
 want paired && run paired
 want kvpress && run kvpress --peer kvpress
 if want sweep; then
@@ -43,7 +44,7 @@ if want docs; then
       --report-only --publish docs/figures/peer_compare
   fi
   # Rebuild each run's reports from its records and copy them into docs/figures.
-  for name in calibration headline ablation prefill paired kvpress sweep; do
+  for name in calibration headline ablation prefill knorm_prior paired kvpress sweep; do
     [ -d "$OUT/$name" ] || continue
     "$PY" -m nexus_vllm.cli eval --config "configs/eval/$name.yaml" --out "$OUT/$name" \
       --report-only --publish "docs/figures/$name"

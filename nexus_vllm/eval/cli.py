@@ -23,11 +23,14 @@ import os
 import pathlib
 import shutil
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nexus_vllm.eval.budget import parse_budget
 
-__all__ = ["build_parser", "main"]
+if TYPE_CHECKING:
+    from nexus_vllm.eval.runner import RunConfig
+
+__all__ = ["build_parser", "main", "run_config"]
 
 DEFAULT_TASKS = "niah_single_noise,niah_single_prose,niah_multikey,vt,passkey"
 DEFAULT_METHODS = "dense,nexus,h2o,snapkv,tova,streaming,random"
@@ -96,20 +99,18 @@ def _methods(v: Any) -> list[str]:
     return _as_list(text, ";" if ":" in text else ",")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    opts = _merge(args)
-    out = pathlib.Path(opts.get("out") or "runs/eval")
-    threads = int(opts.get("threads", 1))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def run_config(opts: dict[str, Any]) -> RunConfig:
+    """The validated ``RunConfig`` of merged options (a ``--config`` file and flags).
 
-    import torch
-
-    torch.set_num_threads(threads)
-    from nexus_vllm.eval.records import read_records
-    from nexus_vllm.eval.report import write_reports
-    from nexus_vllm.eval.runner import RunConfig, config_dict, run_eval
+    Raises
+    ------
+    SystemExit
+        Naming the bad task, budget, method or knob (no traceback for a user's typo).
+    """
+    from nexus_vllm.eval.runner import RunConfig
     from nexus_vllm.eval.tasks import PROTOCOLS, TASKS
+
+    threads = int(opts.get("threads", 1))
 
     tasks = _as_list(opts.get("tasks", DEFAULT_TASKS))
     for t in tasks:
@@ -136,6 +137,24 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as exc:  # bad budgets, methods or knobs: say which, no traceback
         raise SystemExit(f"nexus-vllm eval: {exc}") from None
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    opts = _merge(args)
+    out = pathlib.Path(opts.get("out") or "runs/eval")
+    threads = int(opts.get("threads", 1))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import torch
+
+    torch.set_num_threads(threads)
+    from nexus_vllm.eval.records import read_records
+    from nexus_vllm.eval.report import write_reports
+    from nexus_vllm.eval.runner import config_dict, run_eval
+
+    cfg = run_config(opts)
     out.mkdir(parents=True, exist_ok=True)
     _write_config(out, config_dict(cfg))
 

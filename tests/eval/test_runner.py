@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -148,3 +149,24 @@ def test_report_only_reproduces_the_published_tables(tmp_path) -> None:
         json.loads((src / "results.json").read_text())["rows"]
     assert read_records(out / "records.jsonl")[0].to_dict() == \
         json.loads((src / "records.jsonl").read_text().splitlines()[0])
+
+
+@pytest.mark.parametrize(
+    "path", sorted((pathlib.Path(__file__).parents[2] / "configs" / "eval").glob("*.yaml")),
+    ids=lambda p: p.stem)
+def test_every_committed_eval_config_is_valid(path: pathlib.Path) -> None:
+    """Each configs/eval file builds its RunConfig (tasks, methods, knobs, budgets checked),
+    so a stale knob (e.g. a removed prefill score) fails here, not hours into a run."""
+    from nexus_vllm.eval.cli import _merge, build_parser, run_config
+
+    cfg = run_config(_merge(build_parser().parse_args(["--config", str(path)])))
+    assert cfg.tasks and cfg.methods
+
+
+def test_run_config_names_a_bad_knob(tmp_path: pathlib.Path) -> None:
+    from nexus_vllm.eval.cli import _merge, build_parser, run_config
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tasks: [niah_single_noise]\nmethods: ['nexus:prefill_indirect=hub']\n")
+    with pytest.raises(SystemExit, match="prefill_indirect='hub' was removed"):
+        run_config(_merge(build_parser().parse_args(["--config", str(bad)])))
