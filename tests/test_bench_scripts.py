@@ -35,5 +35,11 @@ def test_cpu_scoring_runs() -> None:
     out = subprocess.run([sys.executable, str(REPO / "benchmarks/kernels/cpu_scoring.py"),
                           "--repeats", "1"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = [ln for ln in out.stdout.splitlines() if ln.startswith("| ") and "x |" in ln]
+    rows = [ln for ln in out.stdout.splitlines() if ln.startswith("| ") and "x) |" in ln]
     assert len(rows) == 4
+    # every scorer agrees with the reference to float32 rounding
+    assert all(float(ln.rstrip(" |").rsplit("| ", 1)[1]) < 1e-5 for ln in rows)
+    prof = subprocess.run([sys.executable, str(REPO / "benchmarks/kernels/cpu_scoring.py"),
+                           "--profile", "--repeats", "1"], capture_output=True, text=True,
+                          timeout=600)
+    assert prof.returncode == 0 and "aten::bmm" in prof.stdout, prof.stderr[-2000:]
