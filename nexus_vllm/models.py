@@ -29,6 +29,7 @@ __all__ = [
     "cache_root",
     "default_model_path",
     "fix_tokenizer",
+    "load_causal_lm",
     "main",
     "resolve_model_path",
 ]
@@ -232,6 +233,19 @@ def resolve_model_path(name_or_path: str | None, cache_dir: str | None = None) -
     if name_or_path in (None, "", "default", "smollm2", DEFAULT_MODEL_NAME):
         return str(default_model_path(cache_dir))
     return str(name_or_path)
+
+
+def load_causal_lm(name_or_path: str | None) -> tuple[str, Any, Any]:
+    """(path, tokenizer, model) for the transformers path: float32, SDPA attention (what
+    ``hf.StreamingSession`` captures queries from), in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+    return path, tokenizer, model
 
 
 def main(argv: list[str] | None = None) -> int:

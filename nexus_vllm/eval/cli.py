@@ -161,15 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     if opts.get("report_only"):
         records = read_records(out / "records.jsonl", out / "kvpress_records.jsonl")
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from nexus_vllm.models import load_causal_lm
 
-        from nexus_vllm.models import resolve_model_path
-
-        path = resolve_model_path(None if cfg.model == "default" else cfg.model)
+        path, tokenizer, model = load_causal_lm(cfg.model)
         print(f"nexus-vllm eval: model {path}, {threads} thread(s), out {out}", file=sys.stderr)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                     attn_implementation="sdpa").eval()
         records = run_eval(cfg, model, tokenizer, out, progress=not opts.get("no_progress"))
     if opts.get("peer") == "kvpress":
         from nexus_vllm.eval.peers import run_kvpress_peer

@@ -44,6 +44,7 @@ class SamplerTrace:
     pi: list[float] = field(default_factory=list)
     survived: list[bool] = field(default_factory=list)
     event: list[int] = field(default_factory=list)  # which pooled event each pair is from
+    scored_events: int = 0  # events with a choice to make, pooled over samples
     # One raster per sample: rows = logical blocks, columns = events; 1 alive after the
     # event, 0 evicted at it, -1 not (or no longer) a candidate.
     rasters: list[np.ndarray] = field(default_factory=list)
@@ -69,13 +70,13 @@ class SamplerTrace:
                     raster[live[i], e] = 1 if live[i] in kept else 0
                 continue
             pi = inclusion_probabilities(weights[cand], k).tolist()
-            event_id = 1 + max(self.event, default=-1)
             for i, p in zip(cand, pi, strict=True):
                 alive = live[i] in kept
                 self.pi.append(float(p))
                 self.survived.append(alive)
-                self.event.append(event_id)
+                self.event.append(self.scored_events)
                 raster[live[i], e] = 1 if alive else 0
+            self.scored_events += 1
         self.rasters.append(raster)
 
     def calibration(self) -> list[dict[str, float]]:
@@ -158,17 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.samples < 1 or args.chunk < 1 or not 0.0 < args.budget <= 1.0:
         build_parser().error("--samples and --chunk must be >= 1, --budget in (0, 1]")
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nexus_vllm.eval.tasks import make_sample
     from nexus_vllm.hf.generate import encode_prompt
-    from nexus_vllm.models import resolve_model_path
+    from nexus_vllm.models import load_causal_lm
 
     torch.set_num_threads(args.threads)
-    path = resolve_model_path(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()
+    _, tokenizer, model = load_causal_lm(args.model)
     traces = [SamplerTrace(s) for s in SAMPLERS]
     bar = tqdm(total=args.samples * len(SAMPLERS), desc="survival", dynamic_ncols=True)
     for index in range(args.samples):

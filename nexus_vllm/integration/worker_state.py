@@ -20,9 +20,10 @@ One step (``NexusWorker.execute_model``):
    the newest queries of tracked requests into a preallocated ring
    ``[scored layers, slots, W, Hq, D]``.
 4. :meth:`finish_forward` scores every request due, all scored layers at once, with one
-   ``nexus_vllm.kernels.block_attention_mass_paged_layers`` call, sums the masses over tensor-parallel ranks (with a validity flag, so a failure
-   on one rank drops the event on all ranks instead of deadlocking), and starts one
-   non-blocking copy to the host on the output rank.
+   ``nexus_vllm.kernels.block_attention_mass_paged_layers`` call, sums the masses over
+   tensor-parallel ranks (with a validity flag, so a failure on one rank drops the event
+   on all ranks instead of deadlocking), and starts one non-blocking copy to the host on
+   the output rank.
 5. :meth:`reply` (after sampling) turns that copy into the step's
    :class:`~nexus_vllm.integration.step_plan.WorkerReply`; :meth:`end_step` restores any
    temporarily masked entries and disarms the hooks.
