@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces docs/results.md on a CPU box (the numbers there come from these commands).
-#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|sweep|kvpress|docs|all]
+#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|sweep|kvpress|docs|all]
 #   (default: all)
 # Each run resumes from its records.jsonl if interrupted. 1 torch thread per run.
 set -euo pipefail
@@ -15,7 +15,7 @@ run() {  # name, extra args...
 what=${1:-all}
 want() { [ "$what" = all ] || [ "$what" = "$1" ]; }
 case "$what" in
-  calibration|headline|ablation|prefill|knorm_prior|paired|sweep|kvpress|docs|all) ;;
+  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|sweep|kvpress|docs|all) ;;
   *) echo "unknown target $what" >&2; exit 2 ;;
 esac
 want calibration && run calibration
@@ -25,6 +25,29 @@ want prefill && run prefill
 want knorm_prior && run knorm_prior
 want paired && run paired
 want kvpress && run kvpress --peer kvpress
+if want dialogues; then
+  # One process per task (one core each), then one report over both.
+  for task in multiturn longgen; do
+    run dialogues --tasks "$task" --out "$OUT/dialogues_$task" &
+  done
+  wait
+  "$PY" -m nexus_vllm.cli records "$OUT/dialogues_multiturn/records.jsonl" \
+    "$OUT/dialogues_longgen/records.jsonl" --out "$OUT/dialogues/records.jsonl"
+  run dialogues --report-only
+fi
+if want dialogues_pps; then
+  # Reuse the 20 streams of `dialogues` for the methods compared here.
+  if [ -e "$OUT/dialogues/records.jsonl" ]; then
+    for m in dense nexus nexus:sampler=topk; do
+      "$PY" -m nexus_vllm.cli records "$OUT/dialogues/records.jsonl" --where task=multiturn \
+        --where method="$m" --out "$OUT/dialogues_pps/seed_$m.jsonl"
+    done
+    "$PY" -m nexus_vllm.cli records "$OUT"/dialogues_pps/seed_*.jsonl --if-missing \
+      --out "$OUT/dialogues_pps/records.jsonl"
+    rm -f "$OUT"/dialogues_pps/seed_*.jsonl
+  fi
+  run dialogues_pps
+fi
 if want sweep; then
   # Reuse the headline's question-last runs of the plain methods (identical keys, so the
   # 0.2 budget is not recomputed); skipped once the sweep has records of its own.
@@ -44,7 +67,7 @@ if want docs; then
       --report-only --publish docs/figures/peer_compare
   fi
   # Rebuild each run's reports from its records and copy them into docs/figures.
-  for name in calibration headline ablation prefill knorm_prior paired kvpress sweep; do
+  for name in calibration headline ablation prefill knorm_prior paired dialogues dialogues_pps kvpress sweep; do
     [ -d "$OUT/$name" ] || continue
     "$PY" -m nexus_vllm.cli eval --config "configs/eval/$name.yaml" --out "$OUT/$name" \
       --report-only --publish "docs/figures/$name"

@@ -107,6 +107,7 @@ def run_config(opts: dict[str, Any]) -> RunConfig:
     SystemExit
         Naming the bad task, budget, method or knob (no traceback for a user's typo).
     """
+    from nexus_vllm.eval.dialogues import DIALOGUE_TASKS
     from nexus_vllm.eval.runner import RunConfig
     from nexus_vllm.eval.tasks import PROTOCOLS, TASKS
 
@@ -114,8 +115,9 @@ def run_config(opts: dict[str, Any]) -> RunConfig:
 
     tasks = _as_list(opts.get("tasks", DEFAULT_TASKS))
     for t in tasks:
-        if t not in TASKS:
-            raise SystemExit(f"unknown task {t!r}; choose from {sorted(TASKS)}")
+        if t not in TASKS and t not in DIALOGUE_TASKS:
+            raise SystemExit(f"unknown task {t!r}; choose from "
+                             f"{sorted(TASKS) + list(DIALOGUE_TASKS)}")
     protocols = _as_list(opts.get("protocol", ",".join(PROTOCOLS)))
     methods = ["dense"] if opts.get("calibrate") else _methods(
         opts.get("methods", DEFAULT_METHODS))

@@ -151,6 +151,7 @@ def run_kvpress_peer(cfg: RunConfig, out: pathlib.Path) -> list[Record]:
     """
     from transformers import AutoTokenizer
 
+    from nexus_vllm.eval.dialogues import DIALOGUE_TASKS
     from nexus_vllm.eval.records import Record, read_records, record_writer
     from nexus_vllm.eval.runner import iter_samples
     from nexus_vllm.eval.tasks import Sample, make_sample
@@ -170,7 +171,7 @@ def run_kvpress_peer(cfg: RunConfig, out: pathlib.Path) -> list[Record]:
     jobs: list[dict[str, Any]] = []
     meta: dict[str, tuple[SampleId, Sample]] = {}
     for sid in iter_samples(cfg):
-        if sid in done:
+        if sid in done or sid.task in DIALOGUE_TASKS:  # kvpress compresses one prompt
             continue
         s = make_sample(sid.task, seed=cfg.data_seed, index=sid.index,
                         target_tokens=sid.context, tokenizer=tokenizer, protocol=sid.protocol)

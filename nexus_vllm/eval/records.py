@@ -42,6 +42,10 @@ def record_key(sample: SampleId, method: str, budget: float | int | None, seed: 
     return json.dumps([*sample.as_list(), method, budget, seed])
 
 
+# Optional per-turn fields (multi-turn streams only).
+_PER_TURN = ("turn_scores", "turn_delta_loglik")
+
+
 @dataclass(frozen=True)
 class Record:
     """The metrics of one run (one line of ``records.jsonl``).
@@ -51,6 +55,12 @@ class Record:
     ``answer_tokens`` reference tokens; ``kl`` is the mean per-token KL(dense || method)
     over question + answer, ``kl_answer`` over the answer only; ``events`` counts the
     prefill's eviction events; ``seconds`` is the run's wall time.
+
+    A multi-turn stream (:mod:`nexus_vllm.eval.dialogues`) is one record: ``score`` is the
+    mean over its turns, the log-likelihoods and ``answer_tokens`` are sums, both KLs are
+    over the answers' tokens, ``prompt_tokens`` is the stream's length and ``events`` and
+    ``cache_tokens`` are its last turn's; ``turn_scores`` and ``turn_delta_loglik`` keep
+    each turn's (empty for single-question samples; older files lack them).
     """
 
     key: str
@@ -74,13 +84,16 @@ class Record:
     cache_tokens: int
     events: int
     seconds: float
+    turn_scores: tuple[float, ...] = ()
+    turn_delta_loglik: tuple[float, ...] = ()
 
     @classmethod
     def build(cls, sample: SampleId, method: str, budget: float | int | None, seed: int, *,
               score: float, prediction: str, answers: Iterable[str], answer_loglik: float,
               dense_answer_loglik: float, answer_tokens: int, kl: float, kl_answer: float,
               prompt_tokens: int, cache_tokens: int, events: int,
-              seconds: float) -> Record:
+              seconds: float, turn_scores: Iterable[float] = (),
+              turn_delta_loglik: Iterable[float] = ()) -> Record:
         """A record for ``sample`` and a method run: the key and ``delta_loglik`` derived."""
         return cls(key=record_key(sample, method, budget, seed), task=sample.task,
                    context=sample.context, protocol=sample.protocol, index=sample.index,
@@ -90,7 +103,8 @@ class Record:
                    delta_loglik=answer_loglik - dense_answer_loglik,
                    answer_tokens=answer_tokens, kl=kl, kl_answer=kl_answer,
                    prompt_tokens=prompt_tokens, cache_tokens=cache_tokens, events=events,
-                   seconds=seconds)
+                   seconds=seconds, turn_scores=tuple(turn_scores),
+                   turn_delta_loglik=tuple(turn_delta_loglik))
 
     @property
     def sample(self) -> SampleId:
@@ -99,6 +113,11 @@ class Record:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["answers"] = list(self.answers)
+        for name in _PER_TURN:
+            if d[name]:
+                d[name] = list(d[name])
+            else:  # single-question records keep the format they always had
+                del d[name]
         return d
 
     @classmethod
@@ -111,11 +130,13 @@ class Record:
             Naming the missing or unknown fields.
         """
         names = {f.name for f in fields(cls)}
-        missing, unknown = sorted(names - set(data)), sorted(set(data) - names)
+        missing = sorted(names - set(data) - set(_PER_TURN))
+        unknown = sorted(set(data) - names)
         if missing or unknown:
             raise ValueError(f"not a record: missing fields {missing}, unknown fields "
                              f"{unknown} (key {data.get('key')!r})")
-        return cls(**{**data, "answers": tuple(data["answers"])})
+        per_turn = {name: tuple(data.get(name, ())) for name in _PER_TURN}
+        return cls(**{**data, "answers": tuple(data["answers"]), **per_turn})
 
 
 def read_records(*paths: pathlib.Path) -> list[Record]:

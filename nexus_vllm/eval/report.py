@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     from nexus_vllm.eval.records import Record
     from nexus_vllm.eval.runner import RunConfig
 
-__all__ = ["calibration_table", "markdown_table", "plot_bars", "plot_vs_budget",
-           "summary_table", "write_reports"]
+__all__ = ["calibration_table", "markdown_table", "plot_bars", "plot_turns", "plot_vs_budget",
+           "summary_table", "turn_means", "turn_table", "write_reports"]
 
 _LABELS = {"score": "score (string match)", "delta_loglik": "Δ answer log-lik vs dense",
            "kl": "KL(dense‖method) per token"}
@@ -204,6 +204,65 @@ def summary_table(records: Sequence[Record], *, budget: Any, protocol: str | Non
     return "\n".join(lines)
 
 
+_TURN_FIELDS = {"score": "turn_scores", "delta_loglik": "turn_delta_loglik"}
+
+
+def turn_means(records: Sequence[Record], task: str, budget: Any, metric: str
+               ) -> dict[str, list[float]]:
+    """Per method, the mean of ``metric`` at each turn of ``task``'s streams (seeds
+    averaged within a stream first, so every stream weighs the same)."""
+    per: dict[str, dict[int, list[tuple[float, ...]]]] = {}
+    for r in records:
+        values = getattr(r, _TURN_FIELDS[metric])
+        if r.task == task and r.budget in (budget, None) and values:
+            per.setdefault(r.method, {}).setdefault(r.index, []).append(values)
+    out: dict[str, list[float]] = {}
+    for method, streams in per.items():
+        means = [[sum(col) / len(col) for col in zip(*runs)] for runs in streams.values()]
+        out[method] = [sum(col) / len(col) for col in zip(*means)]
+    return out
+
+
+def turn_table(records: Sequence[Record], task: str, budget: Any) -> str:
+    """Rows = method, columns = turn: mean score and Δ log-lik per turn."""
+    scores = turn_means(records, task, budget, "score")
+    deltas = turn_means(records, task, budget, "delta_loglik")
+    turns = max(len(v) for v in scores.values())
+    head = "| method | " + " | ".join(f"turn {t + 1}" for t in range(turns)) + " |"
+    lines = [head, "|---" * (turns + 1) + "|"]
+    for m, vals in scores.items():
+        cells = [f"{v:.2f} / {d:+.1f}" for v, d in zip(vals, deltas[m])]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += ["", "Cells: mean score / mean Δ answer log-lik vs dense (nats), per turn."]
+    return "\n".join(lines)
+
+
+def plot_turns(records: Sequence[Record], task: str, budget: Any,
+               path: pathlib.Path) -> pathlib.Path:
+    """Score and Δ log-lik per turn (one line per method): where in a conversation a
+    policy loses its facts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, metric in zip(axes, ("score", "delta_loglik")):
+        for m, vals in turn_means(records, task, budget, metric).items():
+            ax.plot(range(1, len(vals) + 1), vals, marker="o", label=m,
+                    linewidth=2 if m.startswith("nexus") else 1.2)
+        ax.set_xlabel("turn")
+        ax.set_ylabel(_LABELS[metric])
+        ax.grid(alpha=0.3)
+    axes[0].set_title(f"{task} at budget {budget}: per turn", fontsize=9)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 # Report sections per metric: (record field, section title, digits).
 _TABLES = (("score", "Score (RULER string match, 0-1)", 2),
            ("delta_loglik", "Δ answer log-likelihood vs dense (nats)", 2),
@@ -247,6 +306,11 @@ def write_reports(out: pathlib.Path, cfg: RunConfig, records: Sequence[Record], 
         for b in budgets:
             parts += [f"## {title} at budget {b}\n", markdown_table(rows, metric=metric,
                                                                       budget=b, digits=digits), ""]
+    multi_turn = sorted({r.task for r in records if len(r.turn_scores) > 1})
+    for task in multi_turn:
+        for b in budgets:
+            parts += [f"## Per turn: {task} at budget {b}\n", turn_table(records, task, b), ""]
+            plot_turns(records, task, b, out / f"turns_{task}_{b}.png")
     (out / "table.md").write_text("\n".join(parts) + "\n")
     for metric, _, _ in _TABLES:
         if len(budgets) > 1:

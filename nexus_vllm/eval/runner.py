@@ -1,8 +1,11 @@
 """Evaluation loop: tasks x protocols x samples, dense once per sample, then every method.
 
 Each run is one :func:`nexus_vllm.hf.run_sample` call (one streamed prefill, then greedy
-generation and teacher forcing of the reference answer on two branches). Records are
-appended to ``records.jsonl`` as they finish, so an interrupted run resumes where it stopped.
+generation and teacher forcing of the reference answer on two branches), or for the
+multi-turn families (:mod:`nexus_vllm.eval.dialogues`) one
+:func:`nexus_vllm.hf.dialogue.run_probes` call (every turn a request, as a server sees
+them). Records are appended to ``records.jsonl`` as they finish, so an interrupted run
+resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ from typing import Any
 import torch
 
 from nexus_vllm.core import EvictionConfig
+from nexus_vllm.eval.dialogues import DIALOGUE_TASKS, Dialogue, make_dialogue
 from nexus_vllm.eval.records import Record, SampleId, read_records, record_key, record_writer
 from nexus_vllm.eval.tasks import Sample, make_sample
-from nexus_vllm.hf import SampleResult, run_sample
+from nexus_vllm.hf import SampleResult, make_config, run_sample
+from nexus_vllm.hf.dialogue import ProbeResult, run_probes
+from nexus_vllm.hf.generate import eos_ids
 
 __all__ = ["MethodSpec", "Run", "RunConfig", "config_dict", "iter_runs", "iter_samples",
            "kl_to_dense", "parse_method", "run_eval"]
@@ -118,11 +124,16 @@ class Run:
 
 
 def iter_samples(cfg: RunConfig) -> Iterator[SampleId]:
-    """Every sample of ``cfg`` in execution order (contexts, tasks, indices, protocols)."""
+    """Every sample of ``cfg`` in execution order (contexts, tasks, indices, protocols).
+
+    A multi-turn family runs once per sample, as ``question-last`` whatever ``protocols``
+    says: each of its questions follows the material it is asked after.
+    """
     for context in cfg.contexts:
         for task in cfg.tasks:
+            protocols = ("question-last",) if task in DIALOGUE_TASKS else cfg.protocols
             for index in range(cfg.samples):
-                for protocol in cfg.protocols:
+                for protocol in protocols:
                     yield SampleId(task, context, protocol, index)
 
 
@@ -142,10 +153,7 @@ def iter_runs(cfg: RunConfig) -> Iterator[Run]:
 
 def kl_to_dense(dense: SampleResult, other: SampleResult) -> tuple[float, float]:
     """Mean KL(dense || other) of next-token distributions: (question+answer, answer only)."""
-    p, q = dense.logprobs, other.logprobs
-    if p.shape != q.shape:
-        raise ValueError(f"logprob shapes differ: {tuple(p.shape)} vs {tuple(q.shape)}")
-    kl = (p.exp() * (p - q)).sum(-1).clamp_min(0)  # [P]
+    kl = _kl(dense.logprobs, other.logprobs)  # [P]
     return float(kl.mean()), float(kl[-dense.n_answer:].mean())
 
 
@@ -159,38 +167,21 @@ def run_eval(cfg: RunConfig, model: Any, tokenizer: Any, out_dir: pathlib.Path, 
     records = read_records(path)
     done = {r.key for r in records}
     runs = list(iter_runs(cfg))
-    bar = tqdm(total=len(runs), disable=not progress, desc="eval", dynamic_ncols=True,
+    bar = tqdm(total=len(runs), disable=not progress, desc=f"eval {out_dir.name}", dynamic_ncols=True,
                initial=sum(1 for r in runs if r.key in done))
     # Runs are grouped by sample: only the current sample and its dense result are kept.
-    sample: Sample | None = None
-    dense: tuple[SampleResult, float] | None = None
     current: SampleId | None = None
+    dense: Any = None
     with record_writer(path) as write:
         for run in runs:
             if run.key in done:
                 continue
-            sid = run.sample
-            if sid != current:
-                current = sid
-                sample = make_sample(sid.task, seed=cfg.data_seed, index=sid.index,
-                                     target_tokens=sid.context, tokenizer=tokenizer,
-                                     protocol=sid.protocol)
-                dense = _run(model, tokenizer, sample, "dense", None, 0, {}, cfg)
-            assert sample is not None and dense is not None
-            if run.method.method == "dense":
-                res, secs = dense
-            else:
-                knobs = {**cfg.knobs, **run.method.knobs}
-                res, secs = _run(model, tokenizer, sample, run.method.method, run.budget,
-                                 run.seed, knobs, cfg)
-            kl_all, kl_ans = kl_to_dense(dense[0], res)
-            rec = Record.build(
-                sid, run.method.label, run.budget, run.seed, score=sample.score(res.text),
-                prediction=res.text, answers=sample.answers, answer_loglik=res.answer_loglik,
-                dense_answer_loglik=dense[0].answer_loglik, answer_tokens=res.n_answer,
-                kl=kl_all, kl_answer=kl_ans, prompt_tokens=sample.num_tokens,
-                cache_tokens=res.cache_tokens, events=res.events, seconds=secs,
-            )
+            if run.sample != current:
+                current = run.sample
+                job = _job(cfg, model, tokenizer, current)
+                dense = job.run(DENSE, None, 0)
+            rec = dense[1] if run.method.method == "dense" else job.run(
+                run.method, run.budget, run.seed, dense[0])[1]
             write(rec)
             records.append(rec)
             done.add(run.key)
@@ -201,14 +192,92 @@ def run_eval(cfg: RunConfig, model: Any, tokenizer: Any, out_dir: pathlib.Path, 
     return records
 
 
-def _run(model: Any, tokenizer: Any, sample: Sample, method: str, budget: Any, seed: int,
-         knobs: dict[str, Any], cfg: RunConfig) -> tuple[SampleResult, float]:
-    t0 = time.perf_counter()
-    res = run_sample(model, tokenizer, sample.context, sample.question, sample.target,
-                     method=method, budget=budget, chunk_size=cfg.chunk_size,
-                     max_new_tokens=sample.max_new_tokens, seed=seed,
-                     preamble=sample.preamble, **knobs)
-    return res, time.perf_counter() - t0
+def _job(cfg: RunConfig, model: Any, tokenizer: Any, sid: SampleId) -> _SampleJob | _DialogueJob:
+    if sid.task in DIALOGUE_TASKS:
+        dialogue = make_dialogue(sid.task, seed=cfg.data_seed, index=sid.index,
+                                 target_tokens=sid.context, tokenizer=tokenizer)
+        return _DialogueJob(cfg, model, tokenizer, sid, dialogue)
+    sample = make_sample(sid.task, seed=cfg.data_seed, index=sid.index,
+                         target_tokens=sid.context, tokenizer=tokenizer, protocol=sid.protocol)
+    return _SampleJob(cfg, model, tokenizer, sid, sample)
+
+
+@dataclass
+class _SampleJob:
+    """Runs of one single-question sample."""
+
+    cfg: RunConfig
+    model: Any
+    tokenizer: Any
+    sid: SampleId
+    sample: Sample
+
+    def run(self, spec: MethodSpec, budget: Any, seed: int,
+            dense: SampleResult | None = None) -> tuple[SampleResult, Record]:
+        knobs = {**self.cfg.knobs, **spec.knobs}
+        t0 = time.perf_counter()
+        res = run_sample(self.model, self.tokenizer, self.sample.context, self.sample.question,
+                         self.sample.target, method=spec.method, budget=budget,
+                         chunk_size=self.cfg.chunk_size,
+                         max_new_tokens=self.sample.max_new_tokens, seed=seed,
+                         preamble=self.sample.preamble,
+                         **({} if spec.method == "dense" else knobs))
+        secs = time.perf_counter() - t0
+        ref = dense if dense is not None else res
+        kl_all, kl_ans = kl_to_dense(ref, res)
+        rec = Record.build(
+            self.sid, spec.label, budget, seed, score=self.sample.score(res.text),
+            prediction=res.text, answers=self.sample.answers,
+            answer_loglik=res.answer_loglik, dense_answer_loglik=ref.answer_loglik,
+            answer_tokens=res.n_answer, kl=kl_all, kl_answer=kl_ans,
+            prompt_tokens=self.sample.num_tokens, cache_tokens=res.cache_tokens,
+            events=res.events, seconds=secs)
+        return res, rec
+
+
+@dataclass
+class _DialogueJob:
+    """Runs of one multi-turn stream: one record each, every turn scored."""
+
+    cfg: RunConfig
+    model: Any
+    tokenizer: Any
+    sid: SampleId
+    dialogue: Dialogue
+
+    def run(self, spec: MethodSpec, budget: Any, seed: int,
+            dense: list[ProbeResult] | None = None) -> tuple[list[ProbeResult], Record]:
+        d = self.dialogue
+        config = None if spec.method == "dense" else make_config(
+            spec.method, budget, chunk_size=self.cfg.chunk_size, seed=seed,
+            **{**self.cfg.knobs, **spec.knobs})
+        t0 = time.perf_counter()
+        res = run_probes(self.model, torch.tensor(d.ids), [t.probe for t in d.turns], config,
+                         chunk_size=self.cfg.chunk_size,
+                         eos_token_ids=eos_ids(self.model, self.tokenizer))
+        secs = time.perf_counter() - t0
+        ref = dense if dense is not None else res
+        texts = [str(self.tokenizer.decode(r.ids, skip_special_tokens=True)) for r in res]
+        scores = [d.score(i, text) for i, text in enumerate(texts)]
+        deltas = [r.answer_loglik - q.answer_loglik for r, q in zip(res, ref)]
+        kl = torch.cat([_kl(q.logprobs, r.logprobs) for r, q in zip(res, ref)])
+        rec = Record.build(
+            self.sid, spec.label, budget, seed, score=sum(scores) / len(scores),
+            prediction=" | ".join(texts), answers=[a for t in d.turns for a in t.answers],
+            answer_loglik=sum(r.answer_loglik for r in res),
+            dense_answer_loglik=sum(q.answer_loglik for q in ref),
+            answer_tokens=sum(int(r.targets.numel()) for r in res),
+            kl=float(kl.mean()), kl_answer=float(kl.mean()), prompt_tokens=d.num_tokens,
+            cache_tokens=res[-1].cache_tokens, events=res[-1].events, seconds=secs,
+            turn_scores=scores, turn_delta_loglik=deltas)
+        return res, rec
+
+
+def _kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Per-row KL(p || q) of log-probabilities ``[P, V]``."""
+    if p.shape != q.shape:
+        raise ValueError(f"logprob shapes differ: {tuple(p.shape)} vs {tuple(q.shape)}")
+    return (p.exp() * (p - q)).sum(-1).clamp_min(0)
 
 
 def config_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -9,7 +9,9 @@ sent to the server as token ids, greedy, and streamed through the transformers m
 :func:`nexus_vllm.hf.generate_ids`, which chunks the prompt and fires events exactly as
 the vLLM plugin does and seeds the sampler like a request without a seed. With the same
 weights, dtype and eviction config the two paths evict the same blocks and produce the
-same token ids; this command shows per sample whether they do.
+same token ids; this command shows per sample whether they do. With ``--task multiturn``
+every turn of each conversation is a request (the conversation so far, as the evaluation
+streams it: :mod:`nexus_vllm.eval.dialogues`).
 
 The HF side must be told the server's eviction config. Per request the server gets the
 method (``vllm_xargs.kv_eviction``) and, for a token budget (an int), the budget
@@ -30,9 +32,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +59,7 @@ class SampleParity:
     """
 
     index: int
+    turn: int | None  # the conversation turn (multi-turn tasks), else None
     prompt_tokens: int
     server_text: str
     hf_text: str
@@ -74,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="checkpoint the server serves, for the tokenizer and the HF path "
                         "(default: the embedded model)")
-    p.add_argument("--task", default="niah_single_noise")
+    p.add_argument("--task", default="niah_single_noise",
+                   help="a task of the suite, or multiturn (a request per turn)")
     p.add_argument("--context", type=int, default=1024, help="target prompt tokens")
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--data-seed", type=int, default=1, help="which set of generated samples")
@@ -134,14 +140,43 @@ def _evicted(base_url: str) -> float | None:
     return read_metrics(base_url).get(_EVICTED)
 
 
+@dataclass(frozen=True)
+class _Request:
+    index: int
+    turn: int | None
+    ids: list[int]
+    max_new_tokens: int
+    score: Callable[[str], float]
+
+
+def _requests(args: argparse.Namespace, tok: Any) -> Iterator[_Request]:
+    """The requests of ``--task``: one per sample, or one per turn of a conversation."""
+    from nexus_vllm.eval.dialogues import DIALOGUE_TASKS, make_dialogue
+    from nexus_vllm.eval.tasks import make_sample
+    from nexus_vllm.hf import encode_prompt
+
+    for index in range(args.samples):
+        if args.task in DIALOGUE_TASKS:
+            d = make_dialogue(args.task, seed=args.data_seed, index=index,
+                              target_tokens=args.context, tokenizer=tok)
+            for t, turn in enumerate(d.turns):
+                yield _Request(index, t, list(d.ids[:turn.probe.prompt_end]),
+                               turn.probe.max_new_tokens, functools.partial(d.score, t))
+            continue
+        sample = make_sample(args.task, seed=args.data_seed, index=index,
+                             target_tokens=args.context, tokenizer=tok)
+        ids = encode_prompt(tok, sample.context, sample.question,
+                            preamble=sample.preamble).ids.tolist()
+        yield _Request(index, None, ids, sample.max_new_tokens, sample.score)
+
+
 def compare(args: argparse.Namespace) -> list[SampleParity]:
     """Run every sample of ``args`` (from :func:`build_parser`) through both paths."""
     import requests
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nexus_vllm.eval.tasks import make_sample
-    from nexus_vllm.hf import encode_prompt, generate_ids
+    from nexus_vllm.hf import generate_ids
     from nexus_vllm.models import resolve_model_path
 
     config = _hf_config(args)
@@ -155,30 +190,26 @@ def compare(args: argparse.Namespace) -> list[SampleParity]:
     base = args.base_url.rstrip("/")
     served = requests.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
     rows: list[SampleParity] = []
-    for index in range(args.samples):
-        sample = make_sample(args.task, seed=args.data_seed, index=index,
-                             target_tokens=args.context, tokenizer=tok)
-        ids = encode_prompt(tok, sample.context, sample.question,
-                            preamble=sample.preamble).ids.tolist()
+    for req in _requests(args, tok):
         before = _evicted(base)
         r = requests.post(base + "/v1/completions", timeout=args.timeout, json={
-            "model": served, "prompt": ids, "max_tokens": sample.max_new_tokens,
+            "model": served, "prompt": req.ids, "max_tokens": req.max_new_tokens,
             "temperature": 0.0, "return_token_ids": True, "vllm_xargs": xargs})
         r.raise_for_status()
         choice = r.json()["choices"][0]
         after = _evicted(base)
         server_ids = choice.get("token_ids")
-        hf_ids, session = generate_ids(model, ids, config, max_new_tokens=sample.max_new_tokens,
-                                       eos_token_ids=stop)
+        hf_ids, session = generate_ids(model, req.ids, config,
+                                       max_new_tokens=req.max_new_tokens, eos_token_ids=stop)
         hf_text = str(tok.decode(hf_ids, skip_special_tokens=True))
         first = None
         if server_ids is not None and server_ids != hf_ids:
             first = next((i for i, (a, b) in enumerate(zip(server_ids, hf_ids)) if a != b),
                          min(len(server_ids), len(hf_ids)))
         rows.append(SampleParity(
-            index=index, prompt_tokens=len(ids), server_text=str(choice["text"]),
-            hf_text=hf_text, server_score=sample.score(str(choice["text"])),
-            hf_score=sample.score(hf_text),
+            index=req.index, turn=req.turn, prompt_tokens=len(req.ids),
+            server_text=str(choice["text"]), hf_text=hf_text,
+            server_score=req.score(str(choice["text"])), hf_score=req.score(hf_text),
             ids_match=None if server_ids is None else server_ids == hf_ids,
             first_difference=first,
             server_evicted_blocks=(None if before is None or after is None
@@ -193,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.samples < 1:
         parser.error(f"--samples must be >= 1, got {args.samples}")
+    if args.task == "longgen":
+        parser.error("--task longgen cannot be sent to a server: its long answer is the "
+                     "model's own output, teacher-forced, which a completion request cannot "
+                     "force; use --task multiturn")
     try:
         budget = parse_budget(args.budget)
         _hf_config(args)  # refuse a bad method, budget or knob before loading anything

@@ -4,9 +4,11 @@
 block decisions as the vLLM plugin (shared across layers and heads, evicted tokens keep
 their positions, events by the same rule), on a plain ``DynamicCache``. ``generate_ids``
 streams a token-id prompt exactly as the plugin chunks it: the same inputs give the same
-evictions on both paths (tested end to end against a server).
+evictions on both paths (tested end to end against a server). ``run_probes`` runs many
+such requests over one growing stream (the turns of a conversation) in one pass.
 """
 
+from nexus_vllm.hf.dialogue import Probe, ProbeResult, run_probes
 from nexus_vllm.hf.generate import (
     PromptSplit,
     SampleResult,
@@ -19,6 +21,8 @@ from nexus_vllm.hf.streaming import EvictionEvent, StreamingSession, make_config
 
 __all__ = [
     "EvictionEvent",
+    "Probe",
+    "ProbeResult",
     "PromptSplit",
     "SampleResult",
     "StreamingSession",
@@ -26,5 +30,6 @@ __all__ = [
     "generate",
     "generate_ids",
     "make_config",
+    "run_probes",
     "run_sample",
 ]

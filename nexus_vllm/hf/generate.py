@@ -17,7 +17,7 @@ from nexus_vllm.core import EvictionConfig
 from nexus_vllm.hf.streaming import StreamingSession, make_config
 
 __all__ = ["PromptSplit", "SampleResult", "encode_prompt", "generate", "generate_ids",
-           "run_sample"]
+           "eos_ids", "greedy_ids", "run_sample", "teacher_force"]
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,8 @@ def encode_prompt(tokenizer: Any, context: str, question: str, *, preamble: str 
     return PromptSplit(torch.tensor(ids, dtype=torch.long), n_ctx, n_prompt)
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The ids that end greedy decoding: the generation config's and the tokenizer's."""
     ids: set[int] = set()
     for src in (getattr(model, "generation_config", None), tokenizer):
         eos = getattr(src, "eos_token_id", None)
@@ -131,7 +132,7 @@ def generate(model: Any, tokenizer: Any, context: str, question: str, *, method:
     return (text, session) if return_session else text
 
 
-def _greedy_ids(session: StreamingSession, logits: torch.Tensor, max_new_tokens: int,
+def greedy_ids(session: StreamingSession, logits: torch.Tensor, max_new_tokens: int,
                 eos: set[int]) -> list[int]:
     out: list[int] = []
     device = _device_of(session.model)
@@ -145,9 +146,27 @@ def _greedy_ids(session: StreamingSession, logits: torch.Tensor, max_new_tokens:
     return out
 
 
+def teacher_force(session: StreamingSession, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Feed ``ids`` (LongTensor[n]) as decoded tokens; return the logits of each piece
+    (``[piece, V]`` each, ``n`` rows in all).
+
+    Each piece ends at the first token after which a decode event would be due
+    (:meth:`StreamingSession.decode_tokens_before_event`), so the cache states are those
+    of decoding the same tokens one at a time, in far fewer forwards.
+    """
+    out: list[torch.Tensor] = []
+    start = 0
+    while start < ids.numel():
+        step = session.decode_tokens_before_event(ids.numel() - start)
+        out.append(session.forward(ids[start:start + step], logits_to_keep=0))
+        session.decode_step_done(step)
+        start += step
+    return out
+
+
 def _decode_greedy(session: StreamingSession, tokenizer: Any, logits: torch.Tensor,
                    max_new_tokens: int) -> str:
-    out = _greedy_ids(session, logits, max_new_tokens, _eos_ids(session.model, tokenizer))
+    out = greedy_ids(session, logits, max_new_tokens, eos_ids(session.model, tokenizer))
     return str(tokenizer.decode(out, skip_special_tokens=True))
 
 
@@ -172,7 +191,7 @@ def generate_ids(model: Any, prompt_ids: list[int], config: EvictionConfig | Non
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=_device_of(model))
     chunk = config.chunk_size if config is not None else max(1, ids.numel())
     logits = _prefill(session, ids, chunk)
-    return _greedy_ids(session, logits, max_new_tokens, eos_token_ids or set()), session
+    return greedy_ids(session, logits, max_new_tokens, eos_token_ids or set()), session
 
 
 @dataclass(frozen=True)
@@ -199,15 +218,8 @@ def run_sample(model: Any, tokenizer: Any, context: str, question: str, answer: 
                method: str, budget: float | int | None, chunk_size: int = 512,
                max_new_tokens: int = 64, seed: int = 0, preamble: str = "",
                **knobs: Any) -> SampleResult:
-    """One prefill, then branch: greedy generation and teacher forcing of ``answer``.
-
-    Teacher forcing feeds the answer in pieces that end where the next decode event could
-    fire at the earliest (``interval`` decode tokens after the last event), which
-    reproduces the cache states greedy decoding would have had. Inside a piece only the
-    hard limit (budget + one chunk) could fire an event, which needs more than a chunk of
-    decode tokens since the last event; with ``interval + block_size > chunk_size`` the
-    answer is fed one token at a time instead.
-    """
+    """One prefill, then branch: greedy generation and teacher forcing of ``answer``
+    (:func:`teacher_force`, the cache states greedy decoding would have had)."""
     cfg = make_config(method, budget, chunk_size=chunk_size, seed=seed, **knobs) \
         if method not in ("dense", "none") else None
     split = encode_prompt(tokenizer, context, question, preamble=preamble, answer=answer)
@@ -220,23 +232,9 @@ def run_sample(model: Any, tokenizer: Any, context: str, question: str, answer: 
     forced = session.clone()
     text = _decode_greedy(session, tokenizer, q_logits[-1], max_new_tokens)
 
-    pieces = [last_ctx.unsqueeze(0), q_logits]
     answer_ids = ids[split.n_prompt:]
     # The last answer token predicts nothing we score, so it is not fed.
-    feed = answer_ids[:-1]
-    start = 0
-    while start < feed.numel():
-        if cfg is None:
-            step = feed.numel()
-        elif cfg.interval + cfg.block_size > cfg.chunk_size:
-            step = 1
-        else:
-            step = max(1, cfg.interval - forced.trigger.decode_tokens)
-        piece = feed[start:start + step]
-        pieces.append(forced.forward(piece, logits_to_keep=0))
-        for _ in range(piece.numel()):
-            forced.decode_step_done()
-        start += piece.numel()
+    pieces = [last_ctx.unsqueeze(0), q_logits, *teacher_force(forced, answer_ids[:-1])]
     logits = torch.cat(pieces)  # [P, V]
     targets = ids[split.n_context:].cpu()
     return SampleResult(

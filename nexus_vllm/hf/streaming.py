@@ -249,17 +249,39 @@ class StreamingSession:
                 mass=mass.detach().cpu() if scored else None))
         return True
 
-    def decode_step_done(self) -> None:
-        """Count one decoded token; fire an event when the trigger says so (over budget
-        and ``interval`` tokens since the last event, or at budget + one chunk)."""
+    def decode_step_done(self, n: int = 1) -> None:
+        """Count ``n`` decoded tokens (fed since the last call); fire an event when the
+        trigger says so (over budget and ``interval`` tokens since the last event, or at
+        budget + one chunk).
+
+        With ``n > 1`` the rule is checked once, on the counts after all ``n``: the caller
+        guarantees no event was due earlier (:meth:`decode_tokens_before_event`).
+        """
         cfg = self.config
         if cfg is None:
             return
         n_blocks = num_blocks_for(self.cache_len, cfg.block_size)
         budget_blocks = cfg.budget_blocks(self.seen)
         hard_limit = budget_blocks + num_blocks_for(cfg.chunk_size, cfg.block_size)
-        if self.trigger.decode(1, n_blocks, budget_blocks, hard_limit):
+        if self.trigger.decode(n, n_blocks, budget_blocks, hard_limit):
             self._event(prefill=False, n_blocks=n_blocks, budget_blocks=budget_blocks)
+
+    def decode_tokens_before_event(self, limit: int) -> int:
+        """How many decode tokens (``1..limit``) can be fed in one forward: up to and
+        including the first one after which an event would be due (the trigger's rule on
+        the cache length and tokens seen that feeding them one at a time would give)."""
+        cfg = self.config
+        if cfg is None:
+            return limit
+        chunk_blocks = num_blocks_for(cfg.chunk_size, cfg.block_size)
+        for j in range(1, limit + 1):
+            n_blocks = num_blocks_for(self.cache_len + j, cfg.block_size)
+            budget_blocks = cfg.budget_blocks(self.seen + j)
+            if n_blocks > budget_blocks and (
+                    self.trigger.decode_tokens + j >= cfg.interval
+                    or n_blocks >= budget_blocks + chunk_blocks):
+                return j
+        return limit
 
     def clone(self) -> StreamingSession:
         """An independent copy (cache, policy state, generator), to branch after a prefix."""

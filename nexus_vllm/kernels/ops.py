@@ -210,8 +210,16 @@ def block_attention_mass_paged_layers(
     if queries.dim() != 5 or queries.shape[0] != len(key_caches):
         raise ValueError(f"queries must be [L={len(key_caches)}, R, W, Hq, D], got shape "
                          f"{tuple(queries.shape)}")
-    for q, cache in zip(queries, key_caches, strict=True):
-        _check_mass_args(q, cache, block_tables, seq_lens, kv_layout, backend, out)
+    # The shared arguments once; then only what can differ per layer (on the hot path).
+    _check_mass_args(queries[0], key_caches[0], block_tables, seq_lens, kv_layout, backend, out)
+    first = key_caches[0]
+    for li, cache in enumerate(key_caches):
+        if (cache.shape != first.shape or cache.dtype != first.dtype
+                or cache.device != first.device):
+            raise ValueError(
+                f"key_caches[{li}] is {tuple(cache.shape)} {cache.dtype} on {cache.device}; "
+                f"every layer must match key_caches[0]: {tuple(first.shape)} {first.dtype} "
+                f"on {first.device}")
     if out is None:
         r, w = queries.shape[1:3]
         out = torch.zeros((r, w, block_tables.shape[1]), dtype=torch.float32,

@@ -170,3 +170,37 @@ def test_run_config_names_a_bad_knob(tmp_path: pathlib.Path) -> None:
     bad.write_text("tasks: [niah_single_noise]\nmethods: ['nexus:prefill_indirect=hub']\n")
     with pytest.raises(SystemExit, match="prefill_indirect='hub' was removed"):
         run_config(_merge(build_parser().parse_args(["--config", str(bad)])))
+
+
+def test_dialogue_tasks_one_record_per_stream_every_turn_scored(tiny_dir, tmp_path) -> None:
+    out = tmp_path / "dialogues"
+    argv = ["--model", str(tiny_dir), "--tasks", "multiturn,longgen",
+            "--methods", "dense;nexus;nexus:sampler=topk", "--budgets", "1024",
+            "--context", "7000", "--samples", "1", "--seeds", "1",
+            "--protocol", "question-last,question-first", "--chunk-size", "256",
+            "--no-progress", "--out", str(out),
+            "--knobs", json.dumps({"block_size": 32, "skip_layers": 1})]
+    assert main(argv) == 0
+    records = read_records(out / "records.jsonl")
+    # One protocol per stream (its questions follow their material), three methods.
+    assert sorted((r.task, r.protocol, r.method) for r in records) == sorted(
+        (t, "question-last", m) for t in ("multiturn", "longgen")
+        for m in ("dense", "nexus", "nexus:sampler=topk"))
+    for r in records:
+        turns = 6 if r.task == "multiturn" else 1
+        assert len(r.turn_scores) == len(r.turn_delta_loglik) == len(r.answers) == turns
+        assert r.score == pytest.approx(sum(r.turn_scores) / turns)
+        assert r.delta_loglik == pytest.approx(sum(r.turn_delta_loglik), abs=1e-6)
+        assert r.prediction.count(" | ") == turns - 1
+        if r.method == "dense":
+            assert r.kl == 0.0 and r.events == 0 and r.cache_tokens > 6000
+        else:
+            assert r.events > 3 and r.cache_tokens <= 1024 + 256
+            assert r.kl > 0.0
+    # Per-turn fields survive the file and a resume recomputes nothing.
+    before = (out / "records.jsonl").read_text()
+    assert main(argv) == 0
+    assert (out / "records.jsonl").read_text() == before
+    assert "multiturn" in (out / "table.md").read_text()
+    assert "## Per turn: multiturn at budget 1024" in (out / "table.md").read_text()
+    assert (out / "turns_multiturn_1024.png").stat().st_size > 0

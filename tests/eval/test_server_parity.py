@@ -137,7 +137,24 @@ def test_a_different_server_config_shows_up(server, capsys) -> None:
                for r in rows)
 
 
+def test_multiturn_sends_every_turn_as_a_request(server, capsys) -> None:
+    s, path = server
+    n = len(s.requests)
+    rc = cli_main(["parity", "--base-url", s.base_url, "--model", path, "--task", "multiturn",
+                   "--context", "7000", "--samples", "1", "--method", "nexus", "--budget",
+                   "512", *FLAGS])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    rows = lines[:-1]
+    assert rc == 0 and [r["turn"] for r in rows] == list(range(6))
+    sent = s.requests[n:]
+    # Each turn's prompt extends the previous one: the conversation so far.
+    assert all(b["prompt"][:len(a["prompt"])] == a["prompt"] for a, b in zip(sent, sent[1:]))
+    assert all(r["ids_match"] and r["server_evicted_blocks"] == r["hf_evicted_blocks"] > 0
+               for r in rows)
+
+
 @pytest.mark.parametrize("flags, match", [
+    (["--task", "longgen"], "cannot be sent to a server"),
     (["--budget", "lots"], "budget must be a keep ratio"),
     (["--budget", "1.5"], "ratio must be in"),
     (["--knobs", "[1]"], "JSON object"),

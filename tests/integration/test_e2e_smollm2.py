@@ -88,3 +88,14 @@ def test_parity_with_eviction_server_equals_transformers(smol_server, capsys) ->
     assert rc == 0 and all(r["ids_match"] for r in rows), rows
     assert all(r["server_evicted_blocks"] == r["hf_evicted_blocks"] > 0 for r in rows), rows
     assert summary["ids_match"] == summary["evicted_match"] == 2
+
+
+def test_parity_multiturn_every_turn_a_request(smol_server, capsys) -> None:  # noqa: ANN001
+    """The multi-turn family as the evaluation streams it (each turn a request with the
+    conversation so far) gives the same tokens and evictions on the server."""
+    rc, rows, summary = _parity(smol_server, capsys, "--task", "multiturn", "--context",
+                                "1200", "--samples", "1", "--method", "nexus", "--budget",
+                                str(BUDGET), "--chunk-size", str(CHUNK))
+    assert [r["turn"] for r in rows] == list(range(6))
+    assert rc == 0 and summary["ids_match"] == summary["evicted_match"] == 6, rows
+    assert sum(r["server_evicted_blocks"] for r in rows) > 0

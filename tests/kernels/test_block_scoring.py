@@ -508,6 +508,12 @@ def test_layers_op_rejects_mismatched_layers():
         block_attention_mass_paged_layers(q[None], [kc, kc], bt, sl, backend="batched")
     with pytest.raises(ValueError, match="key_cache dtype"):
         block_attention_mass_paged_layers(q[None], [kc.half()], bt, sl, backend="batched")
+    # Layers past the first are checked against it (shape, dtype, device).
+    qq = torch.stack([q, q])
+    with pytest.raises(ValueError, match=r"key_caches\[1\] .* must match key_caches\[0\]"):
+        block_attention_mass_paged_layers(qq, [kc, kc.half()], bt, sl, backend="batched")
+    with pytest.raises(ValueError, match=r"key_caches\[1\]"):
+        block_attention_mass_paged_layers(qq, [kc, kc[:-1]], bt, sl, backend="batched")
 
 
 def test_batched_backend_chunks_requests(monkeypatch):
