@@ -14,7 +14,6 @@ import torch
 from nexus_vllm.hf import StreamingSession, generate_ids, make_config
 from nexus_vllm.hf.dialogue import Probe, run_probes
 from nexus_vllm.hf.generate import teacher_force
-from nexus_vllm.hf.testing import byte_tokenizer, tiny_llama
 
 torch.set_num_threads(1)
 
@@ -29,16 +28,6 @@ CONFIGS = [
 ]
 BASE = {"block_size": 8, "recent_blocks": 2, "window": 4, "prefill_window": 8,
         "skip_layers": 1, "chunk_size": 48}
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    return tiny_llama(vocab_size=len(tok), eos_token_id=tok.eos_token_id)
 
 
 def _ids(tok, repeats: int) -> torch.Tensor:

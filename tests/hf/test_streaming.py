@@ -7,7 +7,6 @@ import torch
 
 from nexus_vllm.core import num_blocks_for
 from nexus_vllm.hf import StreamingSession, encode_prompt, generate, make_config, run_sample
-from nexus_vllm.hf.testing import byte_tokenizer, tiny_llama
 
 torch.set_num_threads(1)
 
@@ -18,16 +17,6 @@ METHODS = ["nexus", "h2o", "snapkv", "tova", "streaming", "random", "knorm"]
 # Small blocks and chunks so a ~900-token prompt sees many events.
 KNOBS = {"block_size": 8, "recent_blocks": 2, "interval": 4, "window": 4,
          "prefill_window": 8, "skip_layers": 1}
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    return tiny_llama(vocab_size=len(tok), eos_token_id=tok.eos_token_id)
 
 
 def test_byte_tokenizer_round_trips(tok) -> None:
