@@ -135,9 +135,14 @@ def _stop_ids(model: Any, tokenizer: Any) -> set[int]:
 
 
 def _evicted(base_url: str) -> float | None:
+    """The server's evicted-block counter; 0 before its first eviction (the exporter
+    shows a labelled counter only once incremented); None without the plugin's metrics."""
     from nexus_vllm.eval.server import read_metrics
 
-    return read_metrics(base_url).get(_EVICTED)
+    metrics = read_metrics(base_url)
+    if _EVICTED in metrics:
+        return metrics[_EVICTED]
+    return 0.0 if any(k.startswith("vllm:nexus_") for k in metrics) else None
 
 
 @dataclass(frozen=True)

@@ -54,9 +54,13 @@ class _Server:
                 if self.path == "/v1/models":
                     self._send(json.dumps({"data": [{"id": "tiny"}]}))
                 else:
-                    self._send("# TYPE vllm:nexus_evicted_blocks_total counter\n"
-                               f"vllm:nexus_evicted_blocks_total{{model_name=\"tiny\"}} "
-                               f"{float(owner.evicted)}\n", "text/plain")
+                    # As vLLM's exporter: a labelled counter appears at its first increment.
+                    text = "vllm:nexus_free_blocks{model_name=\"tiny\"} 100.0\n"
+                    if owner.evicted:
+                        text += ("# TYPE vllm:nexus_evicted_blocks_total counter\n"
+                                 f"vllm:nexus_evicted_blocks_total{{model_name=\"tiny\"}} "
+                                 f"{float(owner.evicted)}\n")
+                    self._send(text, "text/plain")
 
             def do_POST(self) -> None:  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
