@@ -217,8 +217,9 @@ def compare(args: argparse.Namespace) -> list[SampleParity]:
             server_score=req.score(str(choice["text"])), hf_score=req.score(hf_text),
             ids_match=None if server_ids is None else server_ids == hf_ids,
             first_difference=first,
-            server_evicted_blocks=(None if before is None or after is None
-                                   else int(after - before)),
+            # No nexus series before the first request a fresh server runs: 0 so far.
+            server_evicted_blocks=(None if after is None
+                                   else int(after - (before or 0.0))),
             hf_evicted_blocks=sum(e.blocks_before - e.blocks_after for e in session.events),
         ))
     return rows

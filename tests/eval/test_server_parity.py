@@ -54,8 +54,11 @@ class _Server:
                 if self.path == "/v1/models":
                     self._send(json.dumps({"data": [{"id": "tiny"}]}))
                 else:
-                    # As vLLM's exporter: a labelled counter appears at its first increment.
-                    text = "vllm:nexus_free_blocks{model_name=\"tiny\"} 100.0\n"
+                    # As vLLM's exporter: the plugin's series appear once a request has
+                    # run, a labelled counter at its first increment.
+                    text = ""
+                    if owner.requests:
+                        text += "vllm:nexus_free_blocks{model_name=\"tiny\"} 100.0\n"
                     if owner.evicted:
                         text += ("# TYPE vllm:nexus_evicted_blocks_total counter\n"
                                  f"vllm:nexus_evicted_blocks_total{{model_name=\"tiny\"}} "
