@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import statistics
 import sys
 import tempfile
 
@@ -34,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     budget, chunk, context = cfg["budgets"][0], cfg["chunk_size"], cfg["context"][0]
 
     from nexus_vllm.eval.server import VllmServer
-    from nexus_vllm.eval.server_parity import build_parser, compare
+    from nexus_vllm.eval.server_parity import build_parser, compare, summarize
     from nexus_vllm.models import default_model_path
 
     model = str(default_model_path())
@@ -54,14 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows = compare(parity_args)
                 for row in rows:
                     fh.write(json.dumps({"method": method, **dataclasses.asdict(row)}) + "\n")
-                summary = {
-                    "method": method, "budget": budget, "requests": len(rows),
-                    "ids_match": sum(r.ids_match is True for r in rows),
-                    "evicted_match": sum(r.server_evicted_blocks == r.hf_evicted_blocks
-                                         for r in rows),
-                    "server_score": statistics.fmean(r.server_score for r in rows),
-                    "hf_score": statistics.fmean(r.hf_score for r in rows),
-                }
+                summary = summarize(parity_args, rows)
                 fh.write(json.dumps({"summary": summary}) + "\n")
                 fh.flush()
                 print(json.dumps(summary), flush=True)

@@ -260,14 +260,15 @@ class _DialogueJob:
         texts = [str(self.tokenizer.decode(r.ids, skip_special_tokens=True)) for r in res]
         scores = [d.score(i, text) for i, text in enumerate(texts)]
         deltas = [r.answer_loglik - q.answer_loglik for r, q in zip(res, ref)]
-        kl = torch.cat([_kl(q.logprobs, r.logprobs) for r, q in zip(res, ref)])
+        # Only answers are scored here, so both KLs are over the answers' tokens.
+        kl = float(torch.cat([_kl(q.logprobs, r.logprobs) for r, q in zip(res, ref)]).mean())
         rec = Record.build(
             self.sid, spec.label, budget, seed, score=sum(scores) / len(scores),
             prediction=" | ".join(texts), answers=[a for t in d.turns for a in t.answers],
             answer_loglik=sum(r.answer_loglik for r in res),
             dense_answer_loglik=sum(q.answer_loglik for q in ref),
             answer_tokens=sum(int(r.targets.numel()) for r in res),
-            kl=float(kl.mean()), kl_answer=float(kl.mean()), prompt_tokens=d.num_tokens,
+            kl=kl, kl_answer=kl, prompt_tokens=d.num_tokens,
             cache_tokens=res[-1].cache_tokens, events=res[-1].events, seconds=secs,
             turn_scores=scores, turn_delta_loglik=deltas)
         return res, rec

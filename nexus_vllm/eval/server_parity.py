@@ -42,7 +42,7 @@ from typing import Any
 
 from nexus_vllm.eval.budget import parse_budget
 
-__all__ = ["SampleParity", "build_parser", "compare", "main"]
+__all__ = ["SampleParity", "build_parser", "compare", "main", "summarize"]
 
 _EVICTED = "vllm:nexus_evicted_blocks_total"
 # Methods that evict nothing: the request opts out, the HF side runs dense.
@@ -124,16 +124,6 @@ def _xargs(method: str, budget: float | int) -> dict[str, Any]:
     return xargs
 
 
-def _stop_ids(model: Any, tokenizer: Any) -> set[int]:
-    """Token ids that end generation on the server: the tokenizer's eos and the
-    generation config's (vLLM stops at both)."""
-    ids: set[int] = set()
-    for eos in (tokenizer.eos_token_id, model.generation_config.eos_token_id):
-        if eos is not None:
-            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    return ids
-
-
 def _evicted(base_url: str) -> float | None:
     """The server's evicted-block counter; 0 before its first eviction (the exporter
     shows a labelled counter only once incremented); None without the plugin's metrics."""
@@ -182,6 +172,7 @@ def compare(args: argparse.Namespace) -> list[SampleParity]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nexus_vllm.hf import generate_ids
+    from nexus_vllm.hf.generate import eos_ids
     from nexus_vllm.models import resolve_model_path
 
     config = _hf_config(args)
@@ -191,7 +182,7 @@ def compare(args: argparse.Namespace) -> list[SampleParity]:
     # float32: what the server runs on a CPU (eval.server.CPU_FLAGS); greedy ids are only
     # comparable in the same dtype.
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    stop = _stop_ids(model, tok)
+    stop = eos_ids(model, tok)  # vLLM stops at the tokenizer's and the config's eos
     base = args.base_url.rstrip("/")
     served = requests.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
     rows: list[SampleParity] = []
@@ -225,6 +216,19 @@ def compare(args: argparse.Namespace) -> list[SampleParity]:
     return rows
 
 
+def summarize(args: argparse.Namespace, rows: list[SampleParity]) -> dict[str, Any]:
+    """One run's summary: mean scores on both paths and how many requests matched."""
+    server_mean = statistics.fmean(r.server_score for r in rows)
+    hf_mean = statistics.fmean(r.hf_score for r in rows)
+    return {
+        "task": args.task, "method": args.method, "budget": parse_budget(args.budget),
+        "samples": len(rows), "server_mean": server_mean, "hf_mean": hf_mean,
+        "diff": server_mean - hf_mean,
+        "ids_match": sum(r.ids_match is True for r in rows),
+        "evicted_match": sum(r.server_evicted_blocks == r.hf_evicted_blocks for r in rows),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -235,22 +239,14 @@ def main(argv: list[str] | None = None) -> int:
                      "model's own output, teacher-forced, which a completion request cannot "
                      "force; use --task multiturn")
     try:
-        budget = parse_budget(args.budget)
+        parse_budget(args.budget)
         _hf_config(args)  # refuse a bad method, budget or knob before loading anything
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     rows = compare(args)
     for row in rows:
         print(json.dumps(dataclasses.asdict(row)), flush=True)
-    server_mean = statistics.fmean(r.server_score for r in rows)
-    hf_mean = statistics.fmean(r.hf_score for r in rows)
-    summary = {
-        "task": args.task, "method": args.method, "budget": budget, "samples": len(rows),
-        "server_mean": server_mean, "hf_mean": hf_mean, "diff": server_mean - hf_mean,
-        "ids_match": sum(r.ids_match is True for r in rows),
-        "evicted_match": sum(r.server_evicted_blocks == r.hf_evicted_blocks for r in rows),
-    }
-    print(json.dumps({"summary": summary}), flush=True)
+    print(json.dumps({"summary": summarize(args, rows)}), flush=True)
     return 0 if all(r.ids_match for r in rows) else 1
 
 
