@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces docs/results.md on a CPU box (the numbers there come from these commands).
-#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|sweep|kvpress|docs|all]
+#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|docs|all]
 #   (default: all)
 # Each run resumes from its records.jsonl if interrupted. 1 torch thread per run.
 set -euo pipefail
@@ -15,7 +15,7 @@ run() {  # name, extra args...
 what=${1:-all}
 want() { [ "$what" = all ] || [ "$what" = "$1" ]; }
 case "$what" in
-  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|sweep|kvpress|docs|all) ;;
+  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|docs|all) ;;
   *) echo "unknown target $what" >&2; exit 2 ;;
 esac
 want calibration && run calibration
@@ -48,6 +48,35 @@ if want dialogues_pps; then
   fi
   run dialogues_pps
 fi
+if want scoring_cost; then
+  # Two processes (one core each) split by method, then one report over both.
+  run scoring_cost --out "$OUT/scoring_cost_a" --methods \
+    'dense;nexus:prefill_window=32,layer_stride=1;nexus:prefill_window=32,layer_stride=2' &
+  run scoring_cost --out "$OUT/scoring_cost_b" --methods \
+    'nexus:prefill_window=16,layer_stride=1;nexus:prefill_window=16,layer_stride=2' &
+  wait
+  "$PY" -m nexus_vllm.cli records "$OUT/scoring_cost_a/records.jsonl" \
+    "$OUT/scoring_cost_b/records.jsonl" --out "$OUT/scoring_cost/records.jsonl"
+  run scoring_cost --report-only
+fi
+if want scoring_cost_report; then
+  # The defaults' records (paired and dialogues runs, method `nexus`) are reused under their
+  # knobs' spelled-out name; only the cheaper scorings run. One process per config.
+  OLD='nexus:prefill_window=32,layer_stride=1'
+  seed_from() {  # config, source run
+    mkdir -p "$OUT/$1"
+    [ -e "$OUT/$2/records.jsonl" ] && "$PY" -m nexus_vllm.cli records \
+      "$OUT/$2/records.jsonl" --where protocol=question-last --exclude-method-prefix nexus: \
+      --exclude-method-prefix knorm --exclude-method-prefix tova \
+      --rename-method nexus "$OLD" --if-missing --out "$OUT/$1/records.jsonl"
+    return 0
+  }
+  seed_from scoring_cost_report paired
+  seed_from scoring_cost_dialogues dialogues
+  run scoring_cost_report &
+  run scoring_cost_dialogues &
+  wait
+fi
 if want sweep; then
   # Reuse the headline's question-last runs of the plain methods (identical keys, so the
   # 0.2 budget is not recomputed); skipped once the sweep has records of its own.
@@ -67,7 +96,7 @@ if want docs; then
       --report-only --publish docs/figures/peer_compare
   fi
   # Rebuild each run's reports from its records and copy them into docs/figures.
-  for name in calibration headline ablation prefill knorm_prior paired dialogues dialogues_pps kvpress sweep; do
+  for name in calibration headline ablation prefill knorm_prior paired dialogues dialogues_pps scoring_cost scoring_cost_report scoring_cost_dialogues kvpress sweep; do
     [ -d "$OUT/$name" ] || continue
     "$PY" -m nexus_vllm.cli eval --config "configs/eval/$name.yaml" --out "$OUT/$name" \
       --report-only --publish "docs/figures/$name"

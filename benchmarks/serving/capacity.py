@@ -27,7 +27,8 @@ deltas of ``vllm:num_preemptions_total`` and the ``vllm:nexus_*`` counters give 
 preemptions, admission waits and the eviction overhead (scoring + policy seconds over
 engine step seconds). It prints and writes (``--out DIR``):
 
-* ``runs/<config>-c<level>.json``: the ``vllm bench serve`` result and the row;
+* ``runs/<config>-c<level>.json``: the ``vllm bench serve`` result and the row (the
+  config name made file-safe);
 * ``capacity.json``: every row, the settings and the headline;
 * ``capacity.md``: the table and the headline;
 * ``throughput.png``, ``preemptions.png``, ``pool_usage.png``, ``running.png``.
@@ -89,7 +90,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="HF model name or path (default: the embedded SmolLM2 checkpoint)")
     p.add_argument("--configs", default="stock,nexus,snapkv,streaming",
                    help=f"comma-separated: {', '.join(STOCK)} and any of "
-                        f"{', '.join(METHODS)}")
+                        f"{', '.join(METHODS)}; a method may carry EvictionConfig knobs, "
+                        "'nexus:layer_stride=2' (separate configs with ';' when knobs are "
+                        "used)")
     p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated levels")
     p.add_argument("--input-len", type=int, default=2048)
     p.add_argument("--output-len", type=int, default=32)
@@ -122,11 +125,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         args.input_len, args.output_len, args.chunk = 1024, 16, 64
         args.concurrency, args.configs = "1,2", "stock,nexus,streaming"
         args.prompts_per_slot, args.min_prompts = 1, 2
-    names = args.configs.split(",")
-    unknown = set(names) - {*STOCK, *METHODS}
+    names = split_configs(args.configs)
+    unknown = {n for n in names if n not in STOCK and config_knobs(n)[0] not in METHODS}
     if unknown:
         p.error(f"--configs: unknown {sorted(unknown)}; choose from "
                 f"{', '.join([*STOCK, *METHODS])}")
+    for name in names:
+        if name not in STOCK:
+            from nexus_vllm.core import EvictionConfig
+
+            method, knobs = config_knobs(name)
+            try:
+                EvictionConfig.from_dict({"method": method, **knobs})
+            except ValueError as exc:
+                p.error(f"--configs {name!r}: {exc}")
     if len(set(names)) != len(names):
         p.error("--configs: each config once")
     try:
@@ -143,6 +155,28 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')}: must be >= 1")
     args.names = names
     return args
+
+
+def split_configs(text: str) -> list[str]:
+    """``--configs``: comma-separated, or ``;``-separated when knobs (with commas) are used."""
+    return [n.strip() for n in text.split(";" if ";" in text else ",")]
+
+
+def config_knobs(name: str) -> tuple[str, dict[str, Any]]:
+    """``"nexus:layer_stride=2"`` -> ``("nexus", {"layer_stride": 2})`` (the eval harness's
+    method syntax)."""
+    from nexus_vllm.eval.runner import parse_method
+
+    try:
+        spec = parse_method(name)
+    except ValueError:
+        return name, {}
+    return spec.method, dict(spec.knobs)
+
+
+def file_stem(name: str) -> str:
+    """A config name made safe for a file name (knobs carry ``:``, ``=`` and ``,``)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -190,8 +224,11 @@ def server_flags(name: str, d: dict[str, int], max_seqs: int, gpu: bool) -> list
     if name in STOCK:
         flags += [f.format(chunk=d["chunk_tokens"]) for f in STOCK[name]]
     else:
-        flags += ["--kv-eviction", name, "--kv-budget", str(d["budget_tokens"]),
+        method, knobs = config_knobs(name)
+        flags += ["--kv-eviction", method, "--kv-budget", str(d["budget_tokens"]),
                   "--kv-chunk-size", str(d["chunk_tokens"])]
+        if knobs:
+            flags += ["--additional-config", json.dumps({"nexus": knobs})]
     return flags
 
 
@@ -266,7 +303,7 @@ def run_level(server: Any, name: str, level: int, args: argparse.Namespace,
     try:
         res = bench_serve(server, input_len=args.input_len, output_len=args.output_len,
                           num_prompts=num_prompts, concurrency=level, result_dir=result_dir,
-                          label=f"bench-{name}-c{level}", seed=args.seed + level,
+                          label=f"bench-{file_stem(name)}-c{level}", seed=args.seed + level,
                           in_process=True)
     finally:
         time.sleep(max(2 * args.poll, 0.5))  # the last steps' stats reach /metrics
@@ -539,7 +576,9 @@ def docs_section(result: dict[str, Any], pngs: list[pathlib.Path]) -> str:
         *([f"- **stock-chunked:** stock vLLM with `--long-prefill-token-threshold "
            f"{d['chunk_tokens']} --no-scheduler-reserve-full-isl` (the evicting servers' "
            "chunk, admission by the first chunk as before vLLM 0.32)."]
-          if "stock-chunked" in s["configs"].split(",") else []),
+          if "stock-chunked" in split_configs(s["configs"]) else []),
+        *([f"- **Knobs:** {evicting_knobs_md()}."]
+          if any(n not in STOCK for n in split_configs(s["configs"])) else []),
         "- **Columns:** peak running = max of `vllm:num_requests_running` polled every "
         f"{s['poll']} s; preempt. = delta of `vllm:num_preemptions_total`; peak pool = "
         "`vllm:kv_cache_usage_perc` x usable blocks; peak blocks/req = "
@@ -557,6 +596,22 @@ def docs_section(result: dict[str, Any], pngs: list[pathlib.Path]) -> str:
         figs,
         END,
     ])
+
+
+def evicting_knobs_md() -> str:
+    """What the evicting configs score with: the defaults, unless a name carries knobs."""
+    from nexus_vllm.core import EvictionConfig
+
+    cfg = EvictionConfig()
+    return (f"evicting servers score the newest `prefill_window` = {cfg.prefill_window} "
+            f"(prefill) / `window` = {cfg.window} (decode) queries in every "
+            f"{_ordinal(cfg.layer_stride)}layer from layer {cfg.skip_layers} (the defaults) "
+            "unless their name carries knobs, which they get as `--additional-config "
+            "'{\"nexus\": {...}}'`")
+
+
+def _ordinal(stride: int) -> str:
+    return "" if stride == 1 else {2: "other ", 3: "third "}.get(stride, f"{stride}th ")
 
 
 def load_caveat(result: dict[str, Any]) -> str:
@@ -595,7 +650,7 @@ def update_docs(result: dict[str, Any], pngs: list[pathlib.Path]) -> None:
 # -- main -------------------------------------------------------------------------------
 def report(result: dict[str, Any], out: pathlib.Path, update: bool) -> None:
     """Table, headline and plots of ``result`` into ``out`` (and the docs)."""
-    names = [n for n in result["settings"]["configs"].split(",")
+    names = [n for n in split_configs(result["settings"]["configs"])
              if any(r["config"] == n for r in result["rows"])]
     result["headline"] = h = headline(result["rows"], names)
     pngs = plots(result["rows"], names, out, result["derived"]) if result["rows"] else []
@@ -669,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
                     bar.update(1)
                     continue
                 rows.append(row)
-                (out / "runs" / f"{name}-c{level}.json").write_text(
+                (out / "runs" / f"{file_stem(name)}-c{level}.json").write_text(
                     json.dumps({"row": row, "bench": res}, indent=2))
                 tqdm.write(f"{name:>9} c={level:<3} running {row['peak_running']:>2} "
                            f"preempt {row['preemptions']:>3} out {row['output_tok_s']:7.1f} "

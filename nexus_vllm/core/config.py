@@ -26,7 +26,7 @@ METHODS = ("none", *POLICIES)
 # Engine-level fields that policies do not take; every other field a policy class also
 # declares is passed to it by policy() (the policy's own default is the field's default).
 _ENGINE_FIELDS = ("method", "max_tokens", "keep_ratio", "block_size", "interval", "window",
-                  "prefill_window", "chunk_size", "skip_layers", "indirect",
+                  "prefill_window", "chunk_size", "skip_layers", "layer_stride", "indirect",
                   "prefill_indirect", "seed")
 
 
@@ -62,6 +62,11 @@ class EvictionConfig:
         Prefill chunk in tokens; an event follows each chunk.
     skip_layers : int
         Layers below this index are not scored.
+    layer_stride : int
+        Score every ``layer_stride``-th layer from ``skip_layers`` on (1: every layer).
+        Scoring costs rows x layers: ``configs/nexus-fast.yaml`` (16 prefill rows, every
+        other layer) costs a quarter at prefill, for a small loss of quality
+        (docs/results.md, "Cheaper scoring").
     indirect, prefill_indirect : str
         Nexus indirect mode at decode and at prefill.
     steps, lam, walk_rows, sampler, n, knorm_prior :
@@ -82,6 +87,7 @@ class EvictionConfig:
     prefill_window: int = 32
     chunk_size: int = 512
     skip_layers: int = 2
+    layer_stride: int = 1
     indirect: str = _policy_default(NexusPolicy, "indirect")
     prefill_indirect: str = "walk"
     steps: int = _policy_default(NexusPolicy, "steps")
@@ -115,6 +121,7 @@ class EvictionConfig:
         check_int("prefill_window", self.prefill_window, low=1)
         check_int("chunk_size", self.chunk_size, low=1)
         check_int("skip_layers", self.skip_layers, low=0)
+        check_int("layer_stride", self.layer_stride, low=1)
         check_indirect("prefill_indirect", self.prefill_indirect)
         check_int("seed", self.seed)
         # The policies validate their own knobs (one source of truth for ranges too).
@@ -184,6 +191,11 @@ class EvictionConfig:
     @property
     def num_forced(self) -> int:
         return self.sink_blocks + self.recent_blocks + 1
+
+    def scored_layers(self, num_layers: int) -> range:
+        """Indices of the layers whose attention is scored, of ``num_layers`` layers
+        (empty when ``skip_layers`` leaves none)."""
+        return range(self.skip_layers, num_layers, self.layer_stride)
 
     def budget_blocks(self, num_tokens_seen: int) -> int:
         """Blocks a sequence that has seen ``num_tokens_seen`` tokens may keep.

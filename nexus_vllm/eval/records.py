@@ -236,11 +236,32 @@ def select_records(records: Sequence[Record], *, where: dict[str, Any] | None = 
             and not any(r.method.startswith(p) for p in exclude_method_prefixes)]
 
 
+def rename_methods(records: Sequence[Record], renames: dict[str, str]) -> list[Record]:
+    """``records`` with each method in ``renames`` relabelled (its key rebuilt): e.g. the
+    records of ``nexus`` made before a default changed, named by the knobs they ran with."""
+    return [dataclasses.replace(r, method=renames[r.method],
+                                key=record_key(r.sample, renames[r.method], r.budget, r.seed))
+            if r.method in renames else r for r in records]
+
+
+def unique_records(records: Iterable[Record]) -> list[Record]:
+    """The first record of each key (order kept): two runs seeded from the same records
+    hold the seeded ones twice."""
+    seen: set[str] = set()
+    out = []
+    for r in records:
+        if r.key not in seen:
+            seen.add(r.key)
+            out.append(r)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="nexus-vllm records",
         description="Merge and filter records.jsonl files (e.g. seed a run with another "
-                    "run's records: identical keys are not recomputed).")
+                    "run's records: identical keys are not recomputed). A key found in "
+                    "several sources is kept once, from the first.")
     p.add_argument("sources", nargs="+", type=pathlib.Path, help="records.jsonl files")
     p.add_argument("--out", type=pathlib.Path, required=True, help="records.jsonl to write")
     p.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE",
@@ -248,12 +269,17 @@ def main(argv: list[str] | None = None) -> int:
                         "repeatable, all must hold")
     p.add_argument("--exclude-method-prefix", action="append", default=[], metavar="PREFIX",
                    help="drop records whose method starts with PREFIX; repeatable")
+    p.add_argument("--rename-method", action="append", default=[], nargs=2,
+                   metavar=("OLD", "NEW"),
+                   help="relabel method OLD as NEW (after --where); repeatable")
     p.add_argument("--if-missing", action="store_true",
                    help="do nothing when --out exists (it may hold a resumed run)")
     args = p.parse_args(argv)
+    renames = dict(args.rename_method)
     if args.if_missing and args.out.exists():
         return 0
-    kept = load_selected(p, args.sources, args.where, args.exclude_method_prefix)
+    kept = unique_records(rename_methods(load_selected(p, args.sources, args.where,
+                                                       args.exclude_method_prefix), renames))
     n = write_records(args.out, kept)
     print(f"nexus-vllm records: wrote {n} records to {args.out}")
     return 0

@@ -176,7 +176,8 @@ class StreamingSession:
     def _scored_layers(self) -> range:
         assert self.config is not None
         # Tiny test models may have fewer layers than skip_layers: score the last one then.
-        return range(min(self.config.skip_layers, self.num_layers - 1), self.num_layers)
+        layers = self.config.scored_layers(self.num_layers)
+        return layers if len(layers) else range(self.num_layers - 1, self.num_layers)
 
     def block_mass(self, window: int) -> torch.Tensor:
         """Attention mass ``[W, N]`` of the newest ``window`` queries, averaged over layers."""

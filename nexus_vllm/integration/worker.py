@@ -71,6 +71,7 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         self.nexus_cfg = cfg
         self.nexus: WorkerEvictionState | None = None
         self._nexus_reply_due = False
+        self._nexus_scored: frozenset[int] = frozenset()  # decoder layer numbers scored
 
     # -- startup -----------------------------------------------------------------------
     def load_model(self, *args: Any, **kwargs: Any) -> None:
@@ -90,7 +91,9 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
                     f"here: {', '.join(platform_backends())} (choose one with "
                     "--attention-backend)")
         cfg = self.nexus_cfg
-        scored = [v for v in layers if layer_index(v.name) >= cfg.skip_layers]
+        indices = [layer_index(v.name) for v in layers]
+        self._nexus_scored = frozenset(cfg.scored_layers(max(indices) + 1))
+        scored = [v for v, i in zip(layers, indices, strict=True) if i in self._nexus_scored]
         if not scored:
             raise RuntimeError(f"nexus-vllm: skip_layers={cfg.skip_layers} leaves no "
                                f"attention layer to score (the model has {len(layers)})")
@@ -138,7 +141,7 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
             idx = layer_index(view.name)
             view.impl.nexus_state = state
             view.impl.nexus_layer = idx
-            if idx >= self.nexus_cfg.skip_layers:
+            if idx in self._nexus_scored:
                 backend = view.layer.attn_backend.nexus_inner_name
                 keys = key_view(backend, view.kv_cache, int(view.impl.head_size),
                                 getattr(view.layer, "isa", None))

@@ -184,6 +184,10 @@ def test_eviction_config():
     assert torch.equal(torch.rand(3, generator=g1), torch.rand(3, generator=g2))
     assert cfg.generator("req-1").initial_seed() != cfg.generator("req-2").initial_seed()
     assert cfg.replace(seed=3).seed == 3
+    assert list(cfg.scored_layers(6)) == [2, 3, 4, 5]
+    assert list(cfg.replace(layer_stride=2).scored_layers(6)) == [2, 4]
+    assert list(cfg.replace(layer_stride=3).scored_layers(7)) == [2, 5]
+    assert list(cfg.replace(skip_layers=6).scored_layers(6)) == []
 
 
 @pytest.mark.parametrize(
@@ -195,6 +199,7 @@ def test_eviction_config():
         ({"keep_ratio": 0.0}, "keep_ratio"),
         ({"keep_ratio": 1.5}, "keep_ratio"),
         ({"block_size": 0}, "block_size"),
+        ({"layer_stride": 0}, "layer_stride"),
         ({"sampler": "x"}, "sampler"),
         ({"n": 0}, "n must be"),
         ({"prefill_indirect": "hub"}, "prefill_indirect='hub' was removed"),

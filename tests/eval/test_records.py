@@ -60,9 +60,35 @@ def test_records_command_filters_like_the_old_grep(tmp_path: pathlib.Path) -> No
     assert {r.method for r in read_records(out)} == {"dense"}
 
 
+def test_records_command_renames_a_method_with_its_key(tmp_path: pathlib.Path) -> None:
+    src = FIGURES / "headline" / "records.jsonl"
+    out = tmp_path / "renamed.jsonl"
+    assert main([str(src), "--where", "method=nexus", "--rename-method", "nexus",
+                 "nexus:layer_stride=1", "--out", str(out)]) == 0
+    before = [r for r in read_records(src) if r.method == "nexus"]
+    after = read_records(out)
+    assert len(after) == len(before) > 0
+    for a, b in zip(after, before, strict=True):
+        assert a.method == "nexus:layer_stride=1" and a.score == b.score
+        assert a.key == record_key(b.sample, "nexus:layer_stride=1", b.budget, b.seed) != b.key
+
+
+def test_records_command_keeps_each_key_once(tmp_path: pathlib.Path) -> None:
+    """Two runs seeded from the same records, merged: the seeded records appear once."""
+    src = FIGURES / "headline" / "records.jsonl"
+    lines = src.read_text().splitlines()
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(lines[:10]) + "\n")
+    b.write_text("\n".join(lines[5:15]) + "\n")
+    out = tmp_path / "merged.jsonl"
+    assert main([str(a), str(b), "--out", str(out)]) == 0
+    assert out.read_text().splitlines() == lines[:15]
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--where", "protocl=question-last"], "unknown record field"),
     (["--where", "protocol"], "FIELD=VALUE"),
+    (["--rename-method", "nexus"], "expected 2 arguments"),
 ])
 def test_records_command_rejects_bad_filters(tmp_path, capsys, argv, match) -> None:
     src = FIGURES / "headline" / "records.jsonl"

@@ -161,3 +161,24 @@ def test_other_llama_family_models(tok, family: str) -> None:
     _, session = generate(m, tok, CONTEXT, QUESTION, method="nexus", budget=0.3, chunk_size=64,
                           max_new_tokens=6, return_session=True, **KNOBS)
     assert session.events and all(e.blocks_after <= e.budget_blocks for e in session.events)
+
+
+def test_layer_stride_scores_every_other_layer(model, tok) -> None:
+    """``layer_stride=2`` averages the mass of layers 0 and 2 of 3 only."""
+    from nexus_vllm.core import block_attention_mass
+
+    cfg = make_config("nexus", 0.3, **{**KNOBS, "skip_layers": 0, "layer_stride": 2})
+    session = StreamingSession(model, cfg)
+    session.forward(torch.tensor(tok(CONTEXT)["input_ids"][:200]))
+    assert list(session._scored_layers()) == [0, 2]  # the tiny model has 3 layers
+    want = []
+    for li in (0, 2):
+        q = session._queries[li]
+        assert q is not None
+        k = session.cache.layers[li].keys[0].transpose(0, 1)
+        want.append(block_attention_mass(q[:, -8:].transpose(0, 1), k, cfg.block_size))
+    torch.testing.assert_close(session.block_mass(8), (want[0] + want[1]) / 2)
+    every = StreamingSession(model, cfg.replace(layer_stride=1))
+    every.forward(torch.tensor(tok(CONTEXT)["input_ids"][:200]))
+    assert list(every._scored_layers()) == [0, 1, 2]
+    assert not torch.allclose(every.block_mass(8), session.block_mass(8))

@@ -161,12 +161,19 @@ class TestServeParser:
 
 @pytest.mark.parametrize("preset", sorted(
     p.name for p in (pathlib.Path(__file__).parents[2] / "configs").glob("*.yaml")
-    if p.name != "nexus-keep20.yaml"
+    if p.name not in ("nexus-keep20.yaml", "nexus-fast.yaml")
 ))
 def test_presets_load(preset) -> None:  # noqa: ANN001
     path = pathlib.Path(__file__).parents[2] / "configs" / preset
     cfg = resolve_config(file=str(path), flags={"max_tokens": 2048})
     assert cfg.method == preset.removesuffix(".yaml") and cfg.max_tokens == 2048
+
+
+def test_fast_preset_scores_a_quarter() -> None:
+    path = pathlib.Path(__file__).parents[2] / "configs" / "nexus-fast.yaml"
+    cfg = resolve_config(file=str(path), flags={"max_tokens": 2048})
+    assert cfg.method == "nexus" and cfg.prefill_window == 16
+    assert list(cfg.scored_layers(30)) == list(range(2, 30, 2))
 
 
 def test_keep_ratio_preset() -> None:
