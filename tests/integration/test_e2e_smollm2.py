@@ -53,6 +53,9 @@ def test_smollm2_long_chat_under_budget(smol_server) -> None:  # noqa: ANN001
         "vllm:nexus_evicted_blocks_total", 0.0)
     assert after["vllm:nexus_live_blocks_over_budget"] <= 0
     assert after["vllm:nexus_free_blocks"] == after["vllm:nexus_total_blocks"]
+    # The defaults score every layer from skip_layers = 2 on.
+    assert "28 of 30 attention layers scored" in smol_server.log_path.read_text(
+        errors="replace")
 
 
 def _parity(smol_server, capsys, *flags: str) -> tuple[int, list[dict], dict]:  # noqa: ANN001
@@ -99,3 +102,35 @@ def test_parity_multiturn_every_turn_a_request(smol_server, capsys) -> None:  # 
     assert [r["turn"] for r in rows] == list(range(6))
     assert rc == 0 and summary["ids_match"] == summary["evicted_match"] == 6, rows
     assert sum(r["server_evicted_blocks"] for r in rows) > 0
+
+
+@pytest.fixture(scope="module")
+def fast_server(serve_tmp):  # noqa: ANN001, ANN201
+    """The same model with the cheaper-evidence preset (16 prefill rows, every other
+    layer), given as a config file as a user would."""
+    import pathlib
+
+    from nexus_vllm.eval.server import VllmServer
+    from nexus_vllm.models import default_model_path
+
+    preset = pathlib.Path(__file__).parents[2] / "configs" / "nexus-fast.yaml"
+    server = VllmServer(str(default_model_path()),
+                        ["--kv-eviction-config", str(preset), "--kv-budget", str(BUDGET),
+                         "--kv-chunk-size", str(CHUNK)], serve_tmp)
+    yield server
+    server.stop()
+
+
+def test_parity_fast_preset_scores_the_same_layers(fast_server, capsys) -> None:  # noqa: ANN001
+    """With the preset the worker scores layers 2, 4, ..., 28 of SmolLM2's 30 (its startup
+    log says how many), and the server matches the transformers path run with the same
+    knobs: token ids and evicted-block counts. (At these lengths stride 1 and 2 happen to
+    choose alike, so the layer count is checked on its own.)"""
+    log = fast_server.log_path.read_text(errors="replace")
+    assert "14 of 30 attention layers scored" in log, fast_server.log_tail(40)
+    rc, rows, summary = _parity(fast_server, capsys, "--method", "nexus",
+                                "--budget", str(BUDGET), "--chunk-size", str(CHUNK),
+                                "--knobs", '{"prefill_window": 16, "layer_stride": 2}')
+    assert rc == 0 and all(r["ids_match"] for r in rows), rows
+    assert all(r["server_evicted_blocks"] == r["hf_evicted_blocks"] > 0 for r in rows), rows
+    assert summary["ids_match"] == summary["evicted_match"] == 2
