@@ -126,19 +126,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         args.concurrency, args.configs = "1,2", "stock,nexus,streaming"
         args.prompts_per_slot, args.min_prompts = 1, 2
     names = split_configs(args.configs)
-    unknown = {n for n in names if n not in STOCK and config_knobs(n)[0] not in METHODS}
+    evicting = {n: config_knobs(n) for n in names if n not in STOCK}
+    unknown = {n for n, (method, _) in evicting.items() if method not in METHODS}
     if unknown:
         p.error(f"--configs: unknown {sorted(unknown)}; choose from "
                 f"{', '.join([*STOCK, *METHODS])}")
-    for name in names:
-        if name not in STOCK:
-            from nexus_vllm.core import EvictionConfig
+    from nexus_vllm.core import EvictionConfig
 
-            method, knobs = config_knobs(name)
-            try:
-                EvictionConfig.from_dict({"method": method, **knobs})
-            except ValueError as exc:
-                p.error(f"--configs {name!r}: {exc}")
+    for name, (method, knobs) in evicting.items():
+        try:
+            EvictionConfig.from_dict({"method": method, **knobs})
+        except ValueError as exc:
+            p.error(f"--configs {name!r}: {exc}")
     if len(set(names)) != len(names):
         p.error("--configs: each config once")
     try:
@@ -603,15 +602,10 @@ def evicting_knobs_md() -> str:
     from nexus_vllm.core import EvictionConfig
 
     cfg = EvictionConfig()
-    return (f"evicting servers score the newest `prefill_window` = {cfg.prefill_window} "
-            f"(prefill) / `window` = {cfg.window} (decode) queries in every "
-            f"{_ordinal(cfg.layer_stride)}layer from layer {cfg.skip_layers} (the defaults) "
-            "unless their name carries knobs, which they get as `--additional-config "
-            "'{\"nexus\": {...}}'`")
-
-
-def _ordinal(stride: int) -> str:
-    return "" if stride == 1 else {2: "other ", 3: "third "}.get(stride, f"{stride}th ")
+    return (f"evicting servers score with the defaults (`prefill_window` "
+            f"{cfg.prefill_window}, `window` {cfg.window}, `skip_layers` {cfg.skip_layers}, "
+            f"`layer_stride` {cfg.layer_stride}) unless their name carries knobs, which they "
+            "get as `--additional-config '{\"nexus\": {...}}'`")
 
 
 def load_caveat(result: dict[str, Any]) -> str:

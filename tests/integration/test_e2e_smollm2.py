@@ -17,8 +17,8 @@ FILLER = "The city of Veltra sits on a river. Its bakers rise at four. " * 30
 QUESTION = " What is my secret number? Answer with the number only."
 
 
-@pytest.fixture(scope="module")
-def smol_server(serve_tmp):  # noqa: ANN001, ANN201
+def _serve(serve_tmp, *flags: str):  # noqa: ANN001, ANN202
+    """The embedded model served with ``flags``, the budget and chunk of this module."""
     try:
         from nexus_vllm.models import default_model_path
 
@@ -27,8 +27,13 @@ def smol_server(serve_tmp):  # noqa: ANN001, ANN201
         pytest.skip(f"embedded model unavailable: {exc}")
     from nexus_vllm.eval.server import VllmServer
 
-    server = VllmServer(model, ["--kv-eviction", "nexus", "--kv-budget", str(BUDGET),
-                                "--kv-chunk-size", str(CHUNK)], serve_tmp)
+    return VllmServer(model, [*flags, "--kv-budget", str(BUDGET), "--kv-chunk-size",
+                              str(CHUNK)], serve_tmp)
+
+
+@pytest.fixture(scope="module")
+def smol_server(serve_tmp):  # noqa: ANN001, ANN201
+    server = _serve(serve_tmp, "--kv-eviction", "nexus")
     yield server
     server.stop()
 
@@ -110,13 +115,8 @@ def fast_server(serve_tmp):  # noqa: ANN001, ANN201
     layer), given as a config file as a user would."""
     import pathlib
 
-    from nexus_vllm.eval.server import VllmServer
-    from nexus_vllm.models import default_model_path
-
     preset = pathlib.Path(__file__).parents[2] / "configs" / "nexus-fast.yaml"
-    server = VllmServer(str(default_model_path()),
-                        ["--kv-eviction-config", str(preset), "--kv-budget", str(BUDGET),
-                         "--kv-chunk-size", str(CHUNK)], serve_tmp)
+    server = _serve(serve_tmp, "--kv-eviction-config", str(preset))
     yield server
     server.stop()
 
