@@ -12,12 +12,19 @@ def register() -> None:
     """vLLM general-plugin entry point (``vllm.general_plugins``).
 
     Idempotent and cheap: vLLM calls it in every process it starts. Heavy imports
-    (vLLM, torch) happen here, never at package import time.
+    (vLLM, torch) happen here, never at package import time. It never raises: vLLM
+    calls plugins without a guard, and a broken plugin must not break stock vLLM.
     """
     global _REGISTERED
     if _REGISTERED:
         return
     _REGISTERED = True
-    from nexus_vllm.integration.plugin import register as _register
+    try:
+        from nexus_vllm.integration.plugin import register as _register
 
-    _register()
+        _register()
+    except Exception:
+        import logging
+
+        logging.getLogger("vllm").exception(
+            "nexus-vllm failed to load; vLLM runs without it (--kv-* flags unavailable)")

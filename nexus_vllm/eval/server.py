@@ -61,22 +61,25 @@ def server_env(tmp: pathlib.Path) -> dict[str, str]:
     return env
 
 
-def vllm_cmd(model: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *args]
+def vllm_cmd(model: str, *args: str, python: str | None = None) -> list[str]:
+    return [python or sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *args]
 
 
 class VllmServer:
-    """``vllm serve MODEL ARGS`` on a free port; ``stop()`` ends its process group."""
+    """``vllm serve MODEL ARGS`` on a free port; ``stop()`` ends its process group.
+
+    ``python`` is the interpreter whose vLLM serves (default: this one)."""
 
     def __init__(self, model: str, args: list[str], tmp: pathlib.Path,
                  startup_timeout: float = 300.0, env: dict[str, str] | None = None,
-                 base_flags: list[str] | None = None) -> None:
+                 base_flags: list[str] | None = None, python: str | None = None) -> None:
         self.port = free_port()
         self.model = model
         self.log_path = tmp / f"vllm_serve_{self.port}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the server
         flags = CPU_FLAGS if base_flags is None else base_flags
-        cmd = vllm_cmd(model, "--host", "127.0.0.1", "--port", str(self.port), *flags, *args)
+        cmd = vllm_cmd(model, "--host", "127.0.0.1", "--port", str(self.port), *flags, *args,
+                       python=python)
         t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**server_env(tmp), **(env or {})},

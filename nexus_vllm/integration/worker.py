@@ -7,8 +7,10 @@ eviction path on top of it is the same on both:
   their nexus subclasses (``integration/attention.py``) before the model is built;
 * ``load_model``: check every attention layer can be evicted from, and allocate the
   query ring before vLLM profiles memory for the KV cache;
-* ``initialize_from_config``: bind the eviction state to every metadata builder and
-  attention impl, and to each scored layer's key cache;
+* ``initialize_from_config``: pick the adapter of vLLM's model runner
+  (``integration/runners.py``), bind the eviction state to every metadata builder and
+  attention impl, and to each scored layer's key cache; ``extend_kv_cache`` (vLLM 0.34
+  re-binds every layer's KV tensors after warm-up) binds the key views again;
 * ``execute_model``: apply the step's plan, run vLLM's step, score the requests due;
 * ``sample_tokens``: attach the step's :class:`~nexus_vllm.integration.step_plan.WorkerReply`.
 """
@@ -30,9 +32,9 @@ from nexus_vllm.integration.attention import (
     register_backends,
 )
 from nexus_vllm.integration.config import config_from_additional
+from nexus_vllm.integration.runners import RunnerAdapter, runner_adapter
 from nexus_vllm.integration.step_plan import attach_reply, read_plan
 from nexus_vllm.integration.vllm_compat import (
-    RunnerV1,
     attention_groups,
     attention_layers,
     check_vllm_version,
@@ -76,7 +78,6 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
     # -- startup -----------------------------------------------------------------------
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
-        runner = RunnerV1(self.model_runner)
         layers = attention_layers(self.vllm_config)
         if not layers:
             raise RuntimeError("nexus-vllm: the model has no attention layers to evict from")
@@ -109,7 +110,6 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         dtype = self.model_runner.dtype
         assert isinstance(dtype, torch.dtype), dtype
         state.allocate_ring(len(scored), int(impl.num_heads), int(impl.head_size), dtype)
-        state.runner = runner
         self.nexus = state
         logger.info("nexus-vllm worker: %d of %d attention layers scored, query ring %.1f "
                     "MiB (%d requests x %d queries), TP rank %d/%d", len(scored),
@@ -118,12 +118,28 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
 
     def initialize_from_config(self, *args: Any, **kwargs: Any) -> None:
         super().initialize_from_config(*args, **kwargs)
-        self._bind()
-
-    def _bind(self) -> None:
         state = self.nexus
-        assert state is not None and state.runner is not None
-        runner = state.runner.runner
+        assert state is not None
+        # V2 runners create their block tables with the KV cache: adapt to it now.
+        adapter = runner_adapter(self.model_runner)
+        logger.info("nexus-vllm worker: %s model runner (%s)", adapter.name,
+                    type(self.model_runner).__name__)
+        self._bind(adapter)
+
+    def extend_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
+        # vLLM 0.34 (extensible KV cache): every layer's KV tensors are replaced after
+        # warm-up; key views taken before would read the old ones.
+        out = super().extend_kv_cache(*args, **kwargs)  # type: ignore[misc]
+        state = self.nexus
+        if state is not None and state.runner is not None:
+            self._bind(state.runner)
+            logger.info("nexus-vllm worker: key views re-bound after the KV cache grew")
+        return out
+
+    def _bind(self, adapter: RunnerAdapter) -> None:
+        state = self.nexus
+        assert state is not None
+        runner = self.model_runner
         for group in attention_groups(runner):
             if getattr(group, "kernel_block_size", None) is not None:
                 raise RuntimeError(
@@ -146,7 +162,7 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
                 keys = key_view(backend, view.kv_cache, int(view.impl.head_size),
                                 getattr(view.layer, "isa", None))
                 scored[idx] = LayerKeys(view.name, keys)
-        state.bind_layers(state.runner, scored)
+        state.bind_layers(adapter, scored)
 
     # -- one step ----------------------------------------------------------------------
     def execute_model(self, scheduler_output: Any) -> Any:
@@ -175,16 +191,9 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
     def sample_tokens(self, grammar_output: Any) -> Any:
         state = self.nexus
         assert state is not None
-        runner = state.runner
-        assert runner is not None
-        parked = self._park_discarded_generators(runner) if current_platform.is_cpu() else {}
-        try:
+        assert state.runner is not None
+        with state.runner.sampling_guard():
             output = super().sample_tokens(grammar_output)
-        finally:
-            generators = runner.generators()
-            for row, (gen, rng_state) in parked.items():
-                gen.set_state(rng_state)
-                generators[row] = gen
         return self._with_reply(output)
 
     def _with_reply(self, output: Any) -> Any:
@@ -199,21 +208,3 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         reply = state.reply()
         state.end_step()
         return attach_reply(output, reply)
-
-    @staticmethod
-    def _park_discarded_generators(runner: RunnerV1) -> dict[int, tuple[Any, Any]]:
-        """Work around a vLLM 0.32 CPU bug hit by every chunked prefill.
-
-        For a request whose sampled token is discarded (a partial prefill chunk) vLLM
-        rewinds its seeded generator with ``set_offset``, which CPU generators do not
-        support ("CPU Generator does not use offset"): the engine dies. Evicting configs
-        prefill in chunks, so a seeded request would kill the server. We take those
-        generators out for the sampling step (the discarded draw uses the global RNG) and
-        put them back untouched: the same effect as the rewind.
-        """
-        generators = runner.generators()
-        saved = {}
-        for row, gen in runner.discarded_generators().items():
-            generators.pop(row, None)
-            saved[row] = (gen, gen.get_state())
-        return saved

@@ -51,10 +51,10 @@ from vllm.logger import init_logger
 
 from nexus_vllm.core import cdiv
 from nexus_vllm.integration import faults
+from nexus_vllm.integration.runners import RunnerAdapter
 from nexus_vllm.integration.step_plan import ScoreRequest, StepPlan, WorkerReply
 from nexus_vllm.integration.vllm_compat import (
     NULL_BLOCK_ID,
-    RunnerV1,
     reset_request_ids,
     tp_all_reduce,
 )
@@ -225,7 +225,7 @@ class WorkerEvictionState:
         self.device = device
         self.score_backend = score_backend
         self.tp_rank, self.tp_size = int(tp_rank), int(tp_size)
-        self.runner: RunnerV1 | None = None
+        self.runner: RunnerAdapter | None = None
         # CPU bookkeeping: logical block indices nulled per request.
         self.evicted: dict[str, set[int]] = {}
         self.last_step = 0
@@ -266,7 +266,7 @@ class WorkerEvictionState:
         self._qidx = _Staging(tokens, self.device)
         self._rows = _Staging(self.max_requests, self.device)
 
-    def bind_layers(self, runner: RunnerV1, scored: dict[int, LayerKeys]) -> None:
+    def bind_layers(self, runner: RunnerAdapter, scored: dict[int, LayerKeys]) -> None:
         """Attach the runner adapter and the scored layers (model layer number -> keys)."""
         self.runner = runner
         self.layer_keys = [scored[i] for i in sorted(scored)]
@@ -292,6 +292,7 @@ class WorkerEvictionState:
         assert runner is not None, "bind_layers() first"
         if self.step is not None:  # a previous step raised before end_step()
             self.end_step()
+        runner.observe(scheduler_output)
         resets = reset_request_ids(scheduler_output)
         gone = set(scheduler_output.finished_req_ids) | resets
         usable = plan is not None and plan.step_id > self.last_step
@@ -316,7 +317,7 @@ class WorkerEvictionState:
                     continue
                 done = self.evicted.setdefault(req_id, set())
                 new = [j for j in idxs if j not in done]
-                runner.set_entries(req_id, new, [NULL_BLOCK_ID] * len(new), persistent=True)
+                runner.set_entries(req_id, new, [NULL_BLOCK_ID] * len(new))
                 done.update(new)
             self.last_step = plan.step_id
             self._ack = plan.step_id
@@ -357,7 +358,7 @@ class WorkerEvictionState:
             original = [int(ids[j]) for j in idxs]
             # In the request state too: a request re-added to the batch this step gets
             # its row from there.
-            runner.set_entries(req_id, idxs, [NULL_BLOCK_ID] * len(idxs), persistent=True)
+            runner.set_entries(req_id, idxs, [NULL_BLOCK_ID] * len(idxs))
             step.masked.append((req_id, idxs, original))
             step.masked_counts[req_id] = len(idxs)
 
@@ -705,5 +706,4 @@ class WorkerEvictionState:
             done = self.evicted.get(req_id, set())
             keep = [(j, v) for j, v in zip(idxs, original) if j not in done]
             if keep:
-                self.runner.set_entries(req_id, [j for j, _ in keep], [v for _, v in keep],
-                                        persistent=True)
+                self.runner.set_entries(req_id, [j for j, _ in keep], [v for _, v in keep])

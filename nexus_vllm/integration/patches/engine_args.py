@@ -15,8 +15,9 @@ How
     * ``create_engine_config``: for an evicting config refuse what eviction cannot run
       with (each refusal names the flag and what to use instead), select our scheduler
       and worker, set the block size, chunked prefill at ``chunk_size`` tokens per request
-      and step, synchronous scheduling, vLLM's V1 model runner
-      (``VLLM_USE_V2_MODEL_RUNNER=0``) and, on CUDA, PIECEWISE CUDA graphs; after vLLM
+      and step, synchronous scheduling (see ``check_engine_args``) and, on CUDA,
+      PIECEWISE CUDA graphs; the model runner stays the one vLLM picks (every runner
+      family has an adapter, ``integration/runners.py``); after vLLM
       builds its config, refuse models with sliding
       windows, ALiBi, MLA, hybrid layers or an encoder, and settings that cannot work
       within its ``max_model_len`` (``check_max_model_len``: a budget above it never
@@ -24,7 +25,7 @@ How
       ``--kv-chunk-size``. Also covers the Python
       ``LLM(..., additional_config={"nexus": {...}})`` path.
 vLLM version
-    0.32.0 (``vllm/engine/arg_utils.py``).
+    0.32 to 0.34 (``vllm/engine/arg_utils.py``).
 Plan
     Replace by a plugin CLI hook if vLLM grows one.
 """
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +48,7 @@ from nexus_vllm.integration.config import (
     config_from_additional,
     resolve_config,
 )
+from nexus_vllm.integration.patches.catalogue import swap
 
 __all__ = ["apply", "translate_engine_args"]
 
@@ -143,9 +144,6 @@ def _apply_cli_config(engine_args: Any, args: argparse.Namespace) -> None:
     engine_args.additional_config = additional
 
 
-V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
-
-
 def _refuse(cfg: Any, what: str, instead: str) -> ValueError:
     return ValueError(f"--kv-eviction {cfg.method}: {what} is not supported with eviction; "
                       f"{instead}")
@@ -165,6 +163,10 @@ def check_engine_args(engine_args: Any, cfg: Any) -> None:
             flag = "--" + name.replace("_", "-")
             raise _refuse(cfg, f"{flag} > 1", "use --tensor-parallel-size to shard a model "
                           "(every rank then applies the same evictions)")
+    if getattr(engine_args, "long_prefill_token_threshold_adaptive", False):
+        raise _refuse(cfg, "--long-prefill-token-threshold-adaptive",
+                      "drop the flag: it raises the per-request prefill cap above "
+                      "--kv-chunk-size, and a request may then hold more than budget + chunk")
     if getattr(engine_args, "enable_dbo", False):
         raise _refuse(cfg, "--enable-dbo (dual-batch overlap)", "drop the flag")
     if getattr(engine_args, "speculative_config", None):
@@ -186,10 +188,6 @@ def check_engine_args(engine_args: Any, cfg: Any) -> None:
     if engine_args.worker_cls not in ("auto", WORKER_CLS):
         raise _refuse(cfg, f"--worker-cls {engine_args.worker_cls}",
                       "eviction replaces the worker; drop the flag")
-    v2 = os.environ.get(V2_RUNNER_ENV, "").strip().lower()
-    if v2 in ("1", "true", "yes", "on"):
-        raise _refuse(cfg, f"{V2_RUNNER_ENV}={v2} (Model Runner V2)",
-                      "unset it: evicting servers run vLLM's V1 model runner")
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -290,11 +288,9 @@ def translate_engine_args(engine_args: Any) -> Any | None:
     engine_args.long_prefill_token_threshold = int(cfg.chunk_size)
     # The block list of a request is bounded by the budget, not the prompt.
     engine_args.scheduler_reserve_full_isl = False
-    # Evictions decided after step N must reach the worker before step N+1 is built.
+    # Evictions decided after step N must reach the worker before step N+1 is built
+    # (with async scheduling, step N+1 is scheduled before step N's scores return).
     engine_args.async_scheduling = False
-    # The eviction path is written for the V1 model runner (the CPU runner's base);
-    # children (engine core, workers) inherit the environment.
-    os.environ[V2_RUNNER_ENV] = "0"
     if not current_platform.is_cpu() and _cudagraph_mode(engine_args) is None:
         from vllm.config.compilation import CUDAGraphMode
 
@@ -356,6 +352,6 @@ def apply() -> None:
         return vllm_config
 
     add_cli_args._nexus_patched = True  # type: ignore[attr-defined]
-    EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
-    EngineArgs.from_cli_args = classmethod(from_cli_args)  # type: ignore[method-assign,assignment]
-    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
+    swap(EngineArgs, "add_cli_args", staticmethod(add_cli_args))
+    swap(EngineArgs, "from_cli_args", classmethod(from_cli_args))
+    swap(EngineArgs, "create_engine_config", create_engine_config)

@@ -12,7 +12,7 @@ How
     :func:`nexus_vllm.integration.config.validate_request_args` against the server's config
     and ``max_model_len``, read once from ``vllm_config`` (:func:`server_limits`).
 vLLM version
-    0.32.0 (``vllm/v1/engine/input_processor.py``).
+    0.32 to 0.34 (``vllm/v1/engine/input_processor.py``).
 Plan
     Move to a logits-processor ``validate_params`` hook if it becomes cheap to register
     one without adding a per-token processor.
@@ -29,6 +29,7 @@ from nexus_vllm.integration.config import (
     config_from_additional,
     validate_request_args,
 )
+from nexus_vllm.integration.patches.catalogue import swap
 
 __all__ = ["apply", "server_limits"]
 
@@ -71,4 +72,4 @@ def apply() -> None:
 
     orig = InputProcessor._validate_params
     if not getattr(orig, "_nexus_patched", False):
-        InputProcessor._validate_params = _wrap(orig)  # type: ignore[method-assign]
+        swap(InputProcessor, "_validate_params", _wrap(orig))

@@ -19,7 +19,7 @@ How
     a bad field returns vLLM's ``ErrorResponse`` (HTTP 400, ``param`` =
     ``vllm_xargs.<field>``). It is returned, not raised, so vLLM logs nothing for it.
 vLLM version
-    0.32.0 (``vllm/entrypoints/openai/completion/serving.py``,
+    0.32 to 0.34 (``vllm/entrypoints/openai/completion/serving.py``,
     ``vllm/entrypoints/openai/chat_completion/serving.py``).
 Plan
     Drop when vLLM grows a plugin hook for request validation in the serving layer.
@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nexus_vllm.integration.config import RequestArgError, validate_request_args
+from nexus_vllm.integration.patches.catalogue import swap
 from nexus_vllm.integration.patches.input_processor import server_limits
 
 __all__ = ["apply", "check_xargs"]
@@ -78,4 +79,4 @@ def apply() -> None:
                       (OpenAIServingChat, "render_chat_request")):
         orig = getattr(cls, name)
         if not getattr(orig, "_nexus_patched", False):
-            setattr(cls, name, _wrap(orig, ErrorResponse))
+            swap(cls, name, _wrap(orig, ErrorResponse))

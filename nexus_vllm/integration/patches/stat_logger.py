@@ -11,7 +11,7 @@ How
     ``StatLoggerManager.record`` pops those entries before vLLM's loggers run (so the
     "KV fetch" log line stays untouched) and updates the ``vllm:nexus_*`` series.
 vLLM version
-    0.32.0 (``vllm/v1/metrics/loggers.py``, ``vllm/v1/metrics/stats.py``).
+    0.32 to 0.34 (``vllm/v1/metrics/loggers.py``, ``vllm/v1/metrics/stats.py``).
 Plan
     Move to ``KVConnectorStats``/``KVConnectorPromMetrics`` if the plugin grows a KV
     connector, or to a stat-logger plugin if ``SchedulerStats`` gains an extras field.
@@ -23,6 +23,7 @@ import functools
 from typing import Any
 
 from nexus_vllm.integration.metrics import export, pop_nexus_stats
+from nexus_vllm.integration.patches.catalogue import swap
 
 __all__ = ["apply"]
 
@@ -49,4 +50,4 @@ def apply() -> None:
         return orig(self, scheduler_stats, iteration_stats, *args, **kwargs)
 
     record._nexus_patched = True  # type: ignore[attr-defined]
-    StatLoggerManager.record = record  # type: ignore[method-assign]
+    swap(StatLoggerManager, "record", record)
