@@ -4,7 +4,10 @@
 #   bash scripts/test.sh --fast [pytest args]   the inner-loop tier: core, kernels and
 #                                               config tests, without slow, e2e, network
 #                                               and gpu tests (about a minute)
-# Without --fast every marker runs (CI), except gpu on a box without a GPU.
+# Without --fast every marker runs (CI), except gpu on a box without a GPU. On a CPU box,
+# a full run (no test paths given) then runs the vLLM 0.34 compat job
+# (scripts/test_vllm034.sh: the canaries and an end-to-end subset on a vLLM 0.34 build,
+# about 6 minutes); NEXUS_VLLM_SKIP_034=1 skips it.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -24,4 +27,12 @@ if [ "$fast" = 1 ]; then
   exec .venv/bin/python -m pytest -m "not slow and not e2e and not network and not gpu" \
     tests/core tests/kernels tests/integration/test_config.py "$@"
 fi
-exec .venv/bin/python -m pytest ${marker:+-m "$marker"} "$@"
+paths=0
+for arg in "$@"; do
+  case "$arg" in -*) ;; *) paths=1 ;; esac
+done
+.venv/bin/python -m pytest ${marker:+-m "$marker"} "$@"
+if [ "$paths" = 0 ] && [ -n "$marker" ] && [ "${NEXUS_VLLM_SKIP_034:-0}" != 1 ]; then
+  echo "[test] vLLM 0.34 compat job (scripts/test_vllm034.sh)"
+  bash scripts/test_vllm034.sh "$@"
+fi

@@ -7,10 +7,11 @@ created here, so whichever backend the platform picks (``CPU_ATTN`` on CPU;
 ``--attention-backend``) comes with two mixins and nothing else changed:
 
 * :class:`NexusMetadataBuilderMixin` hands the ``CommonAttentionMetadata`` to the
-  worker's eviction state, which rewrites the block table and sequence lengths of rows
-  with evicted blocks into persistent buffers (compaction), before the stock ``build``;
-* :class:`NexusAttentionImplMixin` copies the newest queries of tracked requests into
-  the worker's query ring before the stock ``forward``.
+  worker's compactor (``compaction.py``), which rewrites the block table and sequence
+  lengths of rows with evicted blocks into persistent buffers, before the stock
+  ``build``;
+* :class:`NexusAttentionImplMixin` hands the newest queries of tracked requests to the
+  worker's query ring (``query_ring.py``) before the stock ``forward``.
 
 Neither mixin knows which backend it wraps: compaction works on the backend-neutral
 metadata, and the query arrives as ``[tokens, heads, head_size]`` on every backend. The
@@ -29,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from nexus_vllm.integration.worker_state import WorkerEvictionState
+    from nexus_vllm.integration.compaction import Compactor
+    from nexus_vllm.integration.query_ring import QueryRing
 
 __all__ = [
     "CPU_BACKENDS",
@@ -52,13 +54,13 @@ class NexusMetadataBuilderMixin:
 
     # Always build (never patch a cached build's block table): compaction runs in build.
     supports_update_block_table = False
-    nexus_state: WorkerEvictionState | None = None
+    nexus_compactor: Compactor | None = None
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, *args: Any,
               **kwargs: Any) -> Any:
-        state = self.nexus_state
-        if state is not None:
-            common_attn_metadata = state.compact(common_attn_metadata)
+        compactor = self.nexus_compactor
+        if compactor is not None:
+            common_attn_metadata = compactor.compact(common_attn_metadata)
         return super().build(common_prefix_len, common_attn_metadata, *args,  # type: ignore[misc]
                              **kwargs)
 
@@ -66,19 +68,20 @@ class NexusMetadataBuilderMixin:
 class NexusAttentionImplMixin:
     """Copies the newest queries of tracked requests before the stock ``forward``."""
 
-    nexus_state: WorkerEvictionState | None = None
+    nexus_ring: QueryRing | None = None
     nexus_layer: int = -1
+    nexus_self_check: bool = False
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any,
                 *args: Any, **kwargs: Any) -> Any:
-        state = self.nexus_state
-        if state is not None and attn_metadata is not None:
-            state.capture(self.nexus_layer, query)
+        ring = self.nexus_ring
+        if ring is not None and attn_metadata is not None:
+            ring.capture(self.nexus_layer, query)
         out = super().forward(layer, query, key, value, kv_cache,  # type: ignore[misc]
                               attn_metadata, *args, **kwargs)
-        if state is not None and state.self_check and attn_metadata is not None:
-            state.check_keys(self.nexus_layer, key)
+        if ring is not None and self.nexus_self_check and attn_metadata is not None:
+            ring.check_keys(self.nexus_layer, key)
         return out
 
 

@@ -151,12 +151,13 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
                 if not isinstance(builder, NexusMetadataBuilderMixin):
                     raise RuntimeError(f"nexus-vllm: metadata builder "
                                        f"{type(builder).__name__} has no eviction support")
-                builder.nexus_state = state
+                builder.nexus_compactor = state.compactor
         scored: dict[int, LayerKeys] = {}
         for view in attention_layers(self.vllm_config):
             idx = layer_index(view.name)
-            view.impl.nexus_state = state
+            view.impl.nexus_ring = state.ring
             view.impl.nexus_layer = idx
+            view.impl.nexus_self_check = state.self_check
             if idx in self._nexus_scored:
                 backend = view.layer.attn_backend.nexus_inner_name
                 keys = key_view(backend, view.kv_cache, int(view.impl.head_size),

@@ -276,7 +276,10 @@ BUILD_CASES = [
 
 @pytest.fixture(scope="module")
 def serve_parser():  # noqa: ANN201
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    try:  # vLLM 0.32 keeps the serve parser here; 0.34 moved it to entrypoints.common
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    except ModuleNotFoundError:
+        from vllm.entrypoints.common.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     import nexus_vllm

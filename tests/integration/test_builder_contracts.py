@@ -117,8 +117,8 @@ def _check_by_reference(m: Any, c: Case) -> None:
     assert m.block_table is c.compacted.block_table_tensor
     assert m.max_seq_len == c.compacted.max_seq_len == max(c.live_lens)
     # The same storage as the state's persistent buffers (what a FULL graph would replay).
-    assert m.block_table.data_ptr() == c.state._tables.data_ptr()
-    assert m.seq_lens.data_ptr() == c.state._lens.data_ptr()
+    assert m.block_table.data_ptr() == c.state.compactor._tables.data_ptr()
+    assert m.seq_lens.data_ptr() == c.state.compactor._lens.data_ptr()
     assert m.seq_lens.tolist() == c.live_lens
     for row, ids in enumerate(c.live):
         assert m.block_table[row, : len(ids)].tolist() == ids

@@ -3,8 +3,9 @@
 ``test_vllm_hooks.py`` checks the installed vLLM by importing it. This module reads the
 *sources* of each supported release with :mod:`ast`, without importing them: the installed
 0.32 (its package directory) and the PyPI wheels of 0.33.0 and 0.34.0 (downloaded once per
-machine by pip into ``$NEXUS_VLLM_WHEEL_CACHE``, default ``<repo>/.cache/vllm-wheels``; the
-few ``.py`` members needed are read straight from the zip). Each test runs once per
+machine by pip into ``$NEXUS_VLLM_CACHE/wheels``, default ``~/.cache/nexus_vllm/wheels``,
+shared with ``scripts/setup_vllm034.sh``; the few ``.py`` members needed are read straight
+from the zip). Each test runs once per
 release (ids ``0.32``, ``0.33``, ``0.34``); the wheel-backed ones are marked ``network``.
 
 Each test asserts the *shape* the plugin code relies on: a signature, a field, the order
@@ -130,8 +131,10 @@ class VllmSource:
 
 
 def _wheel_cache() -> pathlib.Path:
-    env = os.environ.get("NEXUS_VLLM_WHEEL_CACHE")
-    return pathlib.Path(env) if env else REPO / ".cache" / "vllm-wheels"
+    # The same cache scripts/setup_vllm034.sh downloads the 0.34 wheel into.
+    env = os.environ.get("NEXUS_VLLM_CACHE")
+    root = pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "nexus_vllm"
+    return root / "wheels"
 
 
 def _fetch_wheel(release: str) -> pathlib.Path:

@@ -214,7 +214,7 @@ def test_capture_and_scoring_equal_the_oracle() -> None:
     assert r2.scoring_seconds > 0
     # Finished requests release their slots and bookkeeping.
     state.begin_step(scheduler_output(finished=("a",)), _plan(3))
-    assert "a" not in state.slots and "a" not in state.evicted
+    assert "a" not in state.ring.slots and "a" not in state.evicted
     state.end_step()
 
 
@@ -261,12 +261,12 @@ def test_reset_requests_ignore_old_nulls() -> None:
     state = make_state(runner)
     state.begin_step(scheduler_output(), _plan(1, evict={"a": (1,)}, track=("a",)))
     state.end_step()
-    assert state.evicted["a"] == {1} and "a" in state.slots
+    assert state.evicted["a"] == {1} and "a" in state.ring.slots
     runner.requests["a"].block_ids[0] = [20, 21, 22, 23, 24]
     runner.table[0, :5] = [20, 21, 22, 23, 24]
     state.begin_step(scheduler_output(resumed=("a",)), _plan(2, evict={"a": (2,)}))
     assert runner.table[0, :5].tolist() == [20, 21, 22, 23, 24]
-    assert "a" not in state.evicted and "a" not in state.slots
+    assert "a" not in state.evicted and "a" not in state.ring.slots
     state.end_step()
 
 
@@ -312,7 +312,7 @@ def test_self_check_catches_a_wrong_key_view(monkeypatch) -> None:  # noqa: ANN0
         state.compact(cm)
         if ok:
             state.check_keys(0, key)
-            assert state._keys_checked == {0}
+            assert state.ring.keys_checked == {0}
         else:
             with pytest.raises(SelfCheckError, match="key view"):
                 state.check_keys(0, key)
