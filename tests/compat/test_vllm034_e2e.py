@@ -30,7 +30,7 @@ def _is_034() -> bool:
 
 
 pytestmark = [
-    pytest.mark.e2e, pytest.mark.slow,
+    pytest.mark.e2e, pytest.mark.slow, pytest.mark.compat,
     pytest.mark.skipif(not _is_034(), reason="needs the vLLM 0.34 build "
                        "(bash scripts/test_vllm034.sh)"),
 ]
