@@ -5,9 +5,9 @@
 #                                               config tests, without slow, e2e, network
 #                                               and gpu tests (about a minute)
 # Without --fast every marker runs (CI), except gpu on a box without a GPU. On a CPU box,
-# a full run (no test paths given) then runs the vLLM 0.34 compat job
-# (scripts/test_vllm034.sh: the canaries and an end-to-end subset on a vLLM 0.34 build,
-# about 6 minutes); NEXUS_VLLM_SKIP_034=1 skips it.
+# a full run (no test paths given) then runs the vLLM 0.34 compat job's CI tier
+# (scripts/test_vllm034.sh --ci: the canaries, unit tests and the core end-to-end module
+# on a vLLM 0.34 build, about 4 minutes on 2 cores); NEXUS_VLLM_SKIP_034=1 skips it.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -34,5 +34,5 @@ done
 .venv/bin/python -m pytest ${marker:+-m "$marker"} "$@"
 if [ "$paths" = 0 ] && [ -n "$marker" ] && [ "${NEXUS_VLLM_SKIP_034:-0}" != 1 ]; then
   echo "[test] vLLM 0.34 compat job (scripts/test_vllm034.sh)"
-  bash scripts/test_vllm034.sh "$@"
+  bash scripts/test_vllm034.sh --ci "$@"
 fi

@@ -3,7 +3,9 @@
 # .venv-vllm034/ (scripts/setup_vllm034.sh) and run, with its interpreter, the canaries
 # and the 0.34 end-to-end subset (tests/compat/). Extra arguments go to pytest.
 #   bash scripts/test_vllm034.sh            # canaries, unit tests and the 0.34 e2e subset
-#                                           # (about 5 minutes on 2 cores, build cached)
+#                                           # (about 8 minutes on 2 cores, build cached)
+#   bash scripts/test_vllm034.sh --ci       # the same with its core e2e module only (one
+#                                           # server; what scripts/test.sh runs, ~4 min)
 #   bash scripts/test_vllm034.sh --quick    # canaries and unit tests only (no server)
 # The unit tests' own end-to-end cases (tests marked e2e outside tests/compat) run on 0.32
 # only; the 0.34 e2e subset is tests/compat.
@@ -12,11 +14,11 @@
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
-quick=0
-if [ "${1:-}" = "--quick" ]; then
-  quick=1
-  shift
-fi
+tier=all
+case "${1:-}" in
+  --quick) tier=quick; shift ;;
+  --ci) tier=ci; shift ;;
+esac
 bash scripts/setup_env.sh
 bash scripts/setup_vllm034.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -27,8 +29,10 @@ unit=(tests/integration/test_vllm_hooks.py tests/integration/test_patch_safety.p
       tests/integration/test_runners.py tests/integration/test_manager.py
       tests/integration/test_worker_state.py tests/integration/test_startup_checks.py
       tests/integration/test_bad_input.py)
-if [ "$quick" = 1 ]; then
-  exec "$py" -m pytest -m "not gpu and not e2e" -p no:cacheprovider "${unit[@]}" "$@"
-fi
+case "$tier" in
+  quick) e2e=() ;;
+  ci) e2e=(tests/compat/test_vllm034_e2e.py) ;;
+  *) e2e=(tests/compat) ;;
+esac
 exec "$py" -m pytest -m "not gpu and (not e2e or compat)" -p no:cacheprovider "${unit[@]}" \
-  tests/compat "$@"
+  ${e2e[@]+"${e2e[@]}"} "$@"
