@@ -18,24 +18,11 @@ pure-torch stand-ins (``scripts/vllm034_cpu/``).
 
 from __future__ import annotations
 
-import importlib.metadata
-
 import pytest
 
-from tests.integration.conftest import HAS_VLLM
+from tests.compat._marks import VLLM034
 
-
-def _is_034() -> bool:
-    if not HAS_VLLM:
-        return False
-    return importlib.metadata.version("vllm").startswith("0.34.")
-
-
-pytestmark = [
-    pytest.mark.e2e, pytest.mark.slow, pytest.mark.compat,
-    pytest.mark.skipif(not _is_034(), reason="needs the vLLM 0.34 build "
-                       "(bash scripts/test_vllm034.sh)"),
-]
+pytestmark = VLLM034
 
 # The core of the main suite's end-to-end checks, run unchanged on 0.34 (same assertions;
 # the evicting server is this module's, without the stock reference server).

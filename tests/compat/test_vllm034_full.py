@@ -7,15 +7,9 @@ and the plugin installed next to a vLLM it does not support. About 4 minutes mor
 
 from __future__ import annotations
 
-import pytest
+from tests.compat._marks import VLLM034
 
-from tests.compat.test_vllm034_e2e import _is_034
-
-pytestmark = [
-    pytest.mark.e2e, pytest.mark.slow, pytest.mark.compat,
-    pytest.mark.skipif(not _is_034(), reason="needs the vLLM 0.34 build "
-                       "(bash scripts/test_vllm034.sh)"),
-]
+pytestmark = VLLM034
 
 from tests.integration.test_e2e_reliability import (  # noqa: E402, F401
     server,
