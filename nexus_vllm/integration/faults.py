@@ -18,11 +18,12 @@ Example: ``NEXUS_VLLM_FAULTS=score_error@1`` makes rank 1 fail every scoring ste
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
 from dataclasses import dataclass
 
-__all__ = ["ENV", "KINDS", "FaultSpec", "fires", "parse"]
+__all__ = ["ENV", "KINDS", "FaultLog", "FaultSpec", "fires", "parse"]
 
 ENV = "NEXUS_VLLM_FAULTS"
 KINDS = ("score_error", "policy_error", "plan_lost", "plan_duplicate")
@@ -67,3 +68,27 @@ def fires(kind: str, *, rank: int | None = None) -> bool:
         return False
     _SEEN[kind] += 1
     return _SEEN[kind] % spec.every == 0
+
+
+class FaultLog:
+    """Faults absorbed without harm: counted per kind (into ``counts``, which the owner
+    reports and clears), each kind logged the first time it is seen in this process."""
+
+    def __init__(self, logger: logging.Logger, counts: Counter[str] | None = None) -> None:
+        self.counts: Counter[str] = Counter() if counts is None else counts
+        self._logger = logger
+        self._logged: set[str] = set()
+
+    def __call__(self, kind: str, message: str, *, exc: bool = False) -> None:
+        self.counts[kind] += 1
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log = self._logger.exception if exc else self._logger.warning
+            log("nexus-vllm: %s (%s; logged once per kind, counted in "
+                "vllm:nexus_faults_total)", message, kind)
+
+    def take(self) -> dict[str, int]:
+        """The counts since the last call."""
+        out = dict(self.counts)
+        self.counts.clear()
+        return out

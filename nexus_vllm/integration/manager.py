@@ -100,7 +100,8 @@ class EvictionManager:
         gate_admission(kv_cache_manager, self.may_admit)
         self.counters = SchedulerCounters()
         self.chunk_blocks = cdiv(int(server_cfg.chunk_size), self.block_size)
-        self._logged: set[str] = set()
+        # Counted into the stats' fault counter (reported and cleared each stats update).
+        self._fault = faults.FaultLog(logger, self.counters.faults)
 
     # -- helpers -----------------------------------------------------------------------
     def _state(self, request: Any) -> RequestEvictionState | None:
@@ -189,14 +190,6 @@ class EvictionManager:
 
     def live_count(self, req_id: str, num_tokens: int | None = None) -> int:
         return len(self.live_indices(req_id, num_tokens))
-
-    def _fault(self, kind: str, message: str, *, exc: bool = False) -> None:
-        self.counters.faults[kind] += 1
-        if kind not in self._logged:
-            self._logged.add(kind)
-            log = logger.exception if exc else logger.warning
-            log("nexus-vllm: %s (%s; logged once per kind, counted in "
-                "vllm:nexus_faults_total)", message, kind)
 
     # -- schedule() --------------------------------------------------------------------
     def plan_step(self, scheduler_output: Any, requests: dict[str, Any]) -> StepPlan:

@@ -48,7 +48,7 @@ from nexus_vllm.integration.query_ring import QueryRing
 from nexus_vllm.integration.runners import RunnerAdapter
 from nexus_vllm.integration.step_plan import ScoreRequest, StepPlan, WorkerReply
 from nexus_vllm.integration.vllm_compat import NULL_BLOCK_ID, reset_request_ids
-from nexus_vllm.integration.worker_step import FaultLog, LayerKeys, SelfCheckError, Step
+from nexus_vllm.integration.worker_step import LayerKeys, SelfCheckError, Step
 
 logger = init_logger(__name__)
 
@@ -87,11 +87,9 @@ class WorkerEvictionState:
     def __init__(self, *, block_size: int, window: int, max_requests: int,
                  device: torch.device, score_backend: str, tp_rank: int = 0,
                  tp_size: int = 1) -> None:
-        self.block_size = int(block_size)
         self.max_requests = int(max_requests)
-        self.device = device
         self.runner: RunnerAdapter | None = None
-        self.fault = FaultLog(logger)
+        self.fault = faults.FaultLog(logger)
         self.self_check = os.environ.get(SELF_CHECK_ENV, "0") == "1"
         self.compactor = Compactor(block_size=block_size, max_requests=max_requests,
                                    backend=score_backend)

@@ -9,8 +9,6 @@ forward. Each part is handed the step explicitly; none reaches into another.
 
 from __future__ import annotations
 
-import logging
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +17,7 @@ import torch
 
 from nexus_vllm.integration.step_plan import StepPlan
 
-__all__ = ["Batch", "FaultLog", "LayerKeys", "SelfCheckError", "Staging", "Step"]
+__all__ = ["Batch", "LayerKeys", "SelfCheckError", "Staging", "Step"]
 
 
 class SelfCheckError(RuntimeError):
@@ -87,27 +85,3 @@ class Staging:
         if self.device is self.host:
             return self.host[:n]
         return self.device[:n].copy_(self.host[:n], non_blocking=True)
-
-
-class FaultLog:
-    """Faults counted per kind (reported in each reply, then cleared), each kind logged
-    the first time it is seen in this process."""
-
-    def __init__(self, logger: logging.Logger) -> None:
-        self.counts: Counter[str] = Counter()
-        self._logger = logger
-        self._logged: set[str] = set()
-
-    def __call__(self, kind: str, message: str, *, exc: bool = False) -> None:
-        self.counts[kind] += 1
-        if kind not in self._logged:
-            self._logged.add(kind)
-            log = self._logger.exception if exc else self._logger.warning
-            log("nexus-vllm: %s (%s; logged once per kind, counted in "
-                "vllm:nexus_faults_total)", message, kind)
-
-    def take(self) -> dict[str, int]:
-        """The counts since the last call."""
-        out = dict(self.counts)
-        self.counts.clear()
-        return out
