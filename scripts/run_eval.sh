@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces docs/results.md on a CPU box (the numbers there come from these commands).
-#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|docs|all]
+#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|docs|all]
 #   (default: all)
 # Each run resumes from its records.jsonl if interrupted. 1 torch thread per run.
 set -euo pipefail
@@ -15,7 +15,7 @@ run() {  # name, extra args...
 what=${1:-all}
 want() { [ "$what" = all ] || [ "$what" = "$1" ]; }
 case "$what" in
-  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|docs|all) ;;
+  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|docs|all) ;;
   *) echo "unknown target $what" >&2; exit 2 ;;
 esac
 want calibration && run calibration
@@ -87,6 +87,31 @@ if want sweep; then
   fi
   run sweep
 fi
+want prompt_end_tuning && run prompt_end_tuning
+# One process per task (one core each; more than two share the cores), seeded with the
+# records of the runs they share methods with (`stream` mode: identical keys, not rerun),
+# then one report over all tasks.
+per_task() {  # config, seed run, tasks...
+  local name=$1 seed=$2; shift 2
+  local parts=()
+  for task in "$@"; do
+    mkdir -p "$OUT/${name}_$task"
+    if [ -e "$OUT/$seed/records.jsonl" ]; then
+      "$PY" -m nexus_vllm.cli records "$OUT/$seed/records.jsonl" --where task="$task" \
+        --where protocol=question-last --exclude-method-prefix nexus: --if-missing \
+        --out "$OUT/${name}_$task/records.jsonl"
+    fi
+    run "$name" --tasks "$task" --out "$OUT/${name}_$task" &
+    parts+=("$OUT/${name}_$task/records.jsonl")
+  done
+  wait
+  "$PY" -m nexus_vllm.cli records "${parts[@]}" --out "$OUT/$name/records.jsonl"
+  run "$name" --report-only
+}
+want prompt_modes && per_task prompt_modes paired niah_single_noise niah_single_prose niah_multikey
+want prompt_modes_capped && per_task prompt_modes_capped none niah_single_noise niah_single_prose niah_multikey
+want prompt_modes_multiturn && per_task prompt_modes_multiturn dialogues multiturn
+want prompt_modes_longgen && per_task prompt_modes_longgen dialogues longgen
 if want docs; then
   # Ours and kvpress's presses side by side: headline records + the peer's records.
   if [ -e "$OUT/headline/records.jsonl" ] && [ -e "$OUT/kvpress/kvpress_records.jsonl" ]; then
@@ -96,7 +121,7 @@ if want docs; then
       --report-only --publish docs/figures/peer_compare
   fi
   # Rebuild each run's reports from its records and copy them into docs/figures.
-  for name in calibration headline ablation prefill knorm_prior paired dialogues dialogues_pps scoring_cost scoring_cost_report scoring_cost_dialogues kvpress sweep; do
+  for name in calibration headline ablation prefill knorm_prior paired dialogues dialogues_pps scoring_cost scoring_cost_report scoring_cost_dialogues kvpress sweep prompt_end_tuning prompt_modes prompt_modes_capped prompt_modes_multiturn prompt_modes_longgen; do
     [ -d "$OUT/$name" ] || continue
     "$PY" -m nexus_vllm.cli eval --config "configs/eval/$name.yaml" --out "$OUT/$name" \
       --report-only --publish "docs/figures/$name"

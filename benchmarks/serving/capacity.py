@@ -214,6 +214,21 @@ def derive(args: argparse.Namespace) -> dict[str, int]:
     }
 
 
+def config_bound(name: str, d: dict[str, int], args: argparse.Namespace) -> int:
+    """Most blocks one request of config ``name`` may hold: the server's own rule
+    (``EvictionConfig.bound_blocks``, which follows the config's ``prompt_mode``), so the
+    benchmark cannot drift from what admission reserves. Stock: the whole sequence."""
+    if name in STOCK:
+        return d["seq_blocks"]
+    from nexus_vllm.core import EvictionConfig
+
+    method, knobs = config_knobs(name)
+    cfg = EvictionConfig.from_dict({"method": method, "max_tokens": d["budget_tokens"],
+                                    "chunk_size": d["chunk_tokens"],
+                                    "block_size": d["block_size"], **knobs})
+    return cfg.bound_blocks(args.input_len, args.input_len + args.output_len)
+
+
 def server_flags(name: str, d: dict[str, int], max_seqs: int, gpu: bool) -> list[str]:
     base = (["--gpu-memory-utilization", "0.9"] if gpu else
             ["--enforce-eager", "--dtype", "float32", "--distributed-executor-backend", "uni"])
@@ -335,7 +350,7 @@ def run_level(server: Any, name: str, level: int, args: argparse.Namespace,
         "peak_pool_blocks": round(poller.peak_pool, 1),
         "peak_pool_frac": round(poller.peak_pool / d["usable_blocks"], 4),
         "peak_blocks_per_request": round(peak_req, 1),
-        "bound_blocks": d["bound_blocks"] if evicting else d["seq_blocks"],
+        "bound_blocks": config_bound(name, d, args),
         "overhead": (scoring_s + policy_s) / step_s if evicting and step_s > 0 else None,
         "scoring_s": round(scoring_s, 4), "policy_s": round(policy_s, 4),
         "step_s": round(step_s, 4),

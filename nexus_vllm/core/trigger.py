@@ -1,15 +1,22 @@
 """When an eviction event fires: the one rule shared by the vLLM plugin and the
 transformers path, so both evict at the same moments for the same stream.
 
-* After every prefill chunk, if the sequence holds more blocks than its budget.
-* While decoding, once the sequence is over budget and ``interval`` decode tokens have
-  passed since the last event, or at once when it reaches ``hard_limit`` blocks (budget
-  plus one prefill chunk: the most a sequence may ever hold).
+The budget at each moment is :meth:`EvictionConfig.target_blocks` (it follows the
+config's ``prompt_mode``), the most a sequence may hold :meth:`EvictionConfig.hard_limit`.
+
+* After every prefill chunk, if the sequence holds more blocks than its target. In
+  ``stream`` mode that is every chunk once over budget; in ``end`` mode with no
+  ``prefill_budget`` it is exactly one event, after the prompt's last chunk (the
+  prompt-end event, its window ending with the question); in ``keep`` mode none.
+* While decoding, once the sequence is over its target and ``interval`` decode tokens have
+  passed since the last event, or at once when it reaches the hard limit (target plus one
+  prefill chunk).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["EvictionTrigger"]
 
@@ -20,30 +27,38 @@ class EvictionTrigger:
 
     Parameters
     ----------
-    interval : int
-        Decode tokens between events once over budget.
+    config : EvictionConfig
+        The request's config (its budget rule, ``interval`` and chunk size).
+    prompt_tokens : int
+        The request's prompt length (where prefill ends and the prompt-end event fires).
     """
 
-    interval: int
+    config: Any
+    prompt_tokens: int
     decode_tokens: int = 0
 
     def reset(self) -> None:
         self.decode_tokens = 0
 
-    def prefill_chunk(self, live_blocks: int, budget_blocks: int) -> bool:
-        """Whether an event follows the prefill chunk just computed."""
-        if live_blocks <= budget_blocks:
+    def prefill_chunk(self, tokens: int, live_blocks: int) -> bool:
+        """Whether an event follows the prefill chunk that brought the sequence to
+        ``tokens`` computed tokens, holding ``live_blocks``."""
+        if live_blocks <= self.config.target_blocks(tokens, self.prompt_tokens):
             return False
         self.decode_tokens = 0
         return True
 
-    def decode(self, new_tokens: int, live_blocks: int, budget_blocks: int,
-               hard_limit: int) -> bool:
-        """Count ``new_tokens`` decoded tokens; whether an event follows them."""
-        self.decode_tokens += new_tokens
-        if live_blocks <= budget_blocks:
+    def decode_due(self, new_tokens: int, tokens: int, live_blocks: int) -> bool:
+        """Whether an event would follow ``new_tokens`` more decoded tokens that bring the
+        sequence to ``tokens`` tokens and ``live_blocks`` blocks (no state change)."""
+        cfg = self.config
+        if live_blocks <= cfg.target_blocks(tokens, self.prompt_tokens):
             return False
-        if self.decode_tokens >= self.interval or live_blocks >= hard_limit:
-            self.decode_tokens = 0
-            return True
-        return False
+        return (self.decode_tokens + new_tokens >= cfg.interval
+                or live_blocks >= cfg.hard_limit(tokens, self.prompt_tokens))
+
+    def decode(self, new_tokens: int, tokens: int, live_blocks: int) -> bool:
+        """Count ``new_tokens`` decoded tokens; whether an event follows them."""
+        due = self.decode_due(new_tokens, tokens, live_blocks)
+        self.decode_tokens = 0 if due else self.decode_tokens + new_tokens
+        return due

@@ -22,9 +22,9 @@ from nexus_vllm.core import EvictionConfig
 from nexus_vllm.eval.dialogues import DIALOGUE_TASKS, Dialogue, make_dialogue
 from nexus_vllm.eval.records import Record, SampleId, read_records, record_key, record_writer
 from nexus_vllm.eval.tasks import Sample, make_sample
-from nexus_vllm.hf import SampleResult, make_config, run_sample
+from nexus_vllm.hf import SampleResult, make_config
 from nexus_vllm.hf.dialogue import ProbeResult, run_probes
-from nexus_vllm.hf.generate import eos_ids
+from nexus_vllm.hf.generate import PromptState, eos_ids, finish_sample, prefill_sample
 
 __all__ = ["MethodSpec", "Run", "RunConfig", "config_dict", "iter_runs", "iter_samples",
            "kl_to_dense", "parse_method", "run_eval"]
@@ -202,26 +202,57 @@ def _job(cfg: RunConfig, model: Any, tokenizer: Any, sid: SampleId) -> _SampleJo
     return _SampleJob(cfg, model, tokenizer, sid, sample)
 
 
+def _capture_rows(cfg: RunConfig) -> int:
+    """Query rows the dense prompt state keeps, enough for every method's windows."""
+    rows = 0
+    for spec in (parse_method(m) for m in cfg.methods):
+        if spec.method != "dense":
+            c = EvictionConfig(method=spec.method, **{**cfg.knobs, **spec.knobs})
+            rows = max(rows, c.window, c.prefill_window)
+    return rows
+
+
 @dataclass
 class _SampleJob:
-    """Runs of one single-question sample."""
+    """Runs of one single-question sample.
+
+    A method that does not evict before the prompt's end (``prompt_mode`` ``end`` without
+    ``prefill_budget``, or ``keep``) starts from the dense run's prompt state, which is
+    exactly the state its own prefill would reach (``PromptState.fork``): those runs cost
+    an event and the decoding only.
+    """
 
     cfg: RunConfig
     model: Any
     tokenizer: Any
     sid: SampleId
     sample: Sample
+    dense_prompt: PromptState | None = None
+
+    def _prompt(self, config: EvictionConfig | None, seed: int) -> PromptState:
+        s = self.sample
+        if config is None:
+            state = prefill_sample(self.model, self.tokenizer, s.context, s.question,
+                                   s.target, config=None, chunk_size=self.cfg.chunk_size,
+                                   preamble=s.preamble, capture_rows=_capture_rows(self.cfg))
+            self.dense_prompt = state
+            return PromptState(state.session.clone(), state.split, state.ids,
+                               state.last_ctx, state.q_logits)
+        if self.dense_prompt is not None and config.prompt_mode != "stream" \
+                and config.prefill_budget is None:
+            return self.dense_prompt.fork(config, seed=seed)
+        return prefill_sample(self.model, self.tokenizer, s.context, s.question, s.target,
+                              config=config, chunk_size=self.cfg.chunk_size,
+                              preamble=s.preamble)
 
     def run(self, spec: MethodSpec, budget: Any, seed: int,
             dense: SampleResult | None = None) -> tuple[SampleResult, Record]:
         knobs = {**self.cfg.knobs, **spec.knobs}
         t0 = time.perf_counter()
-        res = run_sample(self.model, self.tokenizer, self.sample.context, self.sample.question,
-                         self.sample.target, method=spec.method, budget=budget,
-                         chunk_size=self.cfg.chunk_size,
-                         max_new_tokens=self.sample.max_new_tokens, seed=seed,
-                         preamble=self.sample.preamble,
-                         **({} if spec.method == "dense" else knobs))
+        config = None if spec.method == "dense" else make_config(
+            spec.method, budget, chunk_size=self.cfg.chunk_size, seed=seed, **knobs)
+        res = finish_sample(self._prompt(config, seed), self.tokenizer,
+                            max_new_tokens=self.sample.max_new_tokens)
         secs = time.perf_counter() - t0
         ref = dense if dense is not None else res
         kl_all, kl_ans = kl_to_dense(ref, res)

@@ -5,8 +5,8 @@ conversation so far; every request streams its prompt from the start in ``chunk_
 pieces with an eviction event after each (:func:`nexus_vllm.hf.generate_ids`). Requests
 whose prompts share a prefix therefore share every event on the prefix's whole chunks, and
 the state after them (cache, policy state, sampler generator) is the same. :func:`run_probes`
-streams the stream's whole chunks once and branches each request off the state at its last
-whole chunk, which gives exactly the per-request results of :func:`generate_ids` (tested)
+streams the stream's whole chunks once and branches each request off the state before its
+last chunk, which gives exactly the per-request results of :func:`generate_ids` (tested)
 at the cost of one pass.
 
 A :class:`Probe` is one request: its prompt ``ids[:prompt_end]``, then optionally tokens
@@ -105,22 +105,21 @@ def run_probes(model: Any, ids: torch.Tensor, probes: list[Probe] | tuple[Probe,
     ids = ids.to(device)
     eos = eos_token_ids or set()
     prefix = StreamingSession(model, config, request_seed=request_seed)
-    prefix_logits: torch.Tensor | None = None
     fed = 0
     out: list[ProbeResult] = []
     for probe in probes:
-        whole = probe.prompt_end // chunk_size * chunk_size
+        # The prefix holds only chunks before each request's last one: its events are
+        # mid-prompt for every later request (prompt_mode "end" and "keep" evict
+        # differently at a prompt's end), and the request computes its last chunk itself.
+        whole = (probe.prompt_end - 1) // chunk_size * chunk_size
         while fed < whole:
-            prefix_logits = prefix.forward(ids[fed:fed + chunk_size], logits_to_keep=1)[-1]
+            prefix.forward(ids[fed:fed + chunk_size], logits_to_keep=1)
             prefix.evict(prefill=True)
             fed += chunk_size
         req = prefix.clone()
-        if fed < probe.prompt_end:
-            logits = req.forward(ids[fed:probe.prompt_end], logits_to_keep=1)[-1]
-            req.evict(prefill=True)
-        else:
-            assert prefix_logits is not None
-            logits = prefix_logits
+        req.set_prompt_tokens(probe.prompt_end)
+        logits = req.forward(ids[fed:probe.prompt_end], logits_to_keep=1)[-1]
+        req.evict(prefill=True)
         if probe.forced_end > probe.prompt_end:
             # The model's own earlier output: fed as decode tokens, events as in decoding.
             pieces = teacher_force(req, ids[probe.prompt_end:probe.forced_end])

@@ -4,6 +4,12 @@ The prompt ``preamble + context + question`` is tokenized as one string (exactly
 ``tokenizer(preamble + context + question)``), split at the context/question boundary,
 the preamble+context tokens are fed in chunks with an eviction event after each chunk, the
 question tokens in one forward, and decoding evicts every ``interval`` tokens.
+
+The config's ``prompt_mode`` decides which of those events evict: in ``stream`` mode the
+context chunks' (the question is fed after the last context event, so no event sees
+it); in ``end`` mode one event after the question (the prompt-end event, its window the
+question's last tokens), plus the context chunks' under a ``prefill_budget``; in ``keep``
+mode only decode events, over the generated tokens.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ import torch
 from nexus_vllm.core import EvictionConfig
 from nexus_vllm.hf.streaming import StreamingSession, make_config
 
-__all__ = ["PromptSplit", "SampleResult", "encode_prompt", "generate", "generate_ids",
-           "eos_ids", "greedy_ids", "run_sample", "teacher_force"]
+__all__ = ["PromptSplit", "PromptState", "SampleResult", "encode_prompt", "eos_ids",
+           "finish_sample", "generate", "generate_ids", "greedy_ids", "prefill_sample",
+           "run_sample", "teacher_force"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,15 @@ def _prefill(session: StreamingSession, ids: torch.Tensor, chunk_size: int) -> t
     return logits[-1]
 
 
+def _prompt_end(session: StreamingSession) -> None:
+    """The event after the question, the prompt's last piece (``end`` mode's prompt-end
+    event). ``stream`` keeps its protocol: the question is fed after the last context
+    event and no event follows it."""
+    cfg = session.config
+    if cfg is not None and cfg.prompt_mode != "stream":
+        session.evict(prefill=True)
+
+
 def _device_of(model: Any) -> torch.device:
     return next(model.parameters()).device
 
@@ -125,9 +141,11 @@ def generate(model: Any, tokenizer: Any, context: str, question: str, *, method:
         if method not in ("dense", "none") else None
     split = encode_prompt(tokenizer, context, question, preamble=preamble)
     ids = split.ids.to(_device_of(model))
-    session = StreamingSession(model, cfg, record_events=return_session)
+    session = StreamingSession(model, cfg, record_events=return_session,
+                               prompt_tokens=split.n_prompt)
     _prefill(session, ids[: split.n_context], chunk_size)
     logits = session.forward(ids[split.n_context:], logits_to_keep=1)[-1]
+    _prompt_end(session)
     text = _decode_greedy(session, tokenizer, logits, max_new_tokens)
     return (text, session) if return_session else text
 
@@ -187,7 +205,8 @@ def generate_ids(model: Any, prompt_ids: list[int], config: EvictionConfig | Non
     (list[int], StreamingSession)
         The generated ids (stopping after an id in ``eos_token_ids``), and the session.
     """
-    session = StreamingSession(model, config, request_seed=request_seed, record_events=True)
+    session = StreamingSession(model, config, request_seed=request_seed, record_events=True,
+                               prompt_tokens=len(prompt_ids))
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=_device_of(model))
     chunk = config.chunk_size if config is not None else max(1, ids.numel())
     logits = _prefill(session, ids, chunk)
@@ -213,31 +232,75 @@ class SampleResult:
         return float(lp.sum())
 
 
+@dataclass(frozen=True)
+class PromptState:
+    """A sample after its prompt (context, then question): the session, and the logits of
+    the question's tokens, before the prompt-end event."""
+
+    session: StreamingSession
+    split: PromptSplit
+    ids: torch.Tensor  # LongTensor[L]: prompt and reference answer
+    last_ctx: torch.Tensor  # [V], the logits after the context (predicting the question)
+    q_logits: torch.Tensor  # [n_question, V]
+
+    def fork(self, config: EvictionConfig, *, seed: int) -> PromptState:
+        """This dense prompt state as a run under ``config`` would have reached it:
+        exact for ``end`` without ``prefill_budget`` and for ``keep`` (no event before the
+        prompt's end), so those runs skip their prefill (``StreamingSession.with_config``).
+        """
+        cfg = config.replace(seed=seed)
+        return PromptState(self.session.with_config(cfg), self.split, self.ids,
+                           self.last_ctx, self.q_logits)
+
+
 @torch.no_grad()
-def run_sample(model: Any, tokenizer: Any, context: str, question: str, answer: str, *,
-               method: str, budget: float | int | None, chunk_size: int = 512,
-               max_new_tokens: int = 64, seed: int = 0, preamble: str = "",
-               **knobs: Any) -> SampleResult:
-    """One prefill, then branch: greedy generation and teacher forcing of ``answer``
-    (:func:`teacher_force`, the cache states greedy decoding would have had)."""
-    cfg = make_config(method, budget, chunk_size=chunk_size, seed=seed, **knobs) \
-        if method not in ("dense", "none") else None
+def prefill_sample(model: Any, tokenizer: Any, context: str, question: str, answer: str, *,
+                   config: EvictionConfig | None, chunk_size: int = 512, preamble: str = "",
+                   capture_rows: int = 0) -> PromptState:
+    """Stream ``preamble + context`` in chunks (an event after each), then the question in
+    one forward; no prompt-end event yet (:func:`finish_sample` fires it)."""
     split = encode_prompt(tokenizer, context, question, preamble=preamble, answer=answer)
     ids = split.ids.to(_device_of(model))
-    session = StreamingSession(model, cfg)
+    session = StreamingSession(model, config, prompt_tokens=split.n_prompt,
+                               capture_rows=capture_rows)
     last_ctx = _prefill(session, ids[: split.n_context], chunk_size)
-    prefill_events = session.num_events
     q_logits = session.forward(ids[split.n_context: split.n_prompt], logits_to_keep=0)
+    return PromptState(session, split, ids, last_ctx, q_logits)
+
+
+@torch.no_grad()
+def finish_sample(state: PromptState, tokenizer: Any, *, max_new_tokens: int) -> SampleResult:
+    """The prompt-end event (``end`` mode), then two branches: greedy generation and
+    teacher forcing of the reference answer (:func:`teacher_force`, the cache states
+    greedy decoding would have had). ``state``'s session is consumed."""
+    session, split, ids = state.session, state.split, state.ids
+    _prompt_end(session)
+    prefill_events = session.num_events
     cache_tokens = session.cache_len
     forced = session.clone()
-    text = _decode_greedy(session, tokenizer, q_logits[-1], max_new_tokens)
+    text = _decode_greedy(session, tokenizer, state.q_logits[-1], max_new_tokens)
 
     answer_ids = ids[split.n_prompt:]
     # The last answer token predicts nothing we score, so it is not fed.
-    pieces = [last_ctx.unsqueeze(0), q_logits, *teacher_force(forced, answer_ids[:-1])]
+    pieces = [state.last_ctx.unsqueeze(0), state.q_logits,
+              *teacher_force(forced, answer_ids[:-1])]
     logits = torch.cat(pieces)  # [P, V]
     targets = ids[split.n_context:].cpu()
     return SampleResult(
         text=text, logprobs=torch.log_softmax(logits.float().cpu(), dim=-1), targets=targets,
         n_answer=int(answer_ids.numel()), cache_tokens=cache_tokens, events=prefill_events,
     )
+
+
+@torch.no_grad()
+def run_sample(model: Any, tokenizer: Any, context: str, question: str, answer: str, *,
+               method: str, budget: float | int | None, chunk_size: int = 512,
+               max_new_tokens: int = 64, seed: int = 0, preamble: str = "",
+               **knobs: Any) -> SampleResult:
+    """One prefill (:func:`prefill_sample`), the prompt-end event in ``end`` mode, then
+    branch: greedy generation and teacher forcing of ``answer`` (:func:`finish_sample`)."""
+    cfg = make_config(method, budget, chunk_size=chunk_size, seed=seed, **knobs) \
+        if method not in ("dense", "none") else None
+    state = prefill_sample(model, tokenizer, context, question, answer, config=cfg,
+                           chunk_size=chunk_size, preamble=preamble)
+    return finish_sample(state, tokenizer, max_new_tokens=max_new_tokens)

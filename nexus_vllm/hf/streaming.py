@@ -31,6 +31,8 @@ _registered = False
 _register_lock = threading.Lock()
 # The session whose forward is running (one at a time per process; forwards are not reentrant).
 _active: StreamingSession | None = None
+# A prompt length no stream reaches: the prompt has not ended yet.
+_UNKNOWN = 1 << 62
 
 
 
@@ -109,10 +111,18 @@ class StreamingSession:
         Mixed with ``config.seed`` into the per-request generator.
     record_events : bool
         Keep an :class:`EvictionEvent` per event in ``self.events`` (tests, statistics).
+    prompt_tokens : int, optional
+        The prompt's length, where prefill ends (``prompt_mode`` ``end`` and ``keep`` read
+        it); None: not known yet, every token fed counts as prompt until
+        :meth:`set_prompt_tokens`.
+    capture_rows : int
+        Query rows to keep per layer besides what ``config`` scores (a dense session that
+        :meth:`with_config` later turns into an evicting one).
     """
 
     def __init__(self, model: Any, config: EvictionConfig | None, *, request_seed: int = 0,
-                 record_events: bool = False) -> None:
+                 record_events: bool = False, prompt_tokens: int | None = None,
+                 capture_rows: int = 0) -> None:
         from transformers import DynamicCache
 
         _register()
@@ -128,9 +138,10 @@ class StreamingSession:
         self.record_events = record_events
         self.num_events = 0
         # The vLLM plugin's rule for when events fire (nexus_vllm.core.trigger).
-        self.trigger = EvictionTrigger(config.interval if config is not None else 1)
+        self.trigger = EvictionTrigger(config, _UNKNOWN if prompt_tokens is None
+                                       else int(prompt_tokens))
         keep = max(config.window, config.prefill_window) if config is not None else 0
-        self._query_keep = keep
+        self._query_keep = max(keep, int(capture_rows))
         self._queries: list[torch.Tensor | None] = [None] * self.num_layers
 
     # ------------------------------------------------------------------ forward
@@ -206,24 +217,38 @@ class StreamingSession:
         padded[: norms.shape[0]] = norms
         return padded.view(n, b).nanmean(dim=1)
 
-    def evict(self, *, prefill: bool) -> bool:
-        """Run one eviction event if the cache is over budget; return whether it evicted."""
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.trigger.prompt_tokens)
+
+    def set_prompt_tokens(self, prompt_tokens: int) -> None:
+        """Where this sequence's prompt ends (a branch of a shared prefix ends its own)."""
+        self.trigger.prompt_tokens = int(prompt_tokens)
+
+    def evict(self, *, prefill: bool = True) -> bool:
+        """After a prompt chunk: run one eviction event if the trigger says so (the
+        sequence holds more than its target, :meth:`EvictionConfig.target_blocks`); return
+        whether it evicted. ``prefill=False`` evicts down to the target whenever over it
+        (a decode-style event outside the decode clock)."""
         cfg = self.config
         if cfg is None:
             return False
         n_blocks = num_blocks_for(self.cache_len, cfg.block_size)
-        budget_blocks = cfg.budget_blocks(self.seen)
-        if n_blocks <= budget_blocks:
+        if prefill:
+            if not self.trigger.prefill_chunk(self.seen, n_blocks):
+                return False
+        elif n_blocks <= cfg.target_blocks(self.seen, self.prompt_tokens):
             return False
         self.trigger.reset()
-        return self._event(prefill=prefill, n_blocks=n_blocks, budget_blocks=budget_blocks)
+        return self._event(prefill=prefill, n_blocks=n_blocks,
+                           budget_blocks=cfg.target_blocks(self.seen, self.prompt_tokens))
 
     def _event(self, *, prefill: bool, n_blocks: int, budget_blocks: int) -> bool:
         cfg = self.config
         assert cfg is not None
         b = cfg.block_size
         t = self.cache_len
-        policy = cfg.policy(prefill=prefill)
+        policy = cfg.policy(prefill=prefill, prompt_tokens=self.prompt_tokens)
         scored = "mass" in policy.needs
         if scored:
             mass = self.block_mass(policy.window(cfg.prefill_window if prefill else cfg.window))
@@ -252,8 +277,8 @@ class StreamingSession:
 
     def decode_step_done(self, n: int = 1) -> None:
         """Count ``n`` decoded tokens (fed since the last call); fire an event when the
-        trigger says so (over budget and ``interval`` tokens since the last event, or at
-        budget + one chunk).
+        trigger says so (over the target and ``interval`` tokens since the last event, or
+        at the hard limit: target + one chunk).
 
         With ``n > 1`` the rule is checked once, on the counts after all ``n``: the caller
         guarantees no event was due earlier (:meth:`decode_tokens_before_event`).
@@ -262,10 +287,9 @@ class StreamingSession:
         if cfg is None:
             return
         n_blocks = num_blocks_for(self.cache_len, cfg.block_size)
-        budget_blocks = cfg.budget_blocks(self.seen)
-        hard_limit = budget_blocks + num_blocks_for(cfg.chunk_size, cfg.block_size)
-        if self.trigger.decode(n, n_blocks, budget_blocks, hard_limit):
-            self._event(prefill=False, n_blocks=n_blocks, budget_blocks=budget_blocks)
+        if self.trigger.decode(n, self.seen, n_blocks):
+            self._event(prefill=False, n_blocks=n_blocks,
+                        budget_blocks=cfg.target_blocks(self.seen, self.prompt_tokens))
 
     def decode_tokens_before_event(self, limit: int) -> int:
         """How many decode tokens (``1..limit``) can be fed in one forward: up to and
@@ -274,15 +298,35 @@ class StreamingSession:
         cfg = self.config
         if cfg is None:
             return limit
-        chunk_blocks = num_blocks_for(cfg.chunk_size, cfg.block_size)
         for j in range(1, limit + 1):
             n_blocks = num_blocks_for(self.cache_len + j, cfg.block_size)
-            budget_blocks = cfg.budget_blocks(self.seen + j)
-            if n_blocks > budget_blocks and (
-                    self.trigger.decode_tokens + j >= cfg.interval
-                    or n_blocks >= budget_blocks + chunk_blocks):
+            if self.trigger.decode_due(j, self.seen + j, n_blocks):
                 return j
         return limit
+
+    def with_config(self, config: EvictionConfig, *, request_seed: int = 0) -> StreamingSession:
+        """A copy of this dense session that evicts from now on under ``config``, as if it
+        had been created with it (fresh generator, policy state and event clock).
+
+        Only exact where ``config`` would not have evicted yet: ``prompt_mode`` ``end``
+        without a ``prefill_budget`` (or ``keep``) before the prompt's end. The session
+        must have recorded enough query rows (``capture_rows``).
+        """
+        if self.config is not None or self.num_events:
+            raise ValueError("with_config starts from a dense session")
+        if config.prompt_mode == "stream" or config.prefill_budget is not None:
+            raise ValueError("a dense prefix equals an evicting one only in prompt_mode "
+                             "'end' without prefill_budget, or 'keep'")
+        need = max(config.window, config.prefill_window)
+        if self._query_keep < need:
+            raise ValueError(f"this session kept {self._query_keep} query rows; the config "
+                             f"scores {need}")
+        other = self.clone()
+        other.config = config
+        other.generator = config.generator(request_seed)
+        other.state = {}
+        other.trigger = EvictionTrigger(config, self.prompt_tokens)
+        return other
 
     def clone(self) -> StreamingSession:
         """An independent copy (cache, policy state, generator), to branch after a prefix."""

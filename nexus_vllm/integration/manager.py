@@ -5,8 +5,9 @@ entry is replaced by the pool's shared null block (as vLLM's sliding-window mana
 and the real block goes back to the pool at once. Token counts, positions and slot
 mapping are untouched, so allocation of new blocks keeps working.
 
-Only full, computed blocks are evicted; the policy always keeps the sink blocks and the
-newest ``recent_blocks + 1`` live blocks.
+Only full, computed blocks are evicted; the policy always keeps the sink blocks (in
+``prompt_mode`` ``keep``, every prompt block) and the newest ``recent_blocks + 1`` live
+blocks.
 
 Freeing at once is safe because the worker learns every null before it can read a
 reused block: the next step's plan carries it (and every later plan, until the worker
@@ -20,7 +21,13 @@ had computed when it first evicted (those saw the full context). Evicting a bloc
 request shares only drops this request's reference. The watermark is cleared when the
 request restarts (preempted and resumed, possibly from a prefix hit). The other way
 round, an evicting request starts from a prefix hit only up to the last chunk boundary
-before its first eviction, so it gives the same tokens with prefix caching on or off.
+before its first eviction (and before that event's query window), so it gives the same
+tokens with prefix caching on or off.
+
+Every budget rule (a request's target and hard limit at each step, its admission bound,
+the blocks its policy must keep, all following its ``prompt_mode``) comes from
+:class:`nexus_vllm.core.EvictionConfig`, and when events fire from
+:class:`nexus_vllm.core.EvictionTrigger`: the rules the transformers path runs too.
 """
 
 from __future__ import annotations
@@ -54,18 +61,26 @@ __all__ = ["EvictionManager", "RequestEvictionState"]
 
 @dataclass
 class RequestEvictionState:
-    """Eviction state of one request (reset when it restarts after preemption)."""
+    """Eviction state of one request (reset when it restarts after preemption, except
+    ``peak_live_blocks``, the most live blocks it held over its whole life)."""
 
     cfg: Any
     seed: int
-    generator: torch.Generator | None = None
-    policy_state: dict[str, Any] = field(default_factory=dict)
-    trigger: EvictionTrigger = field(default_factory=lambda: EvictionTrigger(1))
+    prompt_tokens: int
+    generator: torch.Generator = field(init=False)
+    policy_state: dict[str, Any] = field(init=False)
+    trigger: EvictionTrigger = field(init=False)
+    tokens: int = 0  # computed tokens, as of its last scheduled step
+    peak_live_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        self.reset()
 
     def reset(self) -> None:
         self.generator = self.cfg.generator(self.seed)
         self.policy_state = {}
-        self.trigger = EvictionTrigger(int(self.cfg.interval))
+        self.trigger = EvictionTrigger(self.cfg, self.prompt_tokens)
+        self.tokens = 0
 
 
 class EvictionManager:
@@ -94,12 +109,12 @@ class EvictionManager:
         self.clean_tokens: dict[str, int] = {}
         cap_prefix_caching(self.kv_group, lambda r: self.clean_tokens.get(r.request_id))
         cap_prefix_hits(kv_cache_manager, self._hit_cap)
-        # Blocks each admitted evicting request may hold at most (its bound).
+        # The longest sequence (tokens) of each admitted evicting request: with its
+        # progress, what it may still grow to (EvictionConfig.peak_from).
         self.max_model_len = max_model_len
-        self.bounds: dict[str, int] = {}
+        self.totals: dict[str, int] = {}
         gate_admission(kv_cache_manager, self.may_admit)
         self.counters = SchedulerCounters()
-        self.chunk_blocks = cdiv(int(server_cfg.chunk_size), self.block_size)
         # Counted into the stats' fault counter (reported and cleared each stats update).
         self._fault = faults.FaultLog(logger, self.counters.faults)
 
@@ -111,7 +126,7 @@ class EvictionManager:
             extra = getattr(params, "extra_args", None) if params is not None else None
             try:
                 cfg = request_config(self.server_cfg, extra)
-            except ValueError:
+            except (TypeError, ValueError):
                 # Validated in the API server; a request built elsewhere (Python API)
                 # with bad values falls back to the server's config.
                 cfg = self.server_cfg
@@ -119,64 +134,76 @@ class EvictionManager:
                 self.states[req_id] = None
             else:
                 seed = getattr(params, "seed", None) or 0
-                st = RequestEvictionState(cfg=cfg, seed=int(seed))
-                st.reset()
-                self.states[req_id] = st
+                self.states[req_id] = RequestEvictionState(
+                    cfg=cfg, seed=int(seed), prompt_tokens=int(request.num_prompt_tokens))
         return self.states[req_id]
 
     def _hit_cap(self, request: Any) -> tuple[int, int] | None:
         """``(limit, multiple)`` for an evicting request's prefix hit (None: no cap).
 
         Its prompt is computed in ``chunk_size`` chunks with an event after the first
-        chunk that leaves it over budget; a hit must end at a chunk boundary before that
-        event (and on a block boundary), so the request evicts exactly as it would with
+        chunk that leaves it over its target (:meth:`EvictionConfig.target_blocks`: in
+        ``end`` mode without ``prefill_budget`` that is the prompt's last chunk, in
+        ``keep`` mode none). A hit must end at a chunk boundary before that event (and on
+        a block boundary), and early enough that the event's window, the newest
+        ``prefill_window`` queries, is computed in this run (a short last chunk takes
+        rows of the chunk before it), so the request evicts exactly as it would with
         prefix caching off.
         """
         st = self._state(request)
         if st is None:
             return None
         cfg, bs = st.cfg, self.block_size
-        chunk, prompt = int(cfg.chunk_size), int(request.num_prompt_tokens)
+        chunk, prompt = int(cfg.chunk_size), st.prompt_tokens
         step = math.lcm(chunk, bs)
-        safe, end = 0, 0
+        end = 0
         while end < prompt:
-            end = min(end + chunk, prompt)
-            if cdiv(end, bs) > int(cfg.budget_blocks(end)):
-                return (safe // step) * step, step
-            safe = end
-        return None  # the prompt never goes over budget: any hit is safe
+            start, end = end, min(end + chunk, prompt)
+            if cdiv(end, bs) > int(cfg.target_blocks(end, prompt)):
+                limit = max(0, min(start, end - int(cfg.prefill_window)))
+                return (limit // step) * step, step
+        return None  # no event during the prompt: any hit is safe
 
     # -- admission -----------------------------------------------------------------------
-    def bound_blocks(self, request: Any) -> int | None:
-        """Most blocks an evicting request ever holds (None: it does not evict).
+    def _total_tokens(self, st: RequestEvictionState, request: Any) -> int:
+        """The request's longest sequence: ``max_tokens`` past its prompt, within
+        ``max_model_len``."""
+        total = st.prompt_tokens + int(request.max_tokens)
+        if self.max_model_len is not None:
+            total = min(total, int(self.max_model_len))
+        return total
 
-        Budget plus one prefill chunk (an event follows every chunk; a decoding request
-        never passes that either), and never more than its whole sequence needs.
-        """
+    def bound_blocks(self, request: Any) -> int | None:
+        """Most blocks an evicting request ever holds (None: it does not evict):
+        :meth:`EvictionConfig.bound_blocks` over its prompt and its longest sequence."""
         st = self._state(request)
         if st is None:
             return None
-        total = int(request.num_prompt_tokens) + int(request.max_tokens)
-        if self.max_model_len is not None:
-            total = min(total, int(self.max_model_len))
-        seq_blocks = cdiv(total, self.block_size)
-        return min(seq_blocks, int(st.cfg.budget_blocks(total)) + self.chunk_blocks)
+        return int(st.cfg.bound_blocks(st.prompt_tokens, self._total_tokens(st, request)))
 
     def may_admit(self, request: Any) -> bool:
         """Admit an evicting request only if the free pool covers its bound on top of
-        what the admitted evicting requests may still grow to: then no evicting request
-        is ever preempted for lack of blocks another evicting request will take."""
+        what the admitted evicting requests may still grow to (each one's
+        :meth:`EvictionConfig.peak_from` its progress, less what it holds: an ``end``
+        request past its prompt no longer needs the prompt's peak). Then no evicting
+        request is ever preempted for lack of blocks another evicting request will
+        take."""
         need = self.bound_blocks(request)
         if need is None:
             return True  # not evicting: vLLM's own admission rules
         outstanding = 0
-        for req_id, bound in self.bounds.items():
-            if req_id != request.request_id and self.blocks(req_id):
-                outstanding += max(0, bound - self.live_count(req_id))
+        for req_id, total in self.totals.items():
+            st = self.states.get(req_id)
+            if req_id != request.request_id and st is not None and self.blocks(req_id):
+                peak = int(st.cfg.peak_from(st.tokens, st.prompt_tokens, total))
+                outstanding += max(0, peak - self.live_count(req_id))
         if self.pool.num_free() - outstanding < need:
             self.counters.admission_waits += 1
             return False
-        self.bounds[request.request_id] = need
+        st = self.states.get(request.request_id)
+        assert st is not None  # bound_blocks made it
+        self.totals[request.request_id] = self._total_tokens(st, request)
+        st.tokens = 0  # (re)starts: its whole bound is outstanding until it is scheduled
         return True
 
     def blocks(self, req_id: str) -> list[Any]:
@@ -191,16 +218,26 @@ class EvictionManager:
     def live_count(self, req_id: str, num_tokens: int | None = None) -> int:
         return len(self.live_indices(req_id, num_tokens))
 
+    def record_finished(self, req_ids: Any) -> None:
+        """Count the peak live blocks of finished requests (once each: from the stats of
+        the step they finish in, else when the next plan retires them)."""
+        for req_id in req_ids:
+            st = self.states.get(req_id)
+            if st is not None and st.peak_live_blocks:
+                self.counters.add_request_peak(st.cfg.prompt_mode, st.peak_live_blocks)
+                st.peak_live_blocks = 0
+
     # -- schedule() --------------------------------------------------------------------
     def plan_step(self, scheduler_output: Any, requests: dict[str, Any]) -> StepPlan:
         """Build the plan for the step just scheduled (``num_computed_tokens`` already
         counts this step's tokens)."""
         self.step_id += 1
+        self.record_finished(scheduler_output.finished_req_ids)
         for req_id in scheduler_output.finished_req_ids:
             self.states.pop(req_id, None)
             self.unacked.pop(req_id, None)
             self.clean_tokens.pop(req_id, None)
-            self.bounds.pop(req_id, None)
+            self.totals.pop(req_id, None)
         resets = reset_request_ids(scheduler_output)
         for req_id in resets:
             # A fresh block list: old nulls no longer apply; same seed -> same evictions.
@@ -239,23 +276,30 @@ class EvictionManager:
         tokens_after = int(request.num_computed_tokens)
         before = tokens_after - n
         live = self.live_indices(req_id, tokens_after)
-        budget = int(cfg.budget_blocks(tokens_after))
-        prompt_tokens = int(request.num_prompt_tokens)
+        prompt_tokens = st.prompt_tokens
         prefill = before < prompt_tokens
-        hard_limit = budget + self.chunk_blocks
+        # A prompt chunk is bounded as part of the prompt, also when a resumed request's
+        # recompute chunk runs past the prompt's end (into its generated tokens).
+        limit = cfg.hard_limit(min(tokens_after, prompt_tokens) if prefill else tokens_after,
+                               prompt_tokens)
         self.counters.over_budget_peak = max(self.counters.over_budget_peak,
-                                             len(live) - hard_limit)
+                                             len(live) - int(limit))
         self.counters.live_blocks_peak = max(self.counters.live_blocks_peak, len(live))
+        st.peak_live_blocks = max(st.peak_live_blocks, len(live))
+        st.tokens = tokens_after
         if prefill:
-            due = st.trigger.prefill_chunk(len(live), budget)
+            due = st.trigger.prefill_chunk(tokens_after, len(live))
             # A request resumed after preemption recomputes its generated tokens inside
             # a prefill chunk: they count as decode tokens, as they did the first time.
             st.trigger.decode_tokens += max(0, tokens_after - max(before, prompt_tokens))
         else:
-            due = st.trigger.decode(n, len(live), budget, hard_limit)
+            due = st.trigger.decode(n, tokens_after, len(live))
         if not due:
             return None
-        policy = cfg.policy(prefill=prefill)
+        policy = cfg.policy(prefill=prefill, prompt_tokens=prompt_tokens)
+        # The newest rows, across chunks: the worker's query ring keeps each request's
+        # queries continuous over steps (a short last prompt chunk is scored with rows of
+        # the chunk before it, as on the transformers path).
         window = policy.window(int(cfg.prefill_window if prefill else cfg.window))
         forced_tail = int(cfg.recent_blocks) + 1
         evictable_below = (min(live[-forced_tail], tokens_after // self.block_size)
@@ -329,10 +373,10 @@ class EvictionManager:
                         "skipping this event")
             return
         tokens = int(request.num_computed_tokens)
-        budget = int(st.cfg.budget_blocks(tokens))
+        budget = int(st.cfg.target_blocks(tokens, st.prompt_tokens))
         if len(live) <= budget:
             return
-        policy = st.cfg.policy(prefill=sreq.prefill)
+        policy = st.cfg.policy(prefill=sreq.prefill, prompt_tokens=st.prompt_tokens)
         keep = policy.select(mass, budget, generator=st.generator, state=st.policy_state,
                              key_norms=key_norms)
         keep_set = {int(i) for i in keep.tolist()}

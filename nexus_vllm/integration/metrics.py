@@ -16,7 +16,9 @@ series                                    type     meaning
 ``vllm:nexus_live_blocks_max``            gauge    live blocks of the largest evicting request
 ``vllm:nexus_live_blocks_peak``           gauge    ``live_blocks_max`` high-water mark
 ``vllm:nexus_live_blocks_over_budget``    gauge    high-water mark of live blocks minus
-                                                   (request budget + one chunk); <= 0 when
+                                                   the request's hard limit (its target under
+                                                   its prompt_mode + one chunk,
+                                                   ``EvictionConfig.hard_limit``); <= 0 when
                                                    the budget always held
 ``vllm:nexus_free_blocks``                gauge    free blocks in vLLM's block pool
 ``vllm:nexus_total_blocks``               gauge    usable blocks in vLLM's block pool
@@ -30,7 +32,14 @@ series                                    type     meaning
 ``vllm:nexus_faults_total{kind}``         counter  faults absorbed without harm, by kind (a
                                                    lost or stale plan, a scoring or policy
                                                    error, ...); each kind is logged once
+``vllm:nexus_request_peak_live_blocks``   histo-   each finished evicting request's peak live
+``{prompt_mode}``                         gram     blocks (the memory it held at most, before
+                                                   any event freed blocks), by ``prompt_mode``;
+                                                   ``_sum / _count`` is the mean peak
 ========================================  =======  ============================================
+
+A finished request's peak rides as ``nexus:peak:<prompt_mode>:<blocks>`` -> how many
+requests finished with that peak since the last stats update (a few keys per update).
 """
 
 from __future__ import annotations
@@ -44,6 +53,10 @@ __all__ = ["PREFIX", "SchedulerCounters", "export"]
 
 PREFIX = "nexus:"
 FAULT_PREFIX = "fault:"
+PEAK_PREFIX = "peak:"
+# Buckets of the peak histogram, in blocks: powers of two and the halves between them.
+PEAK_BUCKETS = tuple(sorted({b for k in range(18) for b in (2 ** k, 3 * 2 ** k // 2)
+                             if b > 0})) + (float("inf"),)
 _COUNTERS = {
     "evicted_blocks": ("vllm:nexus_evicted_blocks", "KV blocks evicted and freed.", 1.0),
     "eviction_events": ("vllm:nexus_eviction_events", "Eviction events.", 1.0),
@@ -81,10 +94,16 @@ class SchedulerCounters:
     live_blocks_peak: int = 0
     over_budget_peak: int = _NO_VALUE
     faults: Counter[str] = field(default_factory=Counter)
+    # (prompt_mode, peak live blocks) -> finished requests, since the last drain.
+    request_peaks: Counter[tuple[str, int]] = field(default_factory=Counter)
     _gauges: dict[str, int] = field(default_factory=dict)
 
     def set_gauges(self, **values: int) -> None:
         self._gauges.update(values)
+
+    def add_request_peak(self, prompt_mode: str, peak_blocks: int) -> None:
+        """A finished request's peak live blocks."""
+        self.request_peaks[(str(prompt_mode), int(peak_blocks))] += 1
 
     def add_faults(self, counts: dict[str, int]) -> None:
         self.faults.update(counts)
@@ -103,9 +122,12 @@ class SchedulerCounters:
             out[PREFIX + "over_budget_peak"] = self.over_budget_peak
         out.update({PREFIX + k: int(v) for k, v in self._gauges.items()})
         out.update({PREFIX + FAULT_PREFIX + k: int(v) for k, v in self.faults.items() if v})
+        out.update({f"{PREFIX}{PEAK_PREFIX}{mode}:{peak}": int(n)
+                    for (mode, peak), n in self.request_peaks.items() if n})
         self.evicted_blocks = self.eviction_events = self.scoring_us = 0
         self.admission_waits = self.policy_us = self.step_us = 0
         self.faults.clear()
+        self.request_peaks.clear()
         return out
 
 
@@ -115,7 +137,7 @@ class _PromMetrics:
 
     def __init__(self) -> None:
         from prometheus_client import Counter as PromCounter
-        from prometheus_client import Gauge
+        from prometheus_client import Gauge, Histogram
 
         self.counters = {k: (PromCounter(n, d, ["engine"]), scale)
                          for k, (n, d, scale) in _COUNTERS.items()}
@@ -123,6 +145,9 @@ class _PromMetrics:
                        for k, (n, d) in _GAUGES.items()}
         self.faults = PromCounter("vllm:nexus_faults", "Eviction faults absorbed, by kind.",
                               ["engine", "kind"])
+        self.peaks = Histogram("vllm:nexus_request_peak_live_blocks",
+                               "Peak live KV blocks of each finished evicting request.",
+                               ["engine", "prompt_mode"], buckets=PEAK_BUCKETS)
 
     def observe(self, stats: dict[str, int], engine_idx: int) -> None:
         label = str(engine_idx)
@@ -130,6 +155,12 @@ class _PromMetrics:
             if key.startswith(FAULT_PREFIX):
                 if value > 0:
                     self.faults.labels(label, key[len(FAULT_PREFIX):]).inc(value)
+            elif key.startswith(PEAK_PREFIX):
+                mode, _, blocks = key[len(PEAK_PREFIX):].rpartition(":")
+                if mode and blocks.isdigit():
+                    hist = self.peaks.labels(label, mode)
+                    for _ in range(value):
+                        hist.observe(int(blocks))
             elif key in self.counters:
                 counter, scale = self.counters[key]
                 if value > 0:

@@ -44,8 +44,9 @@ class NexusScheduler(Scheduler):
         self._nexus_plan: StepPlan | None = None
         self._nexus_prev_plan: StepPlan | None = None
         logger.info("nexus-vllm scheduler: method=%s budget=%s keep_ratio=%s block=%d "
-                    "chunk=%d blocks in pool=%d", cfg.method, cfg.max_tokens, cfg.keep_ratio,
-                    self.block_size, cfg.chunk_size, self.nexus.pool.num_usable())
+                    "chunk=%d prompt_mode=%s prefill_budget=%s blocks in pool=%d", cfg.method,
+                    cfg.max_tokens, cfg.keep_ratio, self.block_size, cfg.chunk_size,
+                    cfg.prompt_mode, cfg.prefill_budget, self.nexus.pool.num_usable())
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self._nexus_step_start: float | None = time.perf_counter()
@@ -97,6 +98,8 @@ class NexusScheduler(Scheduler):
     def make_stats(self, *args: Any, **kwargs: Any) -> Any:
         stats = super().make_stats(*args, **kwargs)
         if stats is not None:
+            # Requests that finished in this step: their peaks go out with its stats.
+            self.nexus.record_finished(getattr(self, "finished_req_ids", ()))
             counts = dict(stats.num_kv_fetch_reqs_by_stage)
             counts.update(self.nexus.stats(self.requests))
             stats.num_kv_fetch_reqs_by_stage = counts

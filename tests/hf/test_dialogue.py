@@ -35,7 +35,7 @@ def _ids(tok, repeats: int) -> torch.Tensor:
 
 
 def _streamed(model, cfg, prompt: torch.Tensor) -> tuple[StreamingSession, torch.Tensor]:
-    session = StreamingSession(model, cfg, record_events=True)
+    session = StreamingSession(model, cfg, record_events=True, prompt_tokens=prompt.numel())
     logits = None
     for start in range(0, prompt.numel(), cfg.chunk_size):
         logits = session.forward(prompt[start:start + cfg.chunk_size])[-1]
@@ -63,14 +63,25 @@ def test_teacher_force_equals_one_token_at_a_time(model, tok, method, budget, kn
     torch.testing.assert_close(torch.cat(pieces), torch.cat(rows), atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["dense", "nexus", "h2o"])
-def test_probes_equal_one_request_each(model, tok, method: str) -> None:
+# (method, prompt_mode knobs): every mode's requests branch off the shared prefix.
+PROBE_CONFIGS = [
+    ("dense", {}),
+    ("nexus", {}),
+    ("h2o", {}),
+    ("nexus", {"prompt_mode": "end"}),
+    ("snapkv", {"prompt_mode": "end", "prefill_budget": 96}),
+    ("h2o", {"prompt_mode": "keep"}),
+]
+
+
+@pytest.mark.parametrize(("method", "mode"), PROBE_CONFIGS)
+def test_probes_equal_one_request_each(model, tok, method: str, mode: dict) -> None:
     ids = _ids(tok, 4)
     # Prompts ending inside a chunk, on a chunk boundary, twice in the same chunk; one
     # probe with forced model output before its answer.
     probes = [Probe(100, 100, 108, 6), Probe(144, 144, 150, 6), Probe(150, 150, 156, 5),
               Probe(230, 300, 310, 6)]
-    cfg = None if method == "dense" else make_config(method, 0.3, **BASE)
+    cfg = None if method == "dense" else make_config(method, 0.3, **BASE, **mode)
     got = run_probes(model, ids, probes, cfg, chunk_size=48)
     for probe, res in zip(probes, got):
         if probe.forced_end == probe.prompt_end:
@@ -92,7 +103,9 @@ def test_probes_equal_one_request_each(model, tok, method: str) -> None:
         torch.testing.assert_close(res.logprobs, ref, atol=2e-4, rtol=1e-4)
         assert torch.equal(res.targets, ids[probe.forced_end:probe.answer_end])
         assert res.answer_loglik < 0
-    if cfg is not None:
+    if cfg is not None and cfg.prompt_mode == "keep":  # events only over generated tokens
+        assert got[-1].events > got[0].events == 0
+    elif cfg is not None:
         assert got[-1].events > got[0].events > 0
 
 

@@ -49,6 +49,7 @@ def _server_cfg():  # noqa: ANN202
 POSITIVE = "must be a positive integer number of tokens"
 ONE_OF = f"must be one of {', '.join(METHODS)}"
 UNKNOWN = "unknown per-request field"
+MODES = "must be one of stream, end, keep"
 
 # (vllm_xargs, field named in the message, part of the message saying what is allowed)
 REQUEST_CASES = [
@@ -88,6 +89,28 @@ REQUEST_CASES = [
     ({"nexus_budget": 256}, "nexus_budget", "did you mean 'kv_budget'?"),
     # A typo next to a good field is still a typo.
     ({"kv_budget": 512, "kv_budjet": 256}, "kv_budjet", UNKNOWN),
+    ({"kv_prompt_mode": "begin"}, "kv_prompt_mode",
+     f"{MODES}; got 'begin' (a string)"),
+    ({"kv_prompt_mode": "END"}, "kv_prompt_mode", "did you mean 'end'?"),
+    ({"kv_prompt_mode": 1}, "kv_prompt_mode", f"{MODES}; got 1"),
+    ({"kv_prompt_mode": None}, "kv_prompt_mode", MODES),
+    ({"kv_promt_mode": "end"}, "kv_promt_mode", "did you mean 'kv_prompt_mode'?"),
+    ({"kv_prefill_budget": 1024}, "kv_prefill_budget",
+     "applies to kv_prompt_mode 'end' only; this server's prompt mode (--kv-prompt-mode) "
+     "is 'stream'"),
+    ({"kv_prefill_budget": 1024, "kv_prompt_mode": "keep"}, "kv_prefill_budget",
+     "this request's kv_prompt_mode is 'keep'"),
+    ({"kv_prefill_budget": 128, "kv_prompt_mode": "end"}, "kv_prefill_budget",
+     "must be at least the budget (256 tokens, this server's --kv-budget); got 128"),
+    ({"kv_prefill_budget": 512, "kv_prompt_mode": "end", "kv_budget": 1024},
+     "kv_prefill_budget", "at least the budget (1024 tokens, this request's kv_budget)"),
+    ({"kv_prefill_budget": "1024", "kv_prompt_mode": "end"}, "kv_prefill_budget",
+     f"{POSITIVE}; got '1024' (a string)"),
+    ({"kv_prefill_budget": 1024.5, "kv_prompt_mode": "end"}, "kv_prefill_budget", POSITIVE),
+    ({"kv_prefill_budget": 0, "kv_prompt_mode": "end"}, "kv_prefill_budget", POSITIVE),
+    ({"kv_prefill_budget": NAN, "kv_prompt_mode": "end"}, "kv_prefill_budget", "got nan"),
+    ({"kv_prefill_budget": True, "kv_prompt_mode": "end"}, "kv_prefill_budget",
+     "(a boolean)"),
 ]
 # On a server started with --kv-eviction none.
 OFF_SERVER_CASES = [
@@ -95,12 +118,21 @@ OFF_SERVER_CASES = [
     ({"kv_eviction": "h2o"}, "kv_eviction", "only 'none' is allowed"),
     ({"kv_budjet": 256}, "kv_budjet", "did you mean 'kv_budget'?"),
     ({"kv_budget": "256"}, "kv_budget", POSITIVE),
+    ({"kv_prompt_mode": "end"}, "kv_prompt_mode", "started with --kv-eviction none"),
+    ({"kv_prompt_mode": "end", "kv_prefill_budget": 1024}, "kv_prompt_mode",
+     "started with --kv-eviction none"),
 ]
 GOOD_XARGS = [
     {"kv_budget": FLOOR}, {"kv_budget": MAX_LEN}, {"kv_budget": 512.0},
     *({"kv_eviction": m} for m in METHODS),
     {"kv_eviction": "h2o", "kv_budget": 1024},
     {"kv_eviction": "none", "kv_budget": 10**9},  # opted out: the budget is moot
+    {"kv_prompt_mode": "stream"}, {"kv_prompt_mode": "end"}, {"kv_prompt_mode": "keep"},
+    {"kv_prompt_mode": "end", "kv_prefill_budget": 256},
+    # Above the max model length: it never binds (the whole prompt is kept), allowed.
+    {"kv_prompt_mode": "end", "kv_prefill_budget": 10**6},
+    {"kv_prompt_mode": "end", "kv_prefill_budget": 2048.0, "kv_budget": 1024},
+    {"kv_eviction": "none", "kv_prompt_mode": "keep", "kv_prefill_budget": 5},
     # Other plugins' keys, and vLLM's own kv_transfer_params, pass untouched.
     {"session_id": "s", "kv_transfer_params": {"do_remote_prefill": False},
      "kvpress_ratio": 0.5, "my_logits_processor": [1, 2]},
@@ -154,7 +186,11 @@ CONFIG_CASES = [
     ("lam", "0.5"), ("lam", True), ("lam", NAN), ("lam", INF), ("lam", -0.5),
     ("keep_ratio", 0), ("keep_ratio", -0.5), ("keep_ratio", 1.5), ("keep_ratio", NAN),
     ("keep_ratio", INF), ("keep_ratio", "0.5"), ("keep_ratio", True),
-    *((k, v) for k in _CHOICE_KEYS for v in ("bogus", 3, None)),
+    *((k, v) for k in _CHOICE_KEYS for v in ("bogus", 3, None)
+      if (k, v) != ("prefill_indirect", None)),  # None: the prompt mode's default
+    ("prefill_sampler", "bogus"), ("prefill_sampler", 3),
+    ("prompt_mode", "begin"), ("prompt_mode", None), ("prefill_budget", "1024"),
+    ("prefill_budget", 1.5), ("prefill_budget", 512),  # stream mode: end only
     ("method", "h20"),  # a typo of a served method
 ]
 
@@ -217,9 +253,14 @@ FLAG_CASES = [
     *((["--kv-chunk-size", v], "--kv-chunk-size")
       for v in ("0", "-128", "1.5", "nan", "inf", "big")),
     *((["--kv-eviction", v], "--kv-eviction") for v in ("lru", "NEXUS", "knrom", "", "1")),
+    *((["--kv-prompt-mode", v], "--kv-prompt-mode") for v in ("begin", "END", "", "1")),
+    *((["--kv-prefill-budget", v], "--kv-prefill-budget")
+      for v in ("0", "-1", "1.5", "nan", "inf", "all")),
 ]
 GOOD_FLAGS = [["--kv-budget", "4096"], ["--kv-keep-ratio", "1"], ["--kv-keep-ratio", "0.25"],
-              ["--kv-eviction-seed", "0"], ["--kv-chunk-size", "1"], ["--kv-eviction", "none"]]
+              ["--kv-eviction-seed", "0"], ["--kv-chunk-size", "1"], ["--kv-eviction", "none"],
+              ["--kv-prompt-mode", "end"], ["--kv-prompt-mode", "keep"],
+              ["--kv-prefill-budget", "100000"]]
 
 
 def _nexus_parser() -> argparse.ArgumentParser:
@@ -238,7 +279,8 @@ def test_flag_refused_by_argparse(argv, flag, capsys) -> None:  # noqa: ANN001
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "error:" in line]
     assert len(lines) == 1 and f"argument {flag}:" in lines[0], err
-    if flag != "--kv-eviction" and argv[1] and not argv[1].startswith("-inf"):
+    if (flag not in ("--kv-eviction", "--kv-prompt-mode") and argv[1]
+            and not argv[1].startswith("-inf")):
         assert "must be" in lines[0] and repr(argv[1]) in lines[0], err
 
 
@@ -271,6 +313,10 @@ BUILD_CASES = [
     (["--kv-budget", "256", "--additional-config", '{"nexus": {"lam": NaN}}'], "lam"),
     (["--kv-budget", "256", "--additional-config", '{"nexus": {"widow": 3}}'],
      "did you mean 'window' for 'widow'?"),
+    (["--kv-budget", "1024", "--kv-prompt-mode", "end", "--kv-prefill-budget", "512"],
+     "--kv-prefill-budget: prefill_budget must be at least the budget (1024 tokens)"),
+    (["--kv-budget", "1024", "--kv-prefill-budget", "2048"],
+     "--kv-prefill-budget: prefill_budget applies to prompt_mode 'end' only"),
 ]
 
 
@@ -329,7 +375,10 @@ def test_startup_refused_after_model_config(engine_build, argv, named) -> None: 
 
 @needs_vllm
 @pytest.mark.parametrize("argv", [["--kv-budget", str(MAX_LEN)], ["--kv-keep-ratio", "0.25"],
-                                  ["--kv-budget", "384", "--block-size", "64"]])
+                                  ["--kv-budget", "384", "--block-size", "64"],
+                                  # A prefill budget above --max-model-len never binds.
+                                  ["--kv-budget", "256", "--kv-prompt-mode", "end",
+                                   "--kv-prefill-budget", str(10 * MAX_LEN)]])
 def test_startup_accepts_limits(engine_build, argv) -> None:  # noqa: ANN001
     cfg = engine_build(argv)
     assert cfg.additional_config["nexus"]["method"] == "nexus"
@@ -439,6 +488,10 @@ HTTP_CASES = [
     ('{"kv_eviction": 7}', "kv_eviction", ONE_OF),
     ('{"kv_budjet": 256}', "kv_budjet", "did you mean 'kv_budget'?"),
     ('{"kv_keep_ratio": 0.5}', "kv_keep_ratio", "--kv-keep-ratio"),
+    ('{"kv_prompt_mode": "begin"}', "kv_prompt_mode", "must be one of stream, end, keep"),
+    ('{"kv_prefill_budget": 1024}', "kv_prefill_budget", "'end' only"),
+    ('{"kv_prompt_mode": "end", "kv_prefill_budget": 100}', "kv_prefill_budget",
+     "at least the budget"),
 ]
 ENDPOINTS = {
     "/v1/completions": {"prompt": "hello there"},
@@ -521,10 +574,14 @@ STARTUP_CASES = [
      "--kv-budget 5000 is above --max-model-len 4096"),
     (["--kv-eviction", "nexus", "--kv-budget", "1024", "--kv-eviction-config", "{preset}"],
      "--kv-eviction-config: unknown eviction config key(s) ['wnidow']"),
+    (["--kv-eviction", "nexus", "--kv-budget", "1024", "--kv-prompt-mode", "end",
+      "--kv-prefill-budget", "512"],
+     "--kv-prefill-budget: prefill_budget must be at least the budget (1024 tokens)"),
 ]
 
 
-@pytest.mark.parametrize("argv, named", STARTUP_CASES, ids=["nan", "above-max-len", "key"])
+@pytest.mark.parametrize("argv, named", STARTUP_CASES,
+                         ids=["nan", "above-max-len", "key", "prefill-budget"])
 @pytest.mark.e2e
 @pytest.mark.slow
 @needs_vllm

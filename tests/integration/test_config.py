@@ -89,6 +89,46 @@ def test_request_overrides() -> None:
     validate_request_args({"kv_eviction": "none"}, None)
 
 
+def test_prompt_mode_from_every_source(tmp_path) -> None:  # noqa: ANN001
+    f = tmp_path / "end.yaml"
+    f.write_text("nexus:\n  method: nexus\n  prompt_mode: end\n  prefill_budget: 2048\n")
+    cfg = resolve_config(file=str(f), flags={"max_tokens": 1024})
+    assert (cfg.prompt_mode, cfg.prefill_budget) == ("end", 2048)
+    cfg = resolve_config(additional={"prompt_mode": "keep"}, flags={"max_tokens": 1024})
+    assert (cfg.prompt_mode, cfg.prefill_budget) == ("keep", None)
+    cfg = resolve_config(file=str(f), flags={"max_tokens": 1024, "prefill_budget": 1024})
+    assert cfg.prefill_budget == 1024  # the flag wins
+    assert config_from_additional({"nexus": cfg.to_dict()}) == cfg  # reaches every process
+    with pytest.raises(ValueError, match="^--additional-config nexus: .*prompt_mode"):
+        resolve_config(additional={"prompt_mode": "begin"}, flags={"max_tokens": 1024})
+    with pytest.raises(ValueError, match="^--kv-eviction-config: .*prefill_budget"):
+        f.write_text("prompt_mode: keep\nprefill_budget: 2048\n")
+        resolve_config(file=str(f), flags={"max_tokens": 1024})
+
+
+def test_request_prompt_mode_overrides() -> None:
+    end = resolve_config(flags={"method": "nexus", "max_tokens": 256, "prompt_mode": "end",
+                                "prefill_budget": 1024})
+    assert request_config(end, {}) is end
+    cfg = request_config(end, {"kv_prompt_mode": "keep"})
+    assert (cfg.prompt_mode, cfg.prefill_budget) == ("keep", None)  # end only: dropped
+    cfg = request_config(end, {"kv_prompt_mode": "end"})
+    assert (cfg.prompt_mode, cfg.prefill_budget) == ("end", 1024)  # the server's
+    cfg = request_config(end, {"kv_prefill_budget": 4096.0})
+    assert (cfg.prompt_mode, cfg.prefill_budget) == ("end", 4096)
+    # A request's budget above the server's prefill budget is refused naming kv_budget.
+    with pytest.raises(ValueError, match="^vllm_xargs.kv_budget: .*--kv-prefill-budget"):
+        validate_request_args({"kv_budget": 2048}, end, max_model_len=4096)
+    validate_request_args({"kv_budget": 2048, "kv_prefill_budget": 2048}, end,
+                          max_model_len=4096)
+    validate_request_args({"kv_budget": 2048, "kv_prompt_mode": "keep"}, end,
+                          max_model_len=4096)
+    stream = resolve_config(flags={"method": "nexus", "max_tokens": 256})
+    cfg = request_config(stream, {"kv_prompt_mode": "end", "kv_prefill_budget": 512})
+    assert (cfg.prompt_mode, cfg.prefill_budget, cfg.max_tokens) == ("end", 512, 256)
+    assert request_config(stream, {"kv_eviction": "none", "kv_prompt_mode": "keep"}) is None
+
+
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 class TestServeParser:
     """The real ``vllm serve`` parser with the plugin's flags."""
@@ -110,6 +150,9 @@ class TestServeParser:
         (["--kv-keep-ratio", "2"], "--kv-keep-ratio"),
         (["--kv-eviction-seed", "-1"], "--kv-eviction-seed"),
         (["--kv-chunk-size", "0"], "--kv-chunk-size"),
+        (["--kv-prompt-mode", "begin"], "--kv-prompt-mode"),
+        (["--kv-prefill-budget", "0"], "--kv-prefill-budget"),
+        (["--kv-prefill-budget", "lots"], "--kv-prefill-budget"),
     ])
     def test_argparse_rejects(self, argv, flag, capsys) -> None:  # noqa: ANN001
         with pytest.raises(SystemExit):
@@ -137,6 +180,34 @@ class TestServeParser:
         assert ea.worker_cls == "nexus_vllm.integration.worker.NexusWorker"
         assert ea.enable_prefix_caching is None and ea.block_size == 32  # left to vLLM
         assert ea.long_prefill_token_threshold == 512 and ea.async_scheduling is False
+
+    def test_prompt_mode_flags(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        args = self._parser().parse_args([
+            "--model", LOCAL_MODEL, "--kv-eviction", "nexus", "--kv-budget", "1024",
+            "--kv-prompt-mode", "end", "--kv-prefill-budget", "4096"])
+        nexus = AsyncEngineArgs.from_cli_args(args).additional_config["nexus"]
+        assert (nexus["prompt_mode"], nexus["prefill_budget"]) == ("end", 4096)
+        args = self._parser().parse_args(["--model", LOCAL_MODEL, "--kv-budget", "1024",
+                                          "--kv-prompt-mode", "keep"])
+        nexus = AsyncEngineArgs.from_cli_args(args).additional_config["nexus"]
+        assert (nexus["prompt_mode"], nexus["prefill_budget"]) == ("keep", None)
+
+    @pytest.mark.parametrize("argv, flag", [
+        (["--kv-prompt-mode", "end", "--kv-prefill-budget", "512"], "--kv-prefill-budget"),
+        (["--kv-prompt-mode", "keep", "--kv-prefill-budget", "2048"], "--kv-prefill-budget"),
+        (["--kv-prefill-budget", "2048"], "--kv-prefill-budget"),  # stream: end only
+        (["--additional-config", '{"nexus": {"prompt_mode": "end", "prefill_budget": 2048}}',
+          "--kv-prompt-mode", "keep"], "--kv-prompt-mode"),
+    ])
+    def test_prompt_mode_cross_field_errors_name_the_flag(self, argv, flag) -> None:  # noqa: ANN001
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        args = self._parser().parse_args(["--model", LOCAL_MODEL, "--kv-eviction", "nexus",
+                                          "--kv-budget", "1024", *argv])
+        with pytest.raises(SystemExit, match=f"^vllm serve: error: {flag}: .*prefill_budget"):
+            AsyncEngineArgs.from_cli_args(args)
 
     def test_cross_field_error_exits_naming_flag(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs

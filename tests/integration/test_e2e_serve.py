@@ -257,3 +257,145 @@ def test_server_and_transformers_paths_evict_alike(evict_server, tiny_model,
     assert any(not e.prefill for e in session.events)  # decode events too
     assert evicted == hf_evicted > 0
     assert served == hf_ids
+
+
+# -- prompt_mode, per request on the streaming server --------------------------------------
+_PEAK = "vllm:nexus_request_peak_live_blocks"
+
+
+def _peaks(server) -> dict[str, tuple[float, float]]:  # noqa: ANN001
+    """``prompt_mode -> (sum, count)`` of the per-request peak histogram."""
+    import re
+
+    import requests
+
+    text = requests.get(server.base_url + "/metrics", timeout=10).text
+    out: dict[str, list[float]] = {}
+    for m in re.finditer(rf'^{_PEAK}_(sum|count)\{{[^}}]*prompt_mode="(\w+)"[^}}]*\}} (\S+)$',
+                         text, re.M):
+        out.setdefault(m.group(2), [0.0, 0.0])[m.group(1) == "count"] += float(m.group(3))
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def _wait_peaks(server, before, want: dict[str, int]):  # noqa: ANN001, ANN202
+    """The histogram once ``want[mode]`` more requests of each mode were counted (a
+    request's peak is exported with the stats of the step it finishes in)."""
+    deadline = time.monotonic() + 30
+    while True:
+        now = _peaks(server)
+        done = all(now.get(m, (0, 0))[1] - before.get(m, (0, 0))[1] >= n
+                   for m, n in want.items())
+        if done or time.monotonic() > deadline:
+            return now
+        time.sleep(0.2)
+
+
+def _mode_config(xargs: dict):  # noqa: ANN202
+    from nexus_vllm.core import EvictionConfig
+
+    return EvictionConfig(method="nexus", max_tokens=xargs.get("kv_budget", BUDGET_TOKENS),
+                          chunk_size=CHUNK_TOKENS, seed=7, block_size=BLOCK,
+                          prompt_mode=xargs["kv_prompt_mode"],
+                          prefill_budget=xargs.get("kv_prefill_budget"))
+
+
+# (vllm_xargs, max_tokens): keep mode's budget counts generated tokens, so it decodes past
+# a (smaller) budget to evict at all.
+MODE_CASES = {
+    "end": ({"kv_prompt_mode": "end"}, 40),
+    "end-prefill-budget": ({"kv_prompt_mode": "end", "kv_prefill_budget": 384}, 40),
+    "keep": ({"kv_prompt_mode": "keep", "kv_budget": 192}, 260),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_model):  # noqa: ANN001, ANN201
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return (AutoTokenizer.from_pretrained(tiny_model),
+            AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval())
+
+
+@pytest.mark.parametrize("case", list(MODE_CASES))
+def test_prompt_modes_server_and_transformers_evict_alike(evict_server, hf_tiny,
+                                                          case) -> None:  # noqa: ANN001
+    """Per-request ``kv_prompt_mode`` on the streaming server against the transformers
+    path under the same config: the same greedy tokens, the same evicted-block count and
+    the same peak live blocks (``vllm:nexus_request_peak_live_blocks``), within the
+    config's bound. The prompt's last chunk is 10 tokens, so the prompt-end event's
+    32-row window spans two chunks on both paths."""
+    import requests
+
+    from nexus_vllm.core import cdiv
+    from nexus_vllm.hf import generate_ids
+
+    xargs, max_new = MODE_CASES[case]
+    tok, model = hf_tiny
+    ids = tok(_prompt(420, 13))["input_ids"][: 4 * CHUNK_TOKENS + 10]
+    assert len(ids) == 4 * CHUNK_TOKENS + 10 > BUDGET_TOKENS + CHUNK_TOKENS
+    mode = xargs["kv_prompt_mode"]
+    before = evict_server.metrics().get("vllm:nexus_evicted_blocks_total", 0.0)
+    peaks0 = _peaks(evict_server)
+    body = {"model": evict_server.model, "prompt": ids, "max_tokens": max_new,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+            "vllm_xargs": {"kv_eviction": "nexus", **xargs}}
+    r = requests.post(evict_server.base_url + "/v1/completions", json=body, timeout=300)
+    r.raise_for_status()
+    served = r.json()["choices"][0]["token_ids"]
+    peaks1 = _wait_peaks(evict_server, peaks0, {mode: 1})
+    after = evict_server.metrics()
+    evicted = after["vllm:nexus_evicted_blocks_total"] - before
+
+    cfg = _mode_config(xargs)
+    hf_ids, session = generate_ids(model, ids, cfg, max_new_tokens=max_new)
+    hf_evicted = sum(e.blocks_before - e.blocks_after for e in session.events)
+    assert served == hf_ids
+    assert evicted == hf_evicted > 0
+    prefill = [e.seen for e in session.events if e.prefill]
+    if case == "end":
+        assert prefill == [len(ids)]  # the one prompt-end event
+    elif case == "keep":
+        assert prefill == [] and all(
+            set(range(len(ids))) <= set(e.kept_positions.tolist()) for e in session.events)
+    else:
+        assert len(prefill) > 1 and prefill[-1] == len(ids)
+    # The request's peak: as the transformers cache's, and within the admission bound.
+    peak_sum = peaks1[mode][0] - peaks0.get(mode, (0.0, 0.0))[0]
+    assert peaks1[mode][1] - peaks0.get(mode, (0.0, 0.0))[1] == 1
+    hf_peak = max([e.blocks_before for e in session.events]
+                  + [cdiv(session.cache_len, BLOCK)])
+    assert peak_sum == hf_peak <= cfg.bound_blocks(len(ids), len(ids) + max_new)
+    assert after["vllm:nexus_live_blocks_over_budget"] <= 0
+
+
+def test_prompt_modes_concurrently_hold_their_bounds(evict_server) -> None:  # noqa: ANN001
+    """Requests of every prompt mode at once (two of each): each one's peak live blocks
+    stay within its config's bound, no request passes its hard limit, and every block
+    comes back."""
+    n_words = 200  # ~650 tokens, above budget + one chunk
+    cases = [{}, {"kv_prompt_mode": "end"},
+             {"kv_prompt_mode": "end", "kv_prefill_budget": 384},
+             {"kv_prompt_mode": "keep", "kv_budget": 192}] * 2
+    peaks0 = _peaks(evict_server)
+    with cf.ThreadPoolExecutor(len(cases)) as pool:
+        outs = list(pool.map(lambda ix: _greedy(evict_server, _prompt(n_words, 30 + ix[0]),
+                                                max_tokens=48, **ix[1]), enumerate(cases)))
+    want: dict[str, int] = {}
+    for xargs in cases:
+        mode = xargs.get("kv_prompt_mode", "stream")
+        want[mode] = want.get(mode, 0) + 1
+    peaks1 = _wait_peaks(evict_server, peaks0, want)
+    for mode, n in want.items():
+        got = peaks1[mode][1] - peaks0.get(mode, (0, 0))[1]
+        assert got == n, (mode, got)
+    # The histogram holds sums: the mode's peaks are within the sum of its bounds.
+    for mode in want:
+        bound = sum(_mode_config({"kv_prompt_mode": "stream", **x}).bound_blocks(
+            u.prompt_tokens, u.prompt_tokens + u.completion_tokens)
+            for x, (_, u) in zip(cases, outs) if x.get("kv_prompt_mode", "stream") == mode)
+        assert peaks1[mode][0] - peaks0.get(mode, (0, 0))[0] <= bound, mode
+    m = evict_server.metrics()
+    assert m["vllm:nexus_live_blocks_over_budget"] <= 0
+    assert m["vllm:nexus_free_blocks"] == m["vllm:nexus_total_blocks"]
+    assert m["vllm:nexus_live_blocks"] == 0.0

@@ -134,3 +134,45 @@ def test_parity_fast_preset_scores_the_same_layers(fast_server, capsys) -> None:
     assert rc == 0 and all(r["ids_match"] for r in rows), rows
     assert all(r["server_evicted_blocks"] == r["hf_evicted_blocks"] > 0 for r in rows), rows
     assert summary["ids_match"] == summary["evicted_match"] == 2
+
+
+def test_prompt_end_mode_server_equals_transformers(smol_server) -> None:  # noqa: ANN001
+    """``kv_prompt_mode: end`` per request on the streaming server, with the real model:
+    the chat is kept whole until its last chunk, then one event (the question in its
+    window) evicts to the budget. The server and the transformers path under the same
+    config give the same tokens and evict the same blocks."""
+    import requests
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nexus_vllm.core import EvictionConfig
+    from nexus_vllm.hf import generate_ids
+    from nexus_vllm.hf.generate import eos_ids
+
+    tok = AutoTokenizer.from_pretrained(smol_server.model)
+    chat = tok.apply_chat_template([{"role": "user", "content": FACT + FILLER + QUESTION}],
+                                   add_generation_prompt=True, tokenize=False)
+    ids = list(tok(chat, add_special_tokens=False)["input_ids"])
+    assert len(ids) > 2 * BUDGET
+    before = smol_server.metrics().get("vllm:nexus_evicted_blocks_total", 0.0)
+    r = requests.post(smol_server.base_url + "/v1/completions", timeout=300, json={
+        "model": smol_server.model, "prompt": ids, "max_tokens": 16, "temperature": 0.0,
+        "return_token_ids": True,
+        "vllm_xargs": {"kv_prompt_mode": "end", "kv_budget": BUDGET}})
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    evicted = smol_server.metrics()["vllm:nexus_evicted_blocks_total"] - before
+
+    model = AutoModelForCausalLM.from_pretrained(smol_server.model,
+                                                 dtype=torch.float32).eval()
+    cfg = EvictionConfig(method="nexus", max_tokens=BUDGET, chunk_size=CHUNK,
+                         prompt_mode="end")
+    hf_ids, session = generate_ids(model, ids, cfg, max_new_tokens=16,
+                                   eos_token_ids=eos_ids(model, tok))
+    print(f"prompt-end mode @ {BUDGET}/{len(ids)} tokens: {choice['text']!r}")
+    assert [e.seen for e in session.events if e.prefill] == [len(ids)]
+    assert choice["token_ids"] == hf_ids
+    assert evicted == sum(e.blocks_before - e.blocks_after for e in session.events) > 0
+    m = smol_server.metrics()
+    assert m["vllm:nexus_live_blocks_over_budget"] <= 0
+    assert m["vllm:nexus_free_blocks"] == m["vllm:nexus_total_blocks"]

@@ -243,3 +243,201 @@ def test_admission_by_bound() -> None:
     assert mgr.bound_blocks(short) == 4 and mgr.may_admit(short)
     off = _request("e", prompt=1000, kv_eviction="none")
     assert mgr.bound_blocks(off) is None and mgr.may_admit(off)
+
+
+# -- prompt_mode (per request; the server streams) -------------------------------------
+def _drive(mgr, single, reqs, rid, decode: int, chunk: int = 128):  # noqa: ANN001, ANN202
+    """Prefill ``rid``'s prompt in ``chunk``-token steps, then decode ``decode`` tokens,
+    answering every plan. Returns the events ``(tokens, ScoreRequest, live before, live
+    after)`` and the most live blocks held, checking the hard limit at every step."""
+    r = reqs[rid]
+    prompt = r.num_prompt_tokens
+    events, peak, first = [], 0, True
+    while r.num_computed_tokens < prompt + decode:
+        done = r.num_computed_tokens
+        n = min(chunk, prompt - done) if done < prompt else 1
+        plan = _step(mgr, single, reqs, {rid: n}, new=(rid,) if first else ())
+        first = False
+        cfg = mgr.states[rid].cfg
+        live = mgr.live_count(rid)
+        peak = max(peak, live)
+        assert live <= cfg.hard_limit(r.num_computed_tokens, prompt)
+        mgr.apply_reply(plan, _reply(plan, mgr, seed=len(events)), reqs)
+        if rid in plan.score:
+            events.append((r.num_computed_tokens, plan.score[rid], live, mgr.live_count(rid)))
+    assert mgr.counters.over_budget_peak <= 0
+    return events, peak
+
+
+def test_end_mode_one_event_at_the_prompt_end() -> None:
+    """``end`` without a prefill budget: the prompt is kept whole until its last chunk
+    (a short one: its window takes rows of the chunk before), then one prefill event
+    evicts down to the budget; decoding evicts as in ``stream``."""
+    mgr, single, pool = _setup()
+    prompt = 7 * 128 + 10
+    reqs = {"r": _request("r", prompt, kv_prompt_mode="end")}
+    events, peak = _drive(mgr, single, reqs, "r", decode=64)
+    prefill = [e for e in events if e[1].prefill]
+    assert [e[0] for e in prefill] == [prompt]
+    tokens, sreq, before, after = prefill[0]
+    assert sreq.window == 32 and before == peak == -(-prompt // 32) and after == 8
+    decode = [e for e in events if not e[1].prefill]
+    assert decode and all(e[1].window == 16 and e[3] == 8 for e in decode)
+    cfg = mgr.states["r"].cfg
+    assert peak <= cfg.bound_blocks(prompt, prompt + 64)
+
+
+def test_end_mode_prefill_budget_streams_under_the_cap() -> None:
+    """``end`` with a prefill budget: mid-prompt events keep the prefill budget, the
+    prompt-end event the budget."""
+    mgr, single, pool = _setup()
+    prompt = 1000
+    reqs = {"r": _request("r", prompt, kv_prompt_mode="end", kv_prefill_budget=384)}
+    events, peak = _drive(mgr, single, reqs, "r", decode=0)
+    assert [e[0] for e in events] == [512, 640, 768, 896, 1000]
+    assert all(e[1].prefill for e in events)
+    assert [e[3] for e in events] == [12, 12, 12, 12, 8]  # 384 // 32, then 256 // 32
+    assert peak == 12 + 4  # the cap plus one chunk
+    assert peak <= mgr.states["r"].cfg.bound_blocks(prompt, prompt)
+
+
+def test_keep_mode_never_evicts_a_prompt_block() -> None:
+    """``keep``: no event during the prompt; decode events evict generated blocks only,
+    down to the prompt's blocks plus the budget."""
+    mgr, single, pool = _setup(num_blocks=80)
+    prompt = 1000  # 32 blocks, the last one shared with the first generated tokens
+    reqs = {"r": _request("r", prompt, kv_prompt_mode="keep")}
+    events, peak = _drive(mgr, single, reqs, "r", decode=400)
+    assert events and not any(e[1].prefill for e in events)
+    assert events[0][0] > prompt + 256  # the budget counts generated tokens only
+    evicted = [j for j, b in enumerate(mgr.blocks("r")) if b.is_null]
+    assert evicted and min(evicted) >= 32
+    assert all(e[3] == 32 + 8 for e in events)
+    assert peak <= mgr.states["r"].cfg.bound_blocks(prompt, prompt + 400)
+
+
+def test_stream_mode_per_request_on_an_end_server() -> None:
+    """A server started in ``end`` mode serves a request that asks for ``stream``: it
+    evicts after every chunk once over budget."""
+    mgr, single, pool = scheduler_side(64, max_tokens=256, chunk_size=128, prompt_mode="end")
+    reqs = {"s": _request("s", 1000, kv_prompt_mode="stream"), "e": _request("e", 1000)}
+    s_events, _ = _drive(mgr, single, reqs, "s", decode=0)
+    e_events, _ = _drive(mgr, single, reqs, "e", decode=0)
+    assert [e[0] for e in s_events] == [384, 512, 640, 768, 896, 1000]
+    assert [e[0] for e in e_events] == [1000]
+
+
+@pytest.mark.parametrize("xargs, want", [
+    ({}, 8 + 4),                                           # stream: budget + chunk
+    ({"kv_prompt_mode": "end"}, 32),                       # the whole prompt
+    ({"kv_prompt_mode": "end", "kv_prefill_budget": 512}, 16 + 4),  # its cap + a chunk
+    ({"kv_prompt_mode": "keep"}, 34),                      # prompt + budget + chunk > seq
+])
+def test_admission_reserves_the_config_bound(xargs, want) -> None:  # noqa: ANN001
+    mgr, single, pool = _setup()
+    r = _request("r", 1000, **xargs)
+    r.max_tokens = 64
+    assert mgr.bound_blocks(r) == want == mgr._state(r).cfg.bound_blocks(1000, 1064)
+    mgr.max_model_len = 1010  # the sequence cannot grow past it
+    r2 = _request("r2", 1000, **xargs)
+    r2.max_tokens = 64
+    assert mgr.bound_blocks(r2) == min(want, 32) == mgr._state(r2).cfg.bound_blocks(1000,
+                                                                                    1010)
+
+
+@pytest.mark.parametrize("prompt, xargs, want", [
+    (2000, {"kv_prompt_mode": "end"}, 1920),   # the hit may cover all but the last chunk
+    (1930, {"kv_prompt_mode": "end"}, 1792),   # a 10-token last chunk: its 32-row window
+                                               # reaches into the chunk before
+    (2000, {"kv_prompt_mode": "end", "kv_prefill_budget": 1024}, 1024),  # first cap event
+    (2000, {"kv_prompt_mode": "keep"}, None),  # no event during the prompt
+    (520, {}, 384),                            # stream, the first event's chunk is short
+])
+def test_prefix_hit_cap_per_prompt_mode(prompt, xargs, want) -> None:  # noqa: ANN001
+    mgr, single, pool = _setup(budget=512)
+    rule = mgr._hit_cap(_request("r", prompt, **xargs))
+    if want is None:
+        assert rule is None
+    else:
+        limit, multiple = rule
+        assert (min(prompt - 1, limit) // multiple) * multiple == want
+
+
+def test_finished_requests_report_their_peak_live_blocks() -> None:
+    """Each finished request's peak live blocks, by prompt mode, reach the stats once
+    (and the Prometheus histogram ``vllm:nexus_request_peak_live_blocks``)."""
+    from prometheus_client import REGISTRY
+
+    from nexus_vllm.integration import metrics
+
+    mgr, single, pool = _setup()
+    reqs = {"e": _request("e", 1000, kv_prompt_mode="end"), "s": _request("s", 1000)}
+    _, peak_e = _drive(mgr, single, reqs, "e", decode=8)
+    _, peak_s = _drive(mgr, single, reqs, "s", decode=8)
+    assert (peak_e, peak_s) == (32, 12)
+    mgr.record_finished({"e"})  # the scheduler's make_stats, in the step "e" ends in
+    mgr.plan_step(_output({}, finished=("e", "s")), reqs)  # the next plan retires both
+    mgr.plan_step(_output({}, finished=("e", "s")), reqs)  # (never twice)
+    stats = mgr.stats({})
+    assert {k: v for k, v in stats.items() if k.startswith("nexus:peak:")} == {
+        "nexus:peak:end:32": 1, "nexus:peak:stream:12": 1}
+    assert not any(k.startswith("nexus:peak:") for k in mgr.stats({}))  # drained
+
+    def sample(name: str, mode: str) -> float:
+        return REGISTRY.get_sample_value(f"vllm:nexus_request_peak_live_blocks_{name}",
+                                         {"engine": "9", "prompt_mode": mode}) or 0.0
+
+    metrics.export(metrics.pop_nexus_stats(dict(stats)), engine_idx=9)
+    assert sample("count", "end") == 1 and sample("sum", "end") == 32
+    assert sample("sum", "stream") == 12
+
+
+def test_admission_releases_an_end_request_prompt_peak_after_its_event() -> None:
+    """An admitted ``end`` request reserves its prompt's peak only until the prompt-end
+    event: then what it may still grow to is its decode hard limit
+    (``EvictionConfig.peak_from``), and the pool admits the next one."""
+    from vllm.v1.request import RequestStatus
+
+    mgr, single, pool = _setup(num_blocks=64)  # 63 usable
+    reqs = {}
+    for rid in ("a", "b"):
+        r = _request(rid, 1000, kv_prompt_mode="end")
+        r.max_tokens, r.status = 64, RequestStatus.WAITING
+        reqs[rid] = r
+    assert mgr.bound_blocks(reqs["a"]) == 32 and mgr.may_admit(reqs["a"])
+    a = {"a": reqs["a"]}
+    for i in range(7):  # all but the last chunk: a holds 28 of its 32
+        plan = _step(mgr, single, a, {"a": 128}, new=("a",) if i == 0 else ())
+        assert not plan.score
+    assert not mgr.may_admit(reqs["b"])  # 35 free - 4 outstanding < 32
+    plan = _step(mgr, single, a, {"a": 1000 - 7 * 128})
+    assert "a" in plan.score and plan.score["a"].prefill
+    mgr.apply_reply(plan, _reply(plan, mgr), a)
+    assert mgr.live_count("a") == 8
+    # a may still grow to 8 + 4 blocks: 55 free - 4 outstanding >= 32.
+    assert mgr.may_admit(reqs["b"])
+
+
+def test_end_mode_resumed_request_recomputes_within_its_bound() -> None:
+    """Preempted after decoding, an ``end`` request recomputes its prompt and generated
+    tokens in chunks: the chunk that runs past the prompt's end fires the prompt-end event
+    (its window then ends on generated tokens), and no step passes the hard limit."""
+    mgr, single, pool = _setup()
+    prompt = 1000
+    reqs = {"r": _request("r", prompt, kv_prompt_mode="end")}
+    _drive(mgr, single, reqs, "r", decode=40)
+    single.free("r")
+    r = reqs["r"]
+    r.num_computed_tokens = 0
+    events, first = [], True
+    while r.num_computed_tokens < prompt + 40:
+        n = min(128, prompt + 40 - r.num_computed_tokens)
+        single.allocate_new_blocks("r", r.num_computed_tokens + n, r.num_computed_tokens + n)
+        r.num_computed_tokens += n
+        plan = mgr.plan_step(_output({"r": n}, resumed=("r",) if first else ()), reqs)
+        first = False
+        if "r" in plan.score:
+            events.append((r.num_computed_tokens, plan.score["r"].prefill))
+        mgr.apply_reply(plan, _reply(plan, mgr), reqs)
+    assert events == [(1024, True), (1040, False)]
+    assert mgr.counters.over_budget_peak <= 0

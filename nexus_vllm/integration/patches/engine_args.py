@@ -8,7 +8,9 @@ Why
     wrapped too.
 How
     * ``add_cli_args``: add a "Nexus KV eviction" argument group (argparse validates each
-      value and names the flag on error).
+      value and names the flag on error): ``--kv-eviction``, ``--kv-budget``,
+      ``--kv-keep-ratio``, ``--kv-eviction-config``, ``--kv-eviction-seed``,
+      ``--kv-chunk-size``, ``--kv-prompt-mode``, ``--kv-prefill-budget``.
     * ``from_cli_args``: merge ``--kv-eviction-config`` < ``--additional-config nexus`` <
       flags into one validated ``EvictionConfig``; store it in
       ``additional_config["nexus"]`` (reaches every process inside ``VllmConfig``).
@@ -40,6 +42,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
+from nexus_vllm.core.config import PROMPT_MODES
 from nexus_vllm.integration.config import (
     ADDITIONAL_CONFIG_KEY,
     CLI_FLAGS,
@@ -111,6 +114,18 @@ def add_nexus_args(parser: Any) -> Any:
     group.add_argument("--kv-chunk-size", type=_positive_int, default=None, metavar="TOKENS",
                        help="Prefill chunk of evicting requests (default 512): a request "
                             "never holds more than budget + one chunk.")
+    group.add_argument("--kv-prompt-mode", choices=PROMPT_MODES, default=None,
+                       help="When the budget holds: 'stream' (default) from the first "
+                            "prompt chunk, an event after each; 'end' keeps the prompt "
+                            "(up to --kv-prefill-budget) until its last chunk, then one "
+                            "event, with the question in its window, evicts to the budget; "
+                            "'keep' never evicts the prompt (the budget counts generated "
+                            "tokens). Per request: vllm_xargs kv_prompt_mode.")
+    group.add_argument("--kv-prefill-budget", type=_positive_int, default=None,
+                       metavar="TOKENS",
+                       help="With --kv-prompt-mode end: tokens a request may keep while its "
+                            "prompt is computed (default: the whole prompt); at least the "
+                            "budget. Per request: vllm_xargs kv_prefill_budget.")
     return parser
 
 
@@ -305,8 +320,9 @@ def translate_engine_args(engine_args: Any) -> Any | None:
     additional[ADDITIONAL_CONFIG_KEY] = cfg.to_dict()
     engine_args.additional_config = additional
     logger.info("nexus-vllm: KV eviction %s, budget %s tokens / keep ratio %s, block %d, "
-                "chunk %d", cfg.method, cfg.max_tokens, cfg.keep_ratio, cfg.block_size,
-                cfg.chunk_size)
+                "chunk %d, prompt mode %s (prefill budget %s)", cfg.method, cfg.max_tokens,
+                cfg.keep_ratio, cfg.block_size, cfg.chunk_size, cfg.prompt_mode,
+                cfg.prefill_budget)
     return cfg
 
 

@@ -1,0 +1,126 @@
+"""The event rule of every prompt mode, on random chunkings (``core/trigger.py``).
+
+A simulated sequence is streamed the way both paths stream it: prompt chunks with the
+trigger consulted after each, then decode tokens; an event evicts down to the target
+(what any policy does). The rule's promises are checked on every chunking hypothesis
+draws.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nexus_vllm.core import EvictionConfig, EvictionTrigger, cdiv
+
+BLOCK = 8
+
+
+def _config(mode: str, budget: int | float, prefill_budget: int | None = None,
+            chunk: int = 32, interval: int = 4) -> EvictionConfig:
+    knobs = {"block_size": BLOCK, "recent_blocks": 2, "chunk_size": chunk,
+             "interval": interval, "prompt_mode": mode, "prefill_budget": prefill_budget}
+    if isinstance(budget, float):
+        return EvictionConfig(method="snapkv", keep_ratio=budget, **knobs)
+    return EvictionConfig(method="snapkv", max_tokens=budget, **knobs)
+
+
+def _stream(cfg: EvictionConfig, chunks: list[int], decode: int) -> list[tuple[int, bool, int]]:
+    """Events as (tokens, prefill, live blocks before); asserts the hard limit throughout.
+
+    Only full blocks are evicted, so after an event the sequence holds its target plus
+    the current partial block at most: the simulation keeps ``target`` full blocks.
+    """
+    prompt = sum(chunks)
+    trigger = EvictionTrigger(cfg, prompt)
+    tokens, evicted = 0, 0  # evicted: blocks dropped so far
+    events = []
+    for n in chunks:
+        tokens += n
+        live = cdiv(tokens, BLOCK) - evicted
+        assert live <= max(cfg.hard_limit(tokens, prompt), cdiv(min(tokens, prompt), BLOCK))
+        if trigger.prefill_chunk(tokens, live):
+            events.append((tokens, True, live))
+            evicted += live - cfg.target_blocks(tokens, prompt)
+    for _ in range(decode):
+        tokens += 1
+        live = cdiv(tokens, BLOCK) - evicted
+        assert live <= cfg.hard_limit(tokens, prompt)
+        if trigger.decode(1, tokens, live):
+            events.append((tokens, False, live))
+            evicted += live - cfg.target_blocks(tokens, prompt)
+    assert cdiv(tokens, BLOCK) - evicted <= cfg.bound_blocks(prompt, tokens)
+    return events
+
+
+chunkings = st.lists(st.integers(min_value=1, max_value=32), min_size=1, max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(chunks=chunkings, decode=st.integers(0, 60), budget=st.sampled_from([64, 96, 0.3]))
+def test_end_mode_fires_exactly_one_prefill_event_at_the_prompt_end(chunks, decode,
+                                                                      budget) -> None:
+    cfg = _config("end", budget)
+    prompt = sum(chunks)
+    events = _stream(cfg, chunks, decode)
+    prefill = [e for e in events if e[1]]
+    over = cdiv(prompt, BLOCK) > cfg.budget_blocks(prompt)
+    assert [e[0] for e in prefill] == ([prompt] if over else [])
+
+
+@settings(max_examples=200, deadline=None)
+@given(chunks=chunkings, decode=st.integers(0, 60))
+def test_end_mode_with_prefill_budget_streams_under_it_then_ends_at_budget(chunks,
+                                                                         decode) -> None:
+    cfg = _config("end", 64, prefill_budget=128)
+    prompt = sum(chunks)
+    events = _stream(cfg, chunks, decode)
+    for tokens, prefill, _ in events:
+        if prefill and tokens < prompt:
+            assert cfg.target_blocks(tokens, prompt) == 128 // BLOCK
+    if cdiv(prompt, BLOCK) > 64 // BLOCK:
+        assert any(e[0] == prompt and e[1] for e in events), "the prompt-end event"
+
+
+@settings(max_examples=200, deadline=None)
+@given(chunks=chunkings, decode=st.integers(0, 120), budget=st.sampled_from([48, 0.3]))
+def test_keep_mode_never_fires_during_prefill(chunks, decode, budget) -> None:
+    cfg = _config("keep", budget)
+    events = _stream(cfg, chunks, decode)
+    assert not [e for e in events if e[1]]
+    if decode > cfg.budget_blocks(decode) * BLOCK + 2 * cfg.interval + BLOCK:
+        assert events, "the generated tokens go over their budget, so decode events fire"
+
+
+@settings(max_examples=200, deadline=None)
+@given(chunks=chunkings, decode=st.integers(0, 60))
+def test_stream_mode_is_the_budget_from_the_first_chunk(chunks, decode) -> None:
+    cfg = _config("stream", 64)
+    prompt = sum(chunks)
+    tokens = 0
+    for n in chunks:
+        tokens += n
+        assert cfg.target_blocks(tokens, prompt) == cfg.budget_blocks(tokens)
+    _stream(cfg, chunks, decode)
+
+
+def test_bound_is_the_prompt_peak_in_end_mode_and_prompt_plus_budget_in_keep() -> None:
+    # 1000-token prompt, 100 generated: 126 / 138 blocks of 8.
+    end = _config("end", 64)
+    assert end.bound_blocks(1000, 1100) == 125  # the whole prompt before the event
+    capped = _config("end", 64, prefill_budget=256)
+    assert capped.bound_blocks(1000, 1100) == 256 // BLOCK + 4  # cap + one 32-token chunk
+    keep = _config("keep", 64)
+    assert keep.bound_blocks(1000, 1100) == 125 + 64 // BLOCK + 4
+    stream = _config("stream", 64)
+    assert stream.bound_blocks(1000, 1100) == 64 // BLOCK + 4
+    # Never more than the sequence needs.
+    assert keep.bound_blocks(40, 50) == cdiv(50, BLOCK)
+
+
+def test_peak_from_drops_to_the_decode_bound_after_the_prompt_end() -> None:
+    end = _config("end", 64)
+    assert end.peak_from(500, 1000, 1100) == end.bound_blocks(1000, 1100) == 125
+    assert end.peak_from(1000, 1000, 1100) == 64 // BLOCK + 4
+    stream = _config("stream", 64)
+    assert stream.peak_from(0, 1000, 1100) == stream.peak_from(1050, 1000, 1100) == 12
