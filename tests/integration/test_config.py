@@ -232,12 +232,20 @@ class TestServeParser:
 
 @pytest.mark.parametrize("preset", sorted(
     p.name for p in (pathlib.Path(__file__).parents[2] / "configs").glob("*.yaml")
-    if p.name not in ("nexus-keep20.yaml", "nexus-fast.yaml")
+    if p.name not in ("nexus-keep20.yaml", "nexus-fast.yaml", "nexus-end.yaml")
 ))
 def test_presets_load(preset) -> None:  # noqa: ANN001
     path = pathlib.Path(__file__).parents[2] / "configs" / preset
     cfg = resolve_config(file=str(path), flags={"max_tokens": 2048})
     assert cfg.method == preset.removesuffix(".yaml") and cfg.max_tokens == 2048
+
+
+def test_end_preset_holds_the_budget_from_the_prompt_end() -> None:
+    path = pathlib.Path(__file__).parents[2] / "configs" / "nexus-end.yaml"
+    cfg = resolve_config(file=str(path), flags={"max_tokens": 2048})
+    assert (cfg.method, cfg.prompt_mode, cfg.prefill_budget) == ("nexus", "end", None)
+    assert cfg.prefill_knobs == ("none", "topk")  # the tuned prompt-end event
+    assert cfg.policy().sampler == "pps"  # decode events keep the paper's sampler
 
 
 def test_fast_preset_scores_a_quarter() -> None:
@@ -283,3 +291,59 @@ def test_vllm_config_yaml_sets_plugin_flags(tmp_path) -> None:  # noqa: ANN001
     args = TestServeParser._parser().parse_args(["--model", LOCAL_MODEL, "--config", str(cfg)])
     nexus = AsyncEngineArgs.from_cli_args(args).additional_config["nexus"]
     assert (nexus["method"], nexus["max_tokens"], nexus["chunk_size"]) == ("snapkv", 4096, 256)
+
+
+# -- presets by name (--kv-eviction-config NAME; nexus_vllm.presets) --------------------
+PRESETS = pathlib.Path(__file__).parents[2] / "configs"
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in PRESETS.glob("*.yaml")))
+def test_presets_load_by_name(preset, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.chdir(tmp_path)  # no file of that name here: the name is looked up
+    by_path = load_config_file(PRESETS / preset)
+    assert load_config_file(preset) == by_path
+    assert load_config_file(preset.removesuffix(".yaml")) == by_path
+
+
+def test_an_existing_path_wins_over_a_preset(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nexus-fast.yaml").write_text("method: h2o\n")
+    assert load_config_file("nexus-fast.yaml") == {"method": "h2o"}
+    assert load_config_file("nexus-fast")["method"] == "nexus"  # no file "nexus-fast"
+    cfg = resolve_config(file="nexus-fast", flags={"max_tokens": 2048})
+    assert (cfg.prefill_window, cfg.layer_stride, cfg.max_tokens) == (16, 2, 2048)
+
+
+def test_an_unknown_preset_names_the_flag_and_lists_the_presets(tmp_path,
+                                                                monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as err:
+        resolve_config(file="nexus-fats", flags={"max_tokens": 2048})
+    msg = str(err.value)
+    assert msg.startswith("--kv-eviction-config: no such file or preset 'nexus-fats'"), msg
+    assert "did you mean 'nexus-fast'" in msg
+    names = sorted(p.name.removesuffix(".yaml") for p in PRESETS.glob("*.yaml"))
+    assert f"presets: {', '.join(names)} " in msg
+    assert "ci" not in names and "ci" not in msg.split("presets: ")[1]  # configs/eval/
+    # A path (not a bare name) is never looked up among the presets.
+    for path in ("configs/nexus-fast.yaml", "sub/nexus-fast", "eval/ci.yaml"):
+        with pytest.raises(ValueError, match=r"^--kv-eviction-config: no such file '") as err:
+            load_config_file(path)
+        assert "presets:" not in str(err.value)
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+def test_vllm_serve_takes_a_preset_by_name(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    monkeypatch.chdir(tmp_path)
+    args = TestServeParser._parser().parse_args(
+        ["--model", LOCAL_MODEL, "--kv-eviction-config", "nexus-fast", "--kv-budget", "2048"])
+    nexus = AsyncEngineArgs.from_cli_args(args).additional_config["nexus"]
+    assert (nexus["method"], nexus["prefill_window"], nexus["layer_stride"],
+            nexus["max_tokens"]) == ("nexus", 16, 2, 2048)
+    args = TestServeParser._parser().parse_args(
+        ["--model", LOCAL_MODEL, "--kv-eviction-config", "nexus-fats", "--kv-budget", "2048"])
+    with pytest.raises(SystemExit, match="^vllm serve: error: --kv-eviction-config: no such "
+                                         "file or preset 'nexus-fats'.*presets: h2o, nexus"):
+        AsyncEngineArgs.from_cli_args(args)
