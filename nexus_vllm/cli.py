@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                "a running server vs. the transformers path, token for token"),
     "prepare-model": ("nexus_vllm.models", "build the embedded default model checkpoint"),
     "serve": ("nexus_vllm.integration.serve", "vllm serve with Nexus eviction on"),
+    "presets": ("nexus_vllm.presets", "list the --kv-eviction-config presets (--show NAME)"),
 }
 
 

@@ -282,16 +282,57 @@ print(json.dumps({"missing": missing, "file": nexus_vllm.__file__,
 """
 
 
-@pytest.mark.slow
-def test_sdist_and_wheel_build_and_the_wheel_installs_into_a_clean_venv(tmp_path):
-    version = _project_version()
-    dist = tmp_path / "dist"
+def _presets() -> list[str]:
+    return sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def dists(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+    """The sdist and the wheel, built once for this module's tests."""
+    dist = tmp_path_factory.mktemp("dist")
     # `python -m build` makes the sdist, then the wheel *from the sdist*: a file the sdist
     # lacks breaks the wheel. --no-isolation uses the backend from the test extra (and
     # checks it satisfies [build-system] requires) instead of fetching it.
     _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(REPO)])
     (sdist,) = dist.glob("*.tar.gz")
     (wheel,) = dist.glob("*.whl")
+    return sdist, wheel
+
+
+@pytest.mark.slow
+def test_sdist_and_wheel_ship_the_license_and_the_presets(dists):
+    sdist, wheel = dists
+    version = _project_version()
+    assert _presets() and "nexus.yaml" in _presets()
+    root = f"nexus_vllm-{version}/"
+    with tarfile.open(sdist) as tar:
+        in_sdist = {n.removeprefix(root) for n in tar.getnames()}
+    for needed in ("LICENSE", *(f"configs/{name}" for name in _presets())):
+        assert needed in in_sdist, f"sdist lacks {needed}"
+
+    info = f"nexus_vllm-{version}.dist-info/"
+    with zipfile.ZipFile(wheel) as whl:
+        in_wheel = set(whl.namelist())
+        license_text = whl.read(info + "licenses/LICENSE").decode()
+        metadata = email.parser.Parser().parsestr(whl.read(info + "METADATA").decode())
+    assert license_text == (REPO / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert metadata["License-Expression"] == _project()["license"] == "Apache-2.0"
+    assert metadata.get_all("License-File") == ["LICENSE"]
+    # Every preset as package data (importlib.resources: nexus_vllm/configs/), nothing else
+    # from configs/: configs/eval/ holds evaluation runs, not presets.
+    shipped = sorted(n.removeprefix("nexus_vllm/configs/") for n in in_wheel
+                     if n.startswith("nexus_vllm/configs/"))
+    assert shipped == _presets()
+    assert (REPO / "configs" / "eval").is_dir()
+    assert not [n for n in in_wheel if "eval/" in n and n.endswith(".yaml")]
+    assert not [n for n in in_wheel if n.startswith("configs/")]
+
+
+@pytest.mark.slow
+def test_sdist_and_wheel_build_and_the_wheel_installs_into_a_clean_venv(dists, tmp_path):
+    version = _project_version()
+    sdist, wheel = dists
     assert sdist.name == f"nexus_vllm-{version}.tar.gz"
     assert wheel.name == f"nexus_vllm-{version}-py3-none-any.whl"  # pure Python
 
@@ -337,3 +378,11 @@ def test_sdist_and_wheel_build_and_the_wheel_installs_into_a_clean_venv(tmp_path
     assert probe["same"] and probe["callable"]
     usage = _run([str(venv / "bin" / "nexus-vllm"), "--help"], cwd=tmp_path).stdout
     assert usage.startswith("usage: nexus-vllm")
+    # The presets come from the installed package, not from a checkout's configs/.
+    listing = _run([str(venv / "bin" / "nexus-vllm"), "presets"], cwd=tmp_path).stdout
+    for name in _presets():
+        assert f"  {name.removesuffix('.yaml')} " in listing, listing
+    assert f"From {venv}" in listing and "/nexus_vllm/configs." in listing, listing
+    shown = _run([str(venv / "bin" / "nexus-vllm"), "presets", "--show", "nexus-fast"],
+                 cwd=tmp_path).stdout
+    assert shown == (REPO / "configs" / "nexus-fast.yaml").read_text()

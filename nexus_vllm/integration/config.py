@@ -1,7 +1,7 @@
 """Server-side configuration: CLI flags, config files, ``--additional-config`` and
 per-request ``vllm_xargs``, all parsed into :class:`nexus_vllm.core.EvictionConfig`.
 
-Layering (later wins): ``EvictionConfig`` defaults < ``--kv-eviction-config FILE`` <
+Layering (later wins): ``EvictionConfig`` defaults < ``--kv-eviction-config FILE|NAME`` <
 ``--additional-config '{"nexus": {...}}'`` < the ``--kv-*`` flags. The resolved config is
 stored back into ``additional_config["nexus"]`` as a plain dict so every vLLM process
 (API server, engine core, workers) rebuilds the same frozen object from the VllmConfig.
@@ -78,35 +78,44 @@ def _flag_for(field: str) -> str:
 
 
 def load_config_file(path: str | pathlib.Path) -> dict[str, Any]:
-    """Read a YAML or JSON eviction preset.
+    """Read a YAML or JSON eviction preset: a file, or a shipped preset by name.
 
-    The file holds either the knobs at top level or under a ``nexus:`` key.
+    The file holds either the knobs at top level or under a ``nexus:`` key. An existing
+    file wins; else a bare name (``nexus-fast`` or ``nexus-fast.yaml``) is looked up among
+    the shipped presets (``nexus_vllm.presets``, ``nexus-vllm presets``).
 
     Raises
     ------
     ValueError
-        Naming ``--kv-eviction-config`` when the file is missing, unparsable or not a
-        mapping.
+        Naming ``--kv-eviction-config`` when the file is missing (listing the presets when
+        a name was given), unparsable or not a mapping.
     """
+    from nexus_vllm import presets
+
     p = pathlib.Path(path)
+    source: Any = p
     if not p.is_file():
-        raise ValueError(f"--kv-eviction-config: no such file {str(p)!r}")
-    text = p.read_text()
+        source = presets.find(str(path))
+        if source is None:
+            if presets.is_name(str(path)):
+                raise ValueError(presets.unknown_message(str(path)))
+            raise ValueError(f"--kv-eviction-config: no such file {str(p)!r}")
+    text = source.read_text()
     try:
-        if p.suffix == ".json":
+        if source.name.endswith(".json"):
             data = json.loads(text)
         else:
             import yaml
 
             data = yaml.safe_load(text)
     except Exception as exc:  # yaml and json raise different types
-        raise ValueError(f"--kv-eviction-config: cannot parse {str(p)!r}: {exc}") from exc
+        raise ValueError(f"--kv-eviction-config: cannot parse {str(source)!r}: {exc}") from exc
     if data is None:
         data = {}
     if isinstance(data, dict) and ADDITIONAL_CONFIG_KEY in data:
         data = data[ADDITIONAL_CONFIG_KEY]
     if not isinstance(data, dict):
-        raise ValueError(f"--kv-eviction-config: {str(p)!r} must hold a mapping of knobs")
+        raise ValueError(f"--kv-eviction-config: {str(source)!r} must hold a mapping of knobs")
     return dict(data)
 
 
@@ -140,7 +149,7 @@ def resolve_config(
     Parameters
     ----------
     file : str, optional
-        ``--kv-eviction-config`` path.
+        ``--kv-eviction-config`` path, or a shipped preset's name.
     additional : dict, optional
         ``additional_config["nexus"]``.
     flags : dict, optional

@@ -106,8 +106,9 @@ def add_nexus_args(parser: Any) -> Any:
     group.add_argument("--kv-keep-ratio", type=_ratio, default=None, metavar="R",
                        help="KV budget as a fraction of the tokens seen (instead of "
                             "--kv-budget).")
-    group.add_argument("--kv-eviction-config", type=str, default=None, metavar="FILE",
-                       help="YAML/JSON file of eviction knobs (see configs/).")
+    group.add_argument("--kv-eviction-config", type=str, default=None, metavar="FILE|NAME",
+                       help="YAML/JSON file of eviction knobs, or a shipped preset's name "
+                            "(e.g. nexus-fast; `nexus-vllm presets` lists them).")
     group.add_argument("--kv-eviction-seed", type=_non_negative_int, default=None,
                        help="Seed of the block sampler (per request: mixed with the "
                             "request's seed).")
