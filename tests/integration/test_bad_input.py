@@ -8,8 +8,10 @@ flags, ``--kv-eviction-config`` files and ``--additional-config '{"nexus": ...}'
   types, the two request hooks, and vLLM's ``create_engine_config`` on the tiny model
   (the checks that need ``max_model_len``).
 * One evicting server (``--kv-eviction nexus --kv-budget 256 --kv-chunk-size 128``)
-  fuzzed over HTTP with raw JSON: each bad case, on both endpoints, streamed and not, is
-  an HTTP 400 before any stream; the server keeps serving and logs no ERROR or traceback.
+  fuzzed over HTTP with raw JSON: each bad case, on the three endpoints that carry
+  ``vllm_xargs`` (``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``),
+  streamed and not, is an HTTP 400 before any stream; the server keeps serving and logs
+  no ERROR or traceback.
 * A few real ``vllm serve`` startups: one clean error line naming the flag, no traceback.
 """
 
@@ -451,19 +453,27 @@ def test_serving_hook_targets() -> None:
     from vllm.entrypoints.generate.base.serving import GenerateBaseServing
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 
     import nexus_vllm
 
     nexus_vllm.register()
     for cls, render, create in (
             (OpenAIServingCompletion, "render_completion_request", "_create_completion"),
-            (OpenAIServingChat, "render_chat_request", "_create_chat_completion")):
+            (OpenAIServingChat, "render_chat_request", "_create_chat_completion"),
+            (OpenAIServingResponses, "_render_resolved_response_inputs",
+             "_create_responses")):
         hook = getattr(cls, render)
         assert hook._nexus_patched and inspect.iscoroutinefunction(hook)
         assert list(inspect.signature(hook.__wrapped__).parameters)[:2] == ["self", "request"]
         # Rendered (so checked) before the stream generator is handed to the router.
         src = inspect.getsource(getattr(cls, create))
-        assert src.index(f"self.{render}(request)") < src.index("if request.stream:")
+        assert src.index(f"self.{render}(") < src.index("if request.stream:")
+    # /v1/responses carries vllm_xargs into SamplingParams.extra_args, as the others do.
+    params = ResponsesRequest(input="hi", vllm_xargs={"kv_budget": 512}).to_sampling_params(
+        16, {})
+    assert params.extra_args == {"kv_budget": 512}
     # The serving object reaches the engine's config through its input processor.
     src = inspect.getsource(GenerateBaseServing.__init__)
     assert "self.input_processor = engine_client.input_processor" in src
@@ -493,9 +503,13 @@ HTTP_CASES = [
     ('{"kv_prompt_mode": "end", "kv_prefill_budget": 100}', "kv_prefill_budget",
      "at least the budget"),
 ]
+# Each endpoint's body (besides model, stream and vllm_xargs), asking for 4 tokens.
 ENDPOINTS = {
-    "/v1/completions": {"prompt": "hello there"},
-    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hello there"}]},
+    "/v1/completions": {"prompt": "hello there", "max_tokens": 4},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hello there"}],
+                             "max_tokens": 4},
+    # No store: the server runs without VLLM_ENABLE_RESPONSES_API_STORE.
+    "/v1/responses": {"input": "hello there", "max_output_tokens": 4, "store": False},
 }
 
 
@@ -521,8 +535,7 @@ def _post(server, endpoint: str, stream: bool, xargs_json: str):  # noqa: ANN001
     import requests
 
     # Raw JSON: NaN, Infinity and wrong types go out exactly as written.
-    body = json.dumps({"model": server.model, "max_tokens": 4, "stream": stream,
-                       **ENDPOINTS[endpoint]})
+    body = json.dumps({"model": server.model, "stream": stream, **ENDPOINTS[endpoint]})
     body = body[:-1] + f', "vllm_xargs": {xargs_json}}}'
     return requests.post(server.base_url + endpoint, data=body, stream=stream, timeout=120,
                          headers={"Content-Type": "application/json"})
@@ -561,6 +574,20 @@ def test_server_keeps_serving_and_logs_no_error(server) -> None:  # noqa: ANN001
             "text/event-stream")
         events = [line for line in r.iter_lines(decode_unicode=True) if line]
     assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events), events
+    # /v1/responses: refused, then served, streamed and not.
+    for stream in (False, True):
+        with _post(server, "/v1/responses", stream, '{"kv_budget": -5}') as r:
+            assert r.status_code == 400
+    with _post(server, "/v1/responses", False, '{"kv_budget": 512}') as r:
+        assert r.status_code == 200, r.text[:500]
+        assert r.json()["status"] in ("completed", "incomplete"), r.text[:500]
+    with _post(server, "/v1/responses", True, '{"kv_budget": 512}') as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith(
+            "text/event-stream")
+        events = [line for line in r.iter_lines(decode_unicode=True)
+                  if line.startswith("event: ")]
+    assert events[-1] in ("event: response.completed", "event: response.incomplete"), events
+    assert not any("error" in e for e in events), events
     log = pathlib.Path(server.log_path).read_text(errors="replace")[server.ready_at:]
     bad = _error_lines(log)
     assert not bad, "\n".join(bad[:20])

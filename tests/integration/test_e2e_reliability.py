@@ -2,8 +2,8 @@
 
 Tiny random Llama (plumbing only). The module shares one evicting server
 (``--kv-budget 256 --kv-chunk-size 128``, a 96-block pool: 95 usable, block 0 is vLLM's
-null block) whose pool is small enough that a few long non-evicting requests force
-vLLM to preempt. vLLM records preemptions per request only as a histogram, so the server
+null block) whose pool is small enough that a few long non-evicting requests beside
+evicting ones force vLLM to preempt. vLLM records preemptions per request only as a histogram, so the server
 loads a probe (a ``sitecustomize`` on its PYTHONPATH, written below) that logs each one:
 the request's seed and how many tokens it had generated when it was preempted.
 
@@ -67,7 +67,10 @@ def _patch(scheduler_cls):
     def _preempt_request(self, request, *args, **kwargs):
         line = {"seed": getattr(request.sampling_params, "seed", None),
                 "output_tokens": int(request.num_output_tokens),
-                "computed_tokens": int(request.num_computed_tokens)}
+                "computed_tokens": int(request.num_computed_tokens),
+                # vLLM's running list (admission order), the victim popped off its end.
+                "running": [getattr(r.sampling_params, "seed", None)
+                            for r in getattr(self, "running", [])]}
         with open(_LOG, "a") as fh:
             fh.write(json.dumps(line) + "\\n")
         return orig(self, request, *args, **kwargs)
@@ -317,27 +320,76 @@ def _preemptions(server, offset: int) -> list[dict]:  # noqa: ANN001
     return [json.loads(ln) for ln in lines]
 
 
+# Preemption by construction (see the test's docstring): three non-evicting requests of
+# N_TOKENS tokens each, and an evicting sentinel that outlives them.
+N_TOKENS = 31 * BLOCK  # 992: 31 blocks each at the end, 93 together (< the 95 usable)
+SENTINEL_BUDGET = 512  # 16 blocks always live once past it; admitted with 20 free
+
+
+def _wait_running(server, n: int, timeout: float = 120.0) -> None:  # noqa: ANN001
+    """Wait until vLLM's scheduler has (at least) ``n`` requests in its running list."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.metrics().get("vllm:num_requests_running", 0) >= n:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"fewer than {n} requests running after {timeout}s: "
+                         f"{server.metrics()}")
+
+
 def test_preempted_requests_finish_and_replay(server) -> None:  # noqa: ANN001
-    """Three long non-evicting requests and eight seeded evicting ones (long prompts)
-    overfill the 95-block pool, so vLLM preempts. Every request finishes with all its
-    tokens; then each is sent alone (same server, one at a time: nothing to preempt, and
-    the same process and kernels, so the only difference is the preemption). A request
-    that was never preempted after its first token gives exactly its tokens alone; one
-    preempted after generating G tokens gives the same first G tokens (module docstring:
-    why later tokens may differ)."""
+    """Three long non-evicting requests, then an evicting sentinel, then seven more seeded
+    evicting ones (long prompts) overfill the 95-block pool, so vLLM preempts, and its
+    first victim is an evicting request in every interleaving. Every request finishes
+    with all its tokens; then each is sent alone (same server, one at a time: nothing to
+    preempt, and the same process and kernels, so the only difference is the
+    preemption). A request that was never preempted after its first token gives exactly
+    its tokens alone; one preempted after generating G tokens gives the same first G
+    tokens (module docstring: why later tokens may differ).
+
+    Why the first preemption hits an evicting request whatever the timing. vLLM 0.32
+    (FCFS) preempts only when a *running* request cannot get a block, and then preempts
+    ``running[-1]``, the most recently admitted running request (``running`` keeps
+    admission order; a waiting request never preempts). The plugin admits an evicting
+    request only when the free pool covers its bound on top of the other evicting
+    requests' outstanding growth, and ignores non-evicting ones.
+
+    1. Order: the evicting requests are sent only once the three non-evicting ones are in
+       ``running`` (``_wait_running``), and no request is re-admitted before the first
+       preemption, so until then every running evicting request is behind every
+       non-evicting one in ``running``.
+    2. The non-evicting requests alone never fill the pool: each ends at N_TOKENS = 31
+       blocks, 93 < 95 together. So no allocation fails while no evicting request runs;
+       the first one that fails has an evicting request running, ``running[-1]`` is one,
+       and it is the victim (``events[0]`` below).
+    3. A preemption does happen. The sentinel (budget 512: 16 blocks, bound 20) is sent
+       once the three are running (~48 blocks after their prompts) and is admitted at
+       once (it fits until they pass 75 blocks, ~290 decode steps later). Every running
+       request is scheduled every step (at most 11 * 128 tokens, under the 2048-token
+       step budget), and the sentinel's 9 prompt chunks + 560 decode steps outlast each
+       non-evicting request's <= 4 chunks + <= 522 steps, all started before it. So on
+       the step the first non-evicting request reaches its 31st block, the sentinel
+       still runs (or was preempted already) holding >= 16 blocks (an event never keeps
+       fewer than the budget), while the three hold >= 80 (sent together, they start
+       within far fewer than ~190 steps of each other): 96 > 95 blocks cannot be held, so
+       a preemption came first. The seven later evicting requests only add pressure.
+    """
     import concurrent.futures as cf
 
     rng = random.Random(99)
-    reqs = []
-    # Non-evicting pressure: ~35 blocks each by the end; sent first so the evicting
-    # requests are admitted after them and are the ones vLLM preempts (the newest).
+    pressure = []
     for i in range(3):
-        reqs.append((10_000 + i, [rng.choice(VOCAB) for _ in range(rng.randint(700, 800))],
-                     rng.randint(300, 340), {"kv_eviction": "none"}))
-    for i in range(8):
+        n = rng.randint(470, 490)
+        pressure.append((10_000 + i, [rng.choice(VOCAB) for _ in range(n)], N_TOKENS - n,
+                         {"kv_eviction": "none"}))
+    sentinel = (20_000, [rng.choice(VOCAB) for _ in range(1100)], 560,
+                {"kv_eviction": "nexus", "kv_budget": SENTINEL_BUDGET})
+    others = []
+    for i in range(1, 8):
         xargs = {"kv_eviction": METHODS[i % 4], "kv_budget": BUDGETS[i % 3]}
-        reqs.append((20_000 + i, [rng.choice(VOCAB) for _ in range(rng.randint(1000, 1500))],
-                     rng.randint(40, 80), xargs))
+        others.append((20_000 + i, [rng.choice(VOCAB) for _ in range(rng.randint(1000, 1500))],
+                       rng.randint(40, 80), xargs))
+    reqs = [*pressure, sentinel, *others]
     evicting = {seed for seed, *_ in reqs if seed >= 20_000}
 
     _wait_idle(server)
@@ -345,7 +397,7 @@ def test_preempted_requests_finish_and_replay(server) -> None:  # noqa: ANN001
     p0 = _series(server, "vllm:num_preemptions_total")
     e0 = _series(server, "vllm:nexus_evicted_blocks_total")
 
-    def send(req: tuple, delay: float) -> tuple[list[int], str]:
+    def send(req: tuple, delay: float = 0.0) -> tuple[list[int], str]:
         seed, prompt, max_tokens, xargs = req
         time.sleep(delay)
         return _greedy_ids(server, prompt, max_tokens, seed, xargs)
@@ -353,7 +405,11 @@ def test_preempted_requests_finish_and_replay(server) -> None:  # noqa: ANN001
     # At most 11 requests * 128-token chunks per step: below vLLM's 2048-token step
     # budget, so no chunk is ever cut short by other requests' tokens.
     with cf.ThreadPoolExecutor(len(reqs)) as pool:
-        futs = [pool.submit(send, r, 0.05 * i) for i, r in enumerate(reqs)]
+        futs = [pool.submit(send, r) for r in pressure]
+        _wait_running(server, len(pressure))
+        futs.append(pool.submit(send, sentinel))
+        _wait_running(server, len(pressure) + 1)
+        futs += [pool.submit(send, r, 0.05 * i) for i, r in enumerate(others)]
         busy = [f.result() for f in futs]
     _wait_idle(server)
     events = _preemptions(server, offset)
@@ -362,9 +418,9 @@ def test_preempted_requests_finish_and_replay(server) -> None:  # noqa: ANN001
 
     for (seed, _, max_tokens, _), (tokens, reason) in zip(reqs, busy):
         assert reason == "length" and len(tokens) == max_tokens, (seed, reason, len(tokens))
-    # The probe saw every preemption vLLM counted, and some hit evicting requests.
+    # The probe saw every preemption vLLM counted; the first hit an evicting request.
     assert p1 - p0 == len(events) > 0
-    assert {e["seed"] for e in events} & evicting, events
+    assert events[0]["seed"] in evicting, events
 
     alone = [send(r, 0.0) for r in reqs]
     assert _series(server, "vllm:num_preemptions_total") == p1  # alone: nothing preempted

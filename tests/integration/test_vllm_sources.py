@@ -698,12 +698,18 @@ def test_api_server_patch_targets(src: VllmSource) -> None:
             ("entrypoints/openai/completion/serving.py", "OpenAIServingCompletion",
              "render_completion_request", "_create_completion"),
             ("entrypoints/openai/chat_completion/serving.py", "OpenAIServingChat",
-             "render_chat_request", "_create_chat_completion")):
+             "render_chat_request", "_create_chat_completion"),
+            ("entrypoints/openai/responses/serving.py", "OpenAIServingResponses",
+             "_render_resolved_response_inputs", "_create_responses")):
         fn = src.method(rel, cls, method)
         assert isinstance(fn, ast.AsyncFunctionDef) and _params(fn)[:2] == ["self", "request"]
         # The wrapped method is on the request path, for streamed requests too.
         assert _calls(src.method(rel, cls, caller), f"self.{method}"), (
             f"vLLM {src.label}: {cls}.{caller} no longer calls {method} (vllm/{rel})")
+    # /v1/responses: its vllm_xargs become SamplingParams.extra_args (so they need the check).
+    to_params = src.method("entrypoints/openai/responses/protocol.py", "ResponsesRequest",
+                           "to_sampling_params")
+    assert "self.vllm_xargs" in ast.unparse(to_params), f"vLLM {src.label}"
     assert src.exists("entrypoints/serve/engine/protocol.py")
     src.cls("entrypoints/serve/engine/protocol.py", "ErrorResponse")
     err = src.method("entrypoints/serve/engine/serving.py", "BaseServing",

@@ -18,7 +18,9 @@ validation or plugin metrics; each patch's Plan names the hook that would replac
 |                 | ``create_engine_config``                          |            |
 | openai_serving  | ``OpenAIServingCompletion.render_completion_      | API server |
 |                 | request`` / ``OpenAIServingChat.render_chat_      |            |
-|                 | request`` (``vllm_xargs`` -> 400 before a stream) |            |
+|                 | request`` / ``OpenAIServingResponses._render_     |            |
+|                 | resolved_response_inputs`` (``vllm_xargs`` -> 400 |            |
+|                 | before a stream)                                  |            |
 | input_processor | ``InputProcessor._validate_params`` (backstop for | API server |
 |                 | the other ways into the engine)                   |            |
 | stat_logger     | ``StatLoggerManager.record``                      | API server |

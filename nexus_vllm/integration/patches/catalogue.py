@@ -76,6 +76,11 @@ CATALOGUE: tuple[Patch, ...] = (
     Patch("OpenAIServingChat.render_chat_request", "class-wrap", "patches/openai_serving",
           _ALL, "as render_completion_request, for chat", "as render_completion_request",
           "a request-validation hook in the serving layer"),
+    Patch("OpenAIServingResponses._render_resolved_response_inputs", "class-wrap",
+          "patches/openai_serving", _ALL,
+          "as render_completion_request, for /v1/responses (its vllm_xargs reach "
+          "extra_args too)", "as render_completion_request",
+          "a request-validation hook in the serving layer"),
     Patch("InputProcessor._validate_params", "class-wrap", "patches/input_processor", _ALL,
           "backstop for requests that do not come through the OpenAI server",
           "after vLLM's checks, validate extra_args; raise VLLMValidationError",

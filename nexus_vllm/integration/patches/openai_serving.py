@@ -10,17 +10,22 @@ Why
     request model does not know the server's config (eviction on, block size, forced set,
     ``max_model_len``), which the serving object reaches through its ``input_processor``.
 How
-    Wrap ``OpenAIServingCompletion.render_completion_request`` and
-    ``OpenAIServingChat.render_chat_request``: the serving layer's engine-aware checks
-    (model, engine health, prompt rendering) that run before a response is started, for
-    streamed and unstreamed requests alike (the Anthropic messages endpoint goes through
-    the chat one). After vLLM's checks pass, run
+    Wrap ``OpenAIServingCompletion.render_completion_request``,
+    ``OpenAIServingChat.render_chat_request`` and
+    ``OpenAIServingResponses._render_resolved_response_inputs``: the serving layer's
+    engine-aware checks (model, engine health, prompt rendering) that run before a
+    response is started, for streamed and unstreamed requests alike (the Anthropic
+    messages endpoint goes through the chat one; ``/v1/responses`` carries
+    ``vllm_xargs`` into ``SamplingParams.extra_args`` the same way, through
+    ``ResponsesRequest.to_sampling_params``, called after the render and before
+    ``request.stream`` picks the stream generator). After vLLM's checks pass, run
     :func:`nexus_vllm.integration.config.validate_request_args` on ``request.vllm_xargs``;
     a bad field returns vLLM's ``ErrorResponse`` (HTTP 400, ``param`` =
     ``vllm_xargs.<field>``). It is returned, not raised, so vLLM logs nothing for it.
 vLLM version
     0.32 to 0.34 (``vllm/entrypoints/openai/completion/serving.py``,
-    ``vllm/entrypoints/openai/chat_completion/serving.py``).
+    ``vllm/entrypoints/openai/chat_completion/serving.py``,
+    ``vllm/entrypoints/openai/responses/serving.py``).
 Plan
     Drop when vLLM grows a plugin hook for request validation in the serving layer.
 """
@@ -42,7 +47,7 @@ def check_xargs(serving: Any, request: Any) -> Any | None:
     """The ``ErrorResponse`` for a request whose ``vllm_xargs`` fail validation, else None.
 
     ``serving`` is one of vLLM's OpenAI serving objects (it carries the engine's
-    ``input_processor``); ``request`` a completion or chat completion request.
+    ``input_processor``); ``request`` a completion, chat completion or responses request.
     """
     xargs = getattr(request, "vllm_xargs", None)
     input_processor = getattr(serving, "input_processor", None)
@@ -73,10 +78,12 @@ def _wrap(orig: Callable[..., Any], error_type: type) -> Callable[..., Any]:
 def apply() -> None:
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
     for cls, name in ((OpenAIServingCompletion, "render_completion_request"),
-                      (OpenAIServingChat, "render_chat_request")):
+                      (OpenAIServingChat, "render_chat_request"),
+                      (OpenAIServingResponses, "_render_resolved_response_inputs")):
         orig = getattr(cls, name)
         if not getattr(orig, "_nexus_patched", False):
             swap(cls, name, _wrap(orig, ErrorResponse))
