@@ -291,14 +291,18 @@ def _tokens(key: str, value: Any) -> int:
     return int(value)
 
 
-def _check_method(extra_args: dict[str, Any], server_cfg: Any | None, opt_out: bool) -> None:
-    method = extra_args["kv_eviction"]
-    if not isinstance(method, str) or method not in METHODS:
-        match = difflib.get_close_matches(str(method).strip().lower(), METHODS, n=1)
+def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    """A per-request value that must be one of ``choices`` (a close match is suggested)."""
+    if not isinstance(value, str) or value not in choices:
+        match = difflib.get_close_matches(str(value).strip().lower(), choices, n=1)
         hint = f" (did you mean {match[0]!r}?)" if match else ""
         raise RequestArgError(
-            "kv_eviction", f"must be one of {', '.join(METHODS)}; got "
-            f"{_given(method)}{hint}")
+            key, f"must be one of {', '.join(choices)}; got {_given(value)}{hint}")
+    return value
+
+
+def _check_method(extra_args: dict[str, Any], server_cfg: Any | None, opt_out: bool) -> None:
+    method = _choice("kv_eviction", extra_args["kv_eviction"], METHODS)
     if server_cfg is None and not opt_out:
         raise RequestArgError(
             "kv_eviction", f"{method!r} needs a server started with eviction on; this "
@@ -334,13 +338,7 @@ def _check_prompt_mode(extra_args: dict[str, Any], server_cfg: Any | None,
                        opt_out: bool) -> None:
     from nexus_vllm.core.config import PROMPT_MODES
 
-    mode = extra_args["kv_prompt_mode"]
-    if not isinstance(mode, str) or mode not in PROMPT_MODES:
-        match = difflib.get_close_matches(str(mode).strip().lower(), PROMPT_MODES, n=1)
-        hint = f" (did you mean {match[0]!r}?)" if match else ""
-        raise RequestArgError(
-            "kv_prompt_mode", f"must be one of {', '.join(PROMPT_MODES)}; got "
-            f"{_given(mode)}{hint}")
+    _choice("kv_prompt_mode", extra_args["kv_prompt_mode"], PROMPT_MODES)
     if server_cfg is None and not opt_out:
         raise RequestArgError(
             "kv_prompt_mode", "needs a server started with eviction on; this server was "
