@@ -79,10 +79,10 @@ def test_chunked_prefill_stays_within_budget_plus_chunk_and_frees_blocks() -> No
             mgr.apply_reply(plan, _reply(plan, mgr), reqs)
             assert mgr.live_count("r") == budget_blocks
             freed = pool.get_num_free_blocks() - before
-            evicted = sorted(mgr.unacked["r"])
+            evicted = sorted(mgr.channel.unacked["r"])
             assert freed == len(evicted) > 0
             evicted_total += freed
-            blocks = mgr.blocks("r")
+            blocks = mgr.blocks.of("r")
             assert all(blocks[j].is_null for j in evicted)
             # Sink block and the newest recent_blocks + 1 live blocks are never evicted,
             # which is what the plan told the worker (evictable_below).
@@ -93,7 +93,7 @@ def test_chunked_prefill_stays_within_budget_plus_chunk_and_frees_blocks() -> No
     assert sum(len(v) for v in plan.evict.values()) > 0
     assert not plan.score  # decode: interval not reached yet
     mgr.apply_reply(plan, _reply(plan, mgr), reqs)
-    assert mgr.unacked == {}
+    assert mgr.channel.unacked == {}
     # Request end: vLLM frees the rest; every block is back.
     single.free("r")
     assert pool.get_num_free_blocks() == free0
@@ -110,7 +110,7 @@ def test_plan_ids_and_resend_until_acknowledged() -> None:
     plan1 = _step(mgr, single, reqs, {"r": 512}, new=("r",))
     assert plan1.step_id == 1 and "r" in plan1.score
     mgr.apply_reply(plan1, _reply(plan1, mgr), reqs)
-    evicted = tuple(sorted(mgr.unacked["r"]))
+    evicted = tuple(sorted(mgr.channel.unacked["r"]))
     # Step 2's plan carries the nulls; the worker never acknowledges it (lost).
     plan2 = _step(mgr, single, reqs, {"r": 88})
     assert plan2.step_id == 2 and plan2.evict == {"r": evicted}
@@ -122,7 +122,8 @@ def test_plan_ids_and_resend_until_acknowledged() -> None:
     plan3 = _step(mgr, single, reqs, {"r": 1})
     assert plan3.step_id == 3 and plan3.evict["r"][: len(evicted)] == evicted
     mgr.apply_reply(plan3, _reply(plan3, mgr), reqs)
-    assert "r" not in mgr.unacked or not set(evicted) & set(mgr.unacked["r"])
+    unacked = mgr.channel.unacked
+    assert "r" not in unacked or not set(evicted) & set(unacked["r"])
 
 
 def test_decode_interval_and_restart_reset() -> None:
@@ -130,7 +131,7 @@ def test_decode_interval_and_restart_reset() -> None:
     reqs = {"r": _request("r", prompt=300)}
     plan = _step(mgr, single, reqs, {"r": 300}, new=("r",))
     mgr.apply_reply(plan, _reply(plan, mgr), reqs)
-    first = sorted(mgr.unacked["r"])
+    first = sorted(mgr.channel.unacked["r"])
     events = 0
     for _ in range(64):
         plan = _step(mgr, single, reqs, {"r": 1})
@@ -153,7 +154,7 @@ def test_decode_interval_and_restart_reset() -> None:
     plan = mgr.plan_step(_output({"r": 300}, resumed=("r",)), reqs)
     assert "r" not in plan.evict  # old nulls never reach the fresh block list
     mgr.apply_reply(plan, _reply(plan, mgr), reqs)
-    assert sorted(mgr.unacked["r"]) == first
+    assert sorted(mgr.channel.unacked["r"]) == first
 
 
 def test_per_request_overrides_and_opt_out() -> None:
@@ -165,7 +166,8 @@ def test_per_request_overrides_and_opt_out() -> None:
                  new=("big", "off", "h2o"))
     assert sorted(plan.track) == ["big", "h2o"]
     assert list(plan.score) == ["h2o"]  # 8 live blocks > 192 // 32; "big" is far below
-    assert mgr.states["h2o"] is not None and mgr.states["h2o"].cfg.method == "h2o"
+    h2o = mgr.states.get("h2o")
+    assert h2o is not None and h2o.cfg.method == "h2o"
 
 
 def test_stale_scores_are_skipped() -> None:
@@ -189,7 +191,7 @@ def test_stale_scores_are_skipped() -> None:
 def test_prefix_hits_stop_before_the_first_eviction(prompt, budget, chunk, hit,
                                                     want) -> None:  # noqa: ANN001
     mgr, single, pool = _setup(budget=budget, chunk=chunk)
-    rule = mgr._hit_cap(_request("r", prompt))
+    rule = mgr.hit_cap(_request("r", prompt))
     if want is None:
         assert rule is None
     else:
@@ -206,18 +208,18 @@ def test_caching_is_capped_at_the_clean_watermark() -> None:
     seen: list[int] = []
 
     fake = SimpleNamespace(cache_blocks=lambda request, n, *a, **k: seen.append(n))
-    cap_prefix_caching(fake, lambda r: mgr.clean_tokens.get(r.request_id))
+    cap_prefix_caching(fake, lambda r: mgr.watermarks.limit(r.request_id))
     reqs = {"r": _request("r", prompt=1000)}
     plan = _step(mgr, single, reqs, {"r": 384}, new=("r",))
     fake.cache_blocks(reqs["r"], 384)
     mgr.apply_reply(plan, _reply(plan, mgr), reqs)
-    assert mgr.clean_tokens["r"] == 384
+    assert mgr.watermarks.tokens["r"] == 384
     _step(mgr, single, reqs, {"r": 128})
     fake.cache_blocks(reqs["r"], 512)
     assert seen == [384, 384]
     # Preempted and resumed: the watermark goes with the old block list.
     mgr.plan_step(_output({"r": 128}, resumed=("r",)), reqs)
-    assert "r" not in mgr.clean_tokens
+    assert "r" not in mgr.watermarks.tokens
 
 
 def test_admission_by_bound() -> None:
@@ -258,7 +260,7 @@ def _drive(mgr, single, reqs, rid, decode: int, chunk: int = 128):  # noqa: ANN0
         n = min(chunk, prompt - done) if done < prompt else 1
         plan = _step(mgr, single, reqs, {rid: n}, new=(rid,) if first else ())
         first = False
-        cfg = mgr.states[rid].cfg
+        cfg = mgr.states.get(rid).cfg
         live = mgr.live_count(rid)
         peak = max(peak, live)
         assert live <= cfg.hard_limit(r.num_computed_tokens, prompt)
@@ -283,7 +285,7 @@ def test_end_mode_one_event_at_the_prompt_end() -> None:
     assert sreq.window == 32 and before == peak == -(-prompt // 32) and after == 8
     decode = [e for e in events if not e[1].prefill]
     assert decode and all(e[1].window == 16 and e[3] == 8 for e in decode)
-    cfg = mgr.states["r"].cfg
+    cfg = mgr.states.get("r").cfg
     assert peak <= cfg.bound_blocks(prompt, prompt + 64)
 
 
@@ -298,7 +300,7 @@ def test_end_mode_prefill_budget_streams_under_the_cap() -> None:
     assert all(e[1].prefill for e in events)
     assert [e[3] for e in events] == [12, 12, 12, 12, 8]  # 384 // 32, then 256 // 32
     assert peak == 12 + 4  # the cap plus one chunk
-    assert peak <= mgr.states["r"].cfg.bound_blocks(prompt, prompt)
+    assert peak <= mgr.states.get("r").cfg.bound_blocks(prompt, prompt)
 
 
 def test_keep_mode_never_evicts_a_prompt_block() -> None:
@@ -310,10 +312,10 @@ def test_keep_mode_never_evicts_a_prompt_block() -> None:
     events, peak = _drive(mgr, single, reqs, "r", decode=400)
     assert events and not any(e[1].prefill for e in events)
     assert events[0][0] > prompt + 256  # the budget counts generated tokens only
-    evicted = [j for j, b in enumerate(mgr.blocks("r")) if b.is_null]
+    evicted = [j for j, b in enumerate(mgr.blocks.of("r")) if b.is_null]
     assert evicted and min(evicted) >= 32
     assert all(e[3] == 32 + 8 for e in events)
-    assert peak <= mgr.states["r"].cfg.bound_blocks(prompt, prompt + 400)
+    assert peak <= mgr.states.get("r").cfg.bound_blocks(prompt, prompt + 400)
 
 
 def test_stream_mode_per_request_on_an_end_server() -> None:
@@ -337,12 +339,12 @@ def test_admission_reserves_the_config_bound(xargs, want) -> None:  # noqa: ANN0
     mgr, single, pool = _setup()
     r = _request("r", 1000, **xargs)
     r.max_tokens = 64
-    assert mgr.bound_blocks(r) == want == mgr._state(r).cfg.bound_blocks(1000, 1064)
-    mgr.max_model_len = 1010  # the sequence cannot grow past it
+    assert mgr.bound_blocks(r) == want == mgr.states.resolve(r).cfg.bound_blocks(1000, 1064)
+    mgr.admission.max_model_len = 1010  # the sequence cannot grow past it
     r2 = _request("r2", 1000, **xargs)
     r2.max_tokens = 64
-    assert mgr.bound_blocks(r2) == min(want, 32) == mgr._state(r2).cfg.bound_blocks(1000,
-                                                                                    1010)
+    cfg2 = mgr.states.resolve(r2).cfg
+    assert mgr.bound_blocks(r2) == min(want, 32) == cfg2.bound_blocks(1000, 1010)
 
 
 @pytest.mark.parametrize("prompt, xargs, want", [
@@ -355,7 +357,7 @@ def test_admission_reserves_the_config_bound(xargs, want) -> None:  # noqa: ANN0
 ])
 def test_prefix_hit_cap_per_prompt_mode(prompt, xargs, want) -> None:  # noqa: ANN001
     mgr, single, pool = _setup(budget=512)
-    rule = mgr._hit_cap(_request("r", prompt, **xargs))
+    rule = mgr.hit_cap(_request("r", prompt, **xargs))
     if want is None:
         assert rule is None
     else:

@@ -1,0 +1,129 @@
+"""The worker's scores turned into evictions: each scored request's policy, then null + free.
+
+Run on the reply that acknowledges the plan the scores were asked for. Only full,
+computed blocks are evicted; the policy always keeps the sink blocks (in ``prompt_mode``
+``keep``, every prompt block) and the newest ``recent_blocks + 1`` live blocks
+(``ScoreRequest.evictable_below``). Freeing at once is safe because the worker learns
+every null before it can read a reused block: the next plan carries it
+(:class:`~nexus_vllm.integration.plan_channel.PlanChannel`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nexus_vllm.integration import faults
+from nexus_vllm.integration.live_blocks import LiveBlocks
+from nexus_vllm.integration.metrics import SchedulerCounters
+from nexus_vllm.integration.plan_channel import PlanChannel
+from nexus_vllm.integration.prefix_cache import CleanWatermarks
+from nexus_vllm.integration.request_state import RequestEvictionState, RequestStates
+from nexus_vllm.integration.step_plan import ScoreRequest, StepPlan, WorkerReply
+from nexus_vllm.integration.vllm_compat import BlockPoolView
+
+__all__ = ["Evictor"]
+
+
+class Evictor:
+    """Runs each scored request's policy on the worker's evidence and evicts the blocks
+    it drops.
+
+    Parameters
+    ----------
+    states : RequestStates
+    blocks : LiveBlocks
+    channel : PlanChannel
+        Records each null, to be sent with the next plan.
+    watermarks : CleanWatermarks
+        Marked at a request's first eviction.
+    counters : SchedulerCounters
+    fault : callable
+        ``(kind, message, exc=...)``: count and log a fault.
+    """
+
+    def __init__(self, *, states: RequestStates, blocks: LiveBlocks, channel: PlanChannel,
+                 watermarks: CleanWatermarks, counters: SchedulerCounters,
+                 fault: Callable[..., None]) -> None:
+        self.states = states
+        self.blocks = blocks
+        self.channel = channel
+        self.watermarks = watermarks
+        self.counters = counters
+        self._fault = fault
+
+    def apply(self, plan: StepPlan, reply: WorkerReply, requests: dict[str, Any]) -> None:
+        """Run the policy of every request ``plan`` scored, on ``reply``'s evidence (a
+        reply that acknowledges ``plan``). A request whose evidence the worker dropped
+        is skipped (a fault the worker counted)."""
+        for req_id, sreq in plan.score.items():
+            request = requests.get(req_id)
+            st = self.states.get(req_id)
+            if request is None or st is None:
+                continue
+            norms = None
+            if sreq.needs_key_norms:
+                norms_np = reply.key_norms.get(req_id)
+                if norms_np is None:
+                    continue  # dropped by the worker (a fault it counted)
+                norms = torch.from_numpy(norms_np)
+            if sreq.needs_mass:
+                scores = reply.masses.get(req_id)
+                if scores is None:
+                    continue
+                mass = torch.from_numpy(scores)
+            else:  # the policy reads no mass: one uniform row over the live blocks
+                n = self.blocks.live_count(req_id, int(request.num_computed_tokens))
+                mass = torch.full((1, n), 1.0 / max(1, n))
+            try:
+                if faults.fires("policy_error"):
+                    raise RuntimeError("injected policy failure")
+                self.evict(req_id, request, st, sreq, mass, norms)
+            except Exception:
+                # A policy error skips this event: nothing was freed (freeing is the
+                # last step of evict), so the worker's view stays consistent.
+                self._fault("policy_error", "eviction policy failed; skipping this event",
+                            exc=True)
+
+    def evict(self, req_id: str, request: Any, st: RequestEvictionState,
+              sreq: ScoreRequest, mass: torch.Tensor,
+              key_norms: torch.Tensor | None = None) -> None:
+        """One eviction event: the policy keeps ``target_blocks`` of the request's live
+        blocks; the others that are full and below ``sreq.evictable_below`` are nulled
+        and freed.
+
+        Parameters
+        ----------
+        mass : torch.Tensor
+            ``[rows, live blocks]``: attention mass of the window's queries over the
+            live blocks among the first ``sreq.num_logical_blocks``.
+        key_norms : torch.Tensor, optional
+            ``[live blocks]``: mean key norm of each (policies that read them).
+        """
+        blocks = self.blocks.of(req_id)
+        live = [j for j in range(min(sreq.num_logical_blocks, len(blocks)))
+                if not BlockPoolView.is_null(blocks[j])]
+        if len(live) != mass.shape[1]:
+            self._fault("stale_scores", "scores do not match the request's live blocks; "
+                        "skipping this event")
+            return
+        tokens = int(request.num_computed_tokens)
+        budget = int(st.cfg.target_blocks(tokens, st.prompt_tokens))
+        if len(live) <= budget:
+            return
+        policy = st.cfg.policy(prefill=sreq.prefill, prompt_tokens=st.prompt_tokens)
+        keep = policy.select(mass, budget, generator=st.generator, state=st.policy_state,
+                             key_norms=key_norms)
+        keep_set = {int(i) for i in keep.tolist()}
+        full_blocks = tokens // self.blocks.block_size
+        evict = [live[j] for j in range(len(live))
+                 if j not in keep_set and live[j] < min(full_blocks, sreq.evictable_below)]
+        if not evict:
+            return
+        self.watermarks.mark(req_id, tokens)
+        self.channel.record(req_id, evict)
+        self.blocks.evict(req_id, evict)
+        self.counters.evicted_blocks += len(evict)
+        self.counters.eviction_events += 1

@@ -1,0 +1,59 @@
+"""The requests' block lists in vLLM's full-attention manager, as eviction sees them.
+
+A list stays *logical*: an evicted entry is replaced by the pool's shared null block (as
+vLLM's sliding-window manager does) and the real block goes back to the pool at once.
+Token counts, positions and slot mapping are untouched, so allocation of new blocks keeps
+working. The entries that are not the null block are the request's *live* blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from nexus_vllm.core import cdiv
+from nexus_vllm.integration.vllm_compat import BlockPoolView, request_blocks
+
+__all__ = ["LiveBlocks"]
+
+
+class LiveBlocks:
+    """Live entries of each request's block list; nulling and freeing evicted ones.
+
+    Parameters
+    ----------
+    kv_group : vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager
+        The model's one full-attention manager (``vllm_compat.single_type_manager``).
+    pool : BlockPoolView
+    block_size : int
+    """
+
+    def __init__(self, kv_group: Any, pool: BlockPoolView, block_size: int) -> None:
+        self.kv_group = kv_group
+        self.pool = pool
+        self.block_size = int(block_size)
+
+    def of(self, req_id: str) -> list[Any]:
+        """The request's block list (``KVCacheBlock`` per logical block; [] if none)."""
+        return request_blocks(self.kv_group, req_id)
+
+    def live_indices(self, req_id: str, num_tokens: int | None = None) -> list[int]:
+        """Logical indices of the request's live blocks (among the first
+        ``ceil(num_tokens / block_size)`` when given), ascending."""
+        blocks = self.of(req_id)
+        if num_tokens is not None:
+            blocks = blocks[: cdiv(num_tokens, self.block_size)]
+        return [j for j, b in enumerate(blocks) if not BlockPoolView.is_null(b)]
+
+    def live_count(self, req_id: str, num_tokens: int | None = None) -> int:
+        return len(self.live_indices(req_id, num_tokens))
+
+    def evict(self, req_id: str, indices: Sequence[int]) -> None:
+        """Null these logical entries of the request's list and free their blocks (each
+        loses this request's reference; one shared through prefix caching stays with its
+        other holders)."""
+        blocks = self.of(req_id)
+        freed = [blocks[j] for j in indices]
+        for j in indices:
+            blocks[j] = self.pool.null_block
+        self.pool.free(freed)

@@ -1,0 +1,169 @@
+"""Scheduler-side state of each evicting request: its config, trigger and policy state.
+
+:class:`RequestStates` resolves a request's config once (the server's, with the
+request's ``vllm_xargs`` overrides) and keeps one :class:`RequestEvictionState` per
+evicting request until it finishes. :meth:`RequestEvictionState.plan_event` is the budget
+trigger of one scheduled step: it decides, from the request's progress and live blocks,
+whether an eviction event is due and what the worker must score for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nexus_vllm.core import EvictionTrigger, cdiv
+from nexus_vllm.integration.config import request_config
+from nexus_vllm.integration.step_plan import ScoreRequest
+
+__all__ = ["RequestEvictionState", "RequestStates"]
+
+
+@dataclass
+class RequestEvictionState:
+    """Eviction state of one request (reset when it restarts after preemption, except
+    ``peak_live_blocks``, the most live blocks it held over its whole life)."""
+
+    cfg: Any
+    seed: int
+    prompt_tokens: int
+    generator: torch.Generator = field(init=False)
+    policy_state: dict[str, Any] = field(init=False)
+    trigger: EvictionTrigger = field(init=False)
+    tokens: int = 0  # computed tokens, as of its last scheduled step
+    peak_live_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.generator = self.cfg.generator(self.seed)
+        self.policy_state = {}
+        self.trigger = EvictionTrigger(self.cfg, self.prompt_tokens)
+        self.tokens = 0
+
+    def hard_limit(self, tokens_after: int, scheduled: int) -> int:
+        """The most live blocks the request may hold after a step of ``scheduled`` tokens
+        that leaves ``tokens_after`` computed (:meth:`EvictionConfig.hard_limit`).
+
+        A prompt chunk is bounded as part of the prompt, also when a resumed request's
+        recompute chunk runs past the prompt's end (into its generated tokens).
+        """
+        prompt_tokens = self.prompt_tokens
+        prefill = tokens_after - scheduled < prompt_tokens
+        return int(self.cfg.hard_limit(min(tokens_after, prompt_tokens) if prefill
+                                       else tokens_after, prompt_tokens))
+
+    def plan_event(self, tokens_after: int, scheduled: int, live: list[int],
+                   block_size: int) -> ScoreRequest | None:
+        """Advance the trigger over one scheduled step; the scoring an event needs, or
+        None when no event is due.
+
+        Parameters
+        ----------
+        tokens_after : int
+            Computed tokens once the step runs (vLLM's ``num_computed_tokens`` after
+            ``schedule()``).
+        scheduled : int
+            Tokens the step computes.
+        live : list[int]
+            Logical indices of the request's live blocks among its first
+            ``ceil(tokens_after / block_size)``, ascending.
+        block_size : int
+        """
+        cfg = self.cfg
+        before = tokens_after - scheduled
+        prompt_tokens = self.prompt_tokens
+        prefill = before < prompt_tokens
+        self.peak_live_blocks = max(self.peak_live_blocks, len(live))
+        self.tokens = tokens_after
+        if prefill:
+            due = self.trigger.prefill_chunk(tokens_after, len(live))
+            # A request resumed after preemption recomputes its generated tokens inside
+            # a prefill chunk: they count as decode tokens, as they did the first time.
+            self.trigger.decode_tokens += max(0, tokens_after - max(before, prompt_tokens))
+        else:
+            due = self.trigger.decode(scheduled, tokens_after, len(live))
+        if not due:
+            return None
+        policy = cfg.policy(prefill=prefill, prompt_tokens=prompt_tokens)
+        # The newest rows, across chunks: the worker's query ring keeps each request's
+        # queries continuous over steps (a short last prompt chunk is scored with rows of
+        # the chunk before it, as on the transformers path).
+        window = policy.window(int(cfg.prefill_window if prefill else cfg.window))
+        forced_tail = int(cfg.recent_blocks) + 1
+        evictable_below = (min(live[-forced_tail], tokens_after // block_size)
+                           if len(live) > forced_tail else 0)
+        return ScoreRequest(window=window,
+                            num_logical_blocks=cdiv(tokens_after, block_size),
+                            evictable_below=evictable_below, prefill=prefill,
+                            needs_mass="mass" in policy.needs,
+                            needs_key_norms="key_norms" in policy.needs)
+
+
+class RequestStates:
+    """Each request's eviction state, by request id (None for a request that does not
+    evict).
+
+    Parameters
+    ----------
+    server_cfg : EvictionConfig
+        The server's config; requests may override method, budget and prompt mode.
+    """
+
+    def __init__(self, server_cfg: Any) -> None:
+        self.server_cfg = server_cfg
+        self._states: dict[str, RequestEvictionState | None] = {}
+
+    def resolve(self, request: Any) -> RequestEvictionState | None:
+        """The request's state, made on first sight from its sampling params."""
+        req_id = request.request_id
+        if req_id not in self._states:
+            params = request.sampling_params
+            extra = getattr(params, "extra_args", None) if params is not None else None
+            try:
+                cfg = request_config(self.server_cfg, extra)
+            except (TypeError, ValueError):
+                # Validated in the API server; a request built elsewhere (Python API)
+                # with bad values falls back to the server's config.
+                cfg = self.server_cfg
+            if cfg is None:
+                self._states[req_id] = None
+            else:
+                seed = getattr(params, "seed", None) or 0
+                self._states[req_id] = RequestEvictionState(
+                    cfg=cfg, seed=int(seed), prompt_tokens=int(request.num_prompt_tokens))
+        return self._states[req_id]
+
+    def get(self, req_id: str) -> RequestEvictionState | None:
+        """The state of a request seen before (None: unseen, or it does not evict)."""
+        return self._states.get(req_id)
+
+    def items(self) -> Iterator[tuple[str, RequestEvictionState]]:
+        """``(request id, state)`` of every evicting request seen and not finished."""
+        return ((r, st) for r, st in self._states.items() if st is not None)
+
+    def restart(self, req_id: str) -> None:
+        """The request restarts from token 0 (preempted and resumed): same seed, so the
+        same evictions."""
+        st = self._states.get(req_id)
+        if st is not None:
+            st.reset()
+
+    def forget(self, req_id: str) -> None:
+        """The request finished."""
+        self._states.pop(req_id, None)
+
+    def take_peaks(self, req_ids: Iterable[str]) -> list[tuple[str, int]]:
+        """``(prompt_mode, peak live blocks)`` of each of these requests not taken yet
+        (a finished request's peak is reported once)."""
+        peaks = []
+        for req_id in req_ids:
+            st = self._states.get(req_id)
+            if st is not None and st.peak_live_blocks:
+                peaks.append((str(st.cfg.prompt_mode), st.peak_live_blocks))
+                st.peak_live_blocks = 0
+        return peaks
