@@ -297,7 +297,7 @@ def translate_engine_args(engine_args: Any) -> Any | None:
     elif engine_args.block_size != cfg.block_size:
         cfg = cfg.replace(block_size=int(engine_args.block_size))
     # Prefix caching stays as the user set it: an evicting request publishes only the
-    # blocks it computed before its first eviction (manager.py, the clean watermark).
+    # blocks it computed before its first eviction (prefix_cache.py, the clean watermark).
     engine_args.enable_chunked_prefill = True
     # Each evicting request prefills at most one chunk per step; an eviction event
     # follows each chunk, so a request never holds more than budget + one chunk.
