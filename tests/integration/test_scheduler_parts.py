@@ -1,0 +1,293 @@
+"""The scheduler side's parts on their own: the plan channel, the prefix-cache rules, each
+request's state and trigger, admission, and the evictor (``EvictionManager`` coordinates
+them; ``test_manager.py`` runs them together)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.integration.conftest import HAS_VLLM
+from tests.integration.fakes import BS, scheduler_side
+
+pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+
+
+def _cfg(**flags):  # noqa: ANN003, ANN202
+    from nexus_vllm.integration.config import resolve_config
+
+    return resolve_config(flags={"method": "nexus", "seed": 3, "max_tokens": 256,
+                                 "chunk_size": 128, **flags})
+
+
+def _request(req_id: str, prompt: int, **extra):  # noqa: ANN003, ANN202
+    params = SimpleNamespace(extra_args=extra or None, seed=None)
+    return SimpleNamespace(request_id=req_id, num_prompt_tokens=prompt, num_computed_tokens=0,
+                           sampling_params=params, max_tokens=64)
+
+
+# -- plan channel ------------------------------------------------------------------------
+def _channel():  # noqa: ANN202
+    from nexus_vllm.integration.plan_channel import PlanChannel
+
+    seen: list[str] = []
+    return PlanChannel(lambda kind, message, **kw: seen.append(kind)), seen
+
+
+def test_channel_resends_nulls_until_a_reply_acknowledges_the_plan_that_carried_them(
+) -> None:
+    from nexus_vllm.integration.step_plan import StepPlan, WorkerReply
+
+    channel, faults = _channel()
+    channel.record("r", [5, 2])
+    step1, evict1 = channel.open_step()
+    assert (step1, evict1) == (1, {"r": (2, 5)})
+    step2, evict2 = channel.open_step()  # plan 1 unanswered: sent again
+    assert (step2, evict2) == (2, {"r": (2, 5)})
+    channel.record("r", [7])  # nulled after plan 2 was sent
+    assert not channel.acknowledge(StepPlan(step_id=2), WorkerReply(step_id=1))
+    assert not channel.acknowledge(StepPlan(step_id=2), None)
+    assert faults == ["plan_unacknowledged"] * 2 and channel.unacked == {"r": {2: 1, 5: 1,
+                                                                               7: 0}}
+    assert channel.acknowledge(StepPlan(step_id=2), WorkerReply(step_id=2))
+    assert channel.unacked == {"r": {7: 0}}  # 7 rides on the next plan
+    step3, evict3 = channel.open_step()
+    assert (step3, evict3) == (3, {"r": (7,)})
+    assert channel.acknowledge(StepPlan(step_id=3), WorkerReply(step_id=3))
+    assert channel.unacked == {} and channel.open_step() == (4, {})
+
+
+def test_channel_forgets_a_request_whose_block_list_went() -> None:
+    channel, _ = _channel()
+    channel.record("a", [1])
+    channel.record("b", [3])
+    channel.forget("a")
+    channel.forget("gone")  # unknown: nothing to do
+    assert channel.open_step() == (1, {"b": (3,)})
+
+
+# -- prefix cache ------------------------------------------------------------------------
+@pytest.mark.parametrize("flags, prompt, want", [
+    # stream, budget 8 blocks: the chunk ending at 384 (12 blocks) has the first event;
+    # a hit may end at its start, 256 (a multiple of lcm(chunk 128, block 32) = 128).
+    ({}, 1000, (256, 128)),
+    # ... and early enough that the event's window (the newest prefill_window = 32
+    # queries) is computed in this run: a 14-token last chunk (256..270) needs rows of
+    # the chunk before it, so the hit ends a chunk earlier.
+    ({}, 270, (128, 128)),
+    ({"prompt_mode": "keep"}, 1000, None),   # no event during the prompt
+    ({}, 200, None),                         # the prompt fits the budget
+    ({"chunk_size": 96}, 1000, (192, 96)),   # 9 blocks > 8 after the chunk 192..288
+])
+def test_prefix_hit_cap_ends_before_the_first_event(flags, prompt, want) -> None:  # noqa: ANN001
+    from nexus_vllm.core import cdiv
+    from nexus_vllm.integration.prefix_cache import prefix_hit_cap
+
+    cfg = _cfg(**flags)
+    rule = prefix_hit_cap(cfg, prompt, BS)
+    assert rule == want
+    if rule is not None:
+        # The chunk after the cap never leaves the request over its target; the cap's
+        # chunk boundary is at most the first event's chunk start.
+        limit, multiple = rule
+        assert limit % BS == 0 and limit % int(cfg.chunk_size) == 0
+        assert cdiv(limit, BS) <= int(cfg.target_blocks(limit, prompt))
+
+
+def test_clean_watermark_is_the_first_eviction_until_forgotten() -> None:
+    from nexus_vllm.integration.prefix_cache import CleanWatermarks
+
+    marks = CleanWatermarks()
+    assert marks.limit("r") is None
+    marks.mark("r", 384)
+    marks.mark("r", 512)  # later evictions do not move it
+    assert marks.limit("r") == 384
+    marks.forget("r")
+    assert marks.limit("r") is None
+
+
+# -- request state -----------------------------------------------------------------------
+def test_request_states_resolve_once_with_overrides_opt_out_and_fallback() -> None:
+    from nexus_vllm.integration.request_state import RequestStates
+
+    states = RequestStates(_cfg())
+    assert states.get("a") is None  # never seen
+    a = states.resolve(_request("a", 600, kv_eviction="h2o", kv_budget=192))
+    assert a is not None and a.cfg.method == "h2o" and a.cfg.max_tokens == 192
+    assert states.resolve(_request("a", 600)) is a  # resolved once, on first sight
+    assert states.resolve(_request("off", 600, kv_eviction="none")) is None
+    # Bad values from a request built outside the API server: the server's config.
+    bad = states.resolve(_request("bad", 600, kv_budget="lots"))
+    assert bad is not None and bad.cfg is states.server_cfg
+    assert sorted(r for r, _ in states.items()) == ["a", "bad"]
+    states.forget("a")
+    assert states.get("a") is None
+
+
+def test_request_peaks_are_taken_once_and_survive_a_restart() -> None:
+    from nexus_vllm.integration.request_state import RequestStates
+
+    states = RequestStates(_cfg())
+    st = states.resolve(_request("r", 1000, kv_prompt_mode="end"))
+    assert st is not None
+    st.plan_event(128, 128, list(range(4)), BS)
+    st.plan_event(256, 128, list(range(8)), BS)
+    states.restart("r")  # preempted: recomputes from token 0, keeps its peak
+    assert st.tokens == 0 and st.peak_live_blocks == 8
+    assert states.take_peaks(["r", "unknown"]) == [("end", 8)]
+    assert states.take_peaks(["r"]) == []
+
+
+def test_trigger_fires_after_the_chunk_that_goes_over_budget() -> None:
+    """Stream mode, budget 8 blocks, chunk 128: the event follows the chunk ending at 384
+    (12 live blocks); it scores the newest prefill window and may evict up to the newest
+    ``recent_blocks + 1`` live blocks."""
+    from nexus_vllm.integration.request_state import RequestEvictionState
+
+    cfg = _cfg()
+    st = RequestEvictionState(cfg=cfg, seed=0, prompt_tokens=1000)
+    assert st.plan_event(128, 128, list(range(4)), BS) is None
+    assert st.plan_event(256, 128, list(range(8)), BS) is None
+    live = list(range(12))
+    sreq = st.plan_event(384, 128, live, BS)
+    assert sreq is not None and sreq.prefill and sreq.num_logical_blocks == 12
+    assert sreq.window == cfg.policy(prefill=True, prompt_tokens=1000).window(
+        int(cfg.prefill_window))
+    assert sreq.evictable_below == live[-(int(cfg.recent_blocks) + 1)]
+    assert st.tokens == 384 and st.peak_live_blocks == 12
+
+
+def test_a_recompute_chunk_past_the_prompt_is_bounded_and_counted_as_decode() -> None:
+    """A resumed request's chunk that runs past its prompt's end: its hard limit is the
+    prompt's, and the generated tokens in it count toward the decode interval."""
+    from nexus_vllm.integration.request_state import RequestEvictionState
+
+    cfg = _cfg(prompt_mode="end")
+    st = RequestEvictionState(cfg=cfg, seed=0, prompt_tokens=1000)
+    assert st.hard_limit(1024, 128) == cfg.hard_limit(1000, 1000)
+    assert st.hard_limit(1025, 1) == cfg.hard_limit(1025, 1000)
+    for end in range(128, 1024, 128):
+        st.plan_event(end, 128, list(range(end // BS)), BS)
+    sreq = st.plan_event(1024, 128, list(range(32)), BS)
+    assert sreq is not None and sreq.prefill  # the prompt-end event
+    assert st.trigger.decode_tokens == 24
+
+
+# -- admission -----------------------------------------------------------------------------
+class _Blocks:
+    """A stand-in for ``LiveBlocks``: live blocks per request, and a free count."""
+
+    def __init__(self, live: dict[str, int], free: int) -> None:
+        self.live = live
+        self.pool = SimpleNamespace(num_free=lambda: free)
+
+    def of(self, req_id: str) -> list[int]:
+        return list(range(self.live.get(req_id, 0)))
+
+    def live_count(self, req_id: str, num_tokens: int | None = None) -> int:
+        return self.live.get(req_id, 0)
+
+
+@pytest.mark.parametrize("spare, admitted", [(0, True), (-1, False)])
+def test_admission_reserves_what_admitted_requests_may_still_grow_to(spare, admitted
+                                                                     ) -> None:  # noqa: ANN001
+    from nexus_vllm.integration.admission import AdmissionGate
+    from nexus_vllm.integration.metrics import SchedulerCounters
+    from nexus_vllm.integration.request_state import RequestStates
+
+    states, counters = RequestStates(_cfg()), SchedulerCounters()
+    first, second = _request("a", 1000), _request("b", 1000)
+    # "a" was admitted and has run to 256 tokens, holding 8 blocks.
+    gate = AdmissionGate(states, _Blocks({"a": 8}, free=100), counters)
+    assert gate.may_admit(first)
+    st = states.get("a")
+    assert st is not None
+    st.tokens = 256
+    outstanding = int(st.cfg.peak_from(256, 1000, 1064)) - 8
+    need = gate.bound_blocks(second)
+    assert need is not None and outstanding > 0
+    gate.blocks = _Blocks({"a": 8}, free=need + outstanding + spare)
+    assert gate.may_admit(second) is admitted
+    assert counters.admission_waits == (0 if admitted else 1)
+    assert ("b" in gate.totals) is admitted
+    gate.forget("a")
+    assert "a" not in gate.totals
+
+
+def test_admission_bound_stops_at_max_model_len() -> None:
+    from nexus_vllm.integration.admission import AdmissionGate
+    from nexus_vllm.integration.metrics import SchedulerCounters
+    from nexus_vllm.integration.request_state import RequestStates
+
+    states = RequestStates(_cfg(prompt_mode="keep"))
+    gate = AdmissionGate(states, _Blocks({}, free=0), SchedulerCounters(), max_model_len=1010)
+    r = _request("r", 1000)
+    st = states.resolve(r)
+    assert st is not None and gate.total_tokens(st, r) == 1010
+    assert gate.bound_blocks(r) == st.cfg.bound_blocks(1000, 1010)
+    assert gate.bound_blocks(_request("off", 1000, kv_eviction="none")) is None
+
+
+# -- evictor ---------------------------------------------------------------------------
+def _scored(method: str):  # noqa: ANN202
+    """A manager whose request "r" (600-token prompt) was just scored at 512 tokens."""
+    mgr, single, pool = scheduler_side(64, max_tokens=256, chunk_size=128, method=method)
+    r = _request("r", 600)
+    single.allocate_new_blocks("r", 512, 512)
+    r.num_computed_tokens = 512
+    out = SimpleNamespace(finished_req_ids=set(), num_scheduled_tokens={"r": 512},
+                          scheduled_new_reqs=[SimpleNamespace(req_id="r")],
+                          scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()))
+    plan = mgr.plan_step(out, {"r": r})
+    assert "r" in plan.score
+    return mgr, pool, plan, {"r": r}
+
+
+def test_evictor_runs_a_scoreless_policy_without_masses() -> None:
+    """Streaming reads no mass: the worker sends none and the policy still evicts down to
+    the budget, the nulls going to the channel and the watermark set."""
+    from nexus_vllm.integration.step_plan import WorkerReply
+
+    mgr, pool, plan, reqs = _scored("streaming")
+    assert not plan.score["r"].needs_mass
+    free = pool.get_num_free_blocks()
+    mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id), reqs)
+    assert mgr.live_count("r") == 8
+    nulled = sorted(mgr.channel.unacked["r"])
+    assert pool.get_num_free_blocks() - free == len(nulled) == 16 - 8
+    # Streaming keeps the sinks and the newest blocks: the oldest non-sinks go.
+    sinks = int(mgr.server_cfg.sink_blocks)
+    assert nulled == list(range(sinks, sinks + 8))
+    assert mgr.watermarks.limit("r") == 512
+    assert mgr.counters.eviction_events == 1 and mgr.counters.evicted_blocks == 8
+
+
+def test_evictor_frees_nothing_when_the_policy_fails(monkeypatch) -> None:  # noqa: ANN001
+    from nexus_vllm.core.policies import StreamingPolicy
+    from nexus_vllm.integration.step_plan import WorkerReply
+
+    def fail(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("policy bug")
+
+    mgr, pool, plan, reqs = _scored("streaming")
+    monkeypatch.setattr(StreamingPolicy, "select", fail)
+    free = pool.get_num_free_blocks()
+    mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id), reqs)
+    assert pool.get_num_free_blocks() == free and mgr.live_count("r") == 16
+    assert mgr.channel.unacked == {} and mgr.watermarks.limit("r") is None
+    assert mgr.counters.faults["policy_error"] == 1
+
+
+def test_evictor_skips_a_request_whose_evidence_the_worker_dropped() -> None:
+    from nexus_vllm.integration.step_plan import WorkerReply
+
+    mgr, pool, plan, reqs = _scored("knorm")
+    assert plan.score["r"].needs_key_norms
+    free = pool.get_num_free_blocks()
+    mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id), reqs)  # no key norms
+    assert pool.get_num_free_blocks() == free and mgr.channel.unacked == {}
+    norms = torch.linspace(1.0, 2.0, 16).numpy()
+    mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id, key_norms={"r": norms}), reqs)
+    assert mgr.live_count("r") == 8
