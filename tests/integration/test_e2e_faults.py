@@ -7,7 +7,6 @@ kind. (That nothing is freed which a worker may still read is shown step by step
 from __future__ import annotations
 
 import concurrent.futures as cf
-import re
 
 import pytest
 
@@ -22,17 +21,8 @@ EXPECTED = {"score_error", "policy_error", "plan_lost", "plan_stale", "plan_unac
 _WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima"]
 
 
-def _fault_counts(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for m in re.finditer(r'^vllm:nexus_faults_total\{[^}]*kind="([a-z_]+)"[^}]*\}\s+(\S+)$',
-                         text, re.M):
-        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-    return out
-
-
 def test_server_keeps_serving_through_injected_faults(tiny_model, serve_tmp) -> None:  # noqa: ANN001
     import openai
-    import requests
 
     from nexus_vllm.eval.server import VllmServer
 
@@ -53,7 +43,7 @@ def test_server_keeps_serving_through_injected_faults(tiny_model, serve_tmp) -> 
         with cf.ThreadPoolExecutor(4) as pool:
             assert list(pool.map(run, range(8))) == [48] * 8
         metrics = server.metrics()
-        counts = _fault_counts(requests.get(server.base_url + "/metrics", timeout=10).text)
+        counts = metrics.by_label("vllm:nexus_faults_total", "kind")
         log = server.log_path.read_text(errors="replace")
     finally:
         server.stop()

@@ -106,15 +106,7 @@ if _LOG:
 # -- helpers ----------------------------------------------------------------------------
 def _series(server, name: str) -> float:  # noqa: ANN001
     """Sum of all samples of one series (0 when absent: counters appear on first use)."""
-    import requests
-
-    text = requests.get(server.base_url + "/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", line)
-        if m:
-            total += float(m.group(2))
-    return total
+    return server.metrics().total(name)
 
 
 def _wait_idle(server, timeout: float = 60.0) -> None:  # noqa: ANN001

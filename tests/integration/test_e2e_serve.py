@@ -265,16 +265,9 @@ _PEAK = "vllm:nexus_request_peak_live_blocks"
 
 def _peaks(server) -> dict[str, tuple[float, float]]:  # noqa: ANN001
     """``prompt_mode -> (sum, count)`` of the per-request peak histogram."""
-    import re
-
-    import requests
-
-    text = requests.get(server.base_url + "/metrics", timeout=10).text
-    out: dict[str, list[float]] = {}
-    for m in re.finditer(rf'^{_PEAK}_(sum|count)\{{[^}}]*prompt_mode="(\w+)"[^}}]*\}} (\S+)$',
-                         text, re.M):
-        out.setdefault(m.group(2), [0.0, 0.0])[m.group(1) == "count"] += float(m.group(3))
-    return {k: (v[0], v[1]) for k, v in out.items()}
+    m = server.metrics()
+    sums, counts = (m.by_label(f"{_PEAK}_{part}", "prompt_mode") for part in ("sum", "count"))
+    return {mode: (sums.get(mode, 0.0), count) for mode, count in counts.items()}
 
 
 def _wait_peaks(server, before, want: dict[str, int]):  # noqa: ANN001, ANN202
