@@ -176,7 +176,20 @@ class EvictionManager:
     def apply_reply(self, plan: StepPlan | None, reply: WorkerReply | None,
                     requests: dict[str, Any]) -> None:
         """Acknowledge the plan the worker applied; run each scored request's policy and
-        evict (null + free) the dropped blocks."""
+        evict (null + free) the dropped blocks.
+
+        A failure skips the rest of the step's events and is counted as the fault
+        ``reply_error``: nothing is freed before a decision is complete, so the worker's
+        view stays consistent.
+        """
+        try:
+            self._apply_reply(plan, reply, requests)
+        except Exception:
+            self._fault("reply_error", "applying the worker's reply failed; skipping the "
+                        "rest of this step's eviction events", exc=True)
+
+    def _apply_reply(self, plan: StepPlan | None, reply: WorkerReply | None,
+                     requests: dict[str, Any]) -> None:
         if plan is None:
             return
         if not self.channel.acknowledge(plan, reply):

@@ -80,11 +80,8 @@ class NexusScheduler(Scheduler):
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         plan, self._nexus_plan = self._nexus_plan, None
         t0 = time.perf_counter()
-        try:
-            self.nexus.apply_reply(plan, read_reply(model_runner_output), self.requests)
-        except Exception:
-            # Nothing is freed before a decision is complete, so skipping is safe.
-            logger.exception("nexus-vllm: eviction step failed; skipping it")
+        # A failure is counted as a fault and skipped inside (EvictionManager.apply_reply).
+        self.nexus.apply_reply(plan, read_reply(model_runner_output), self.requests)
         t1 = time.perf_counter()
         out = super().update_from_output(scheduler_output, model_runner_output)
         counters = self.nexus.counters

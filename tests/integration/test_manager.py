@@ -181,6 +181,20 @@ def test_stale_scores_are_skipped() -> None:
     assert pool.get_num_free_blocks() == free and mgr.counters.faults["stale_scores"] == 1
 
 
+def test_a_reply_that_cannot_be_applied_is_a_counted_fault() -> None:
+    """A failure while applying a reply (here masses that are not an array) skips the
+    step's events, frees nothing and counts the fault ``reply_error``."""
+    mgr, single, pool = _setup()
+    reqs = {"r": _request("r", prompt=600)}
+    plan = _step(mgr, single, reqs, {"r": 512}, new=("r",))
+    reply = _reply(plan, mgr)
+    reply.masses["r"] = reply.masses["r"].tolist()
+    free = pool.get_num_free_blocks()
+    mgr.apply_reply(plan, reply, reqs)
+    assert pool.get_num_free_blocks() == free and mgr.counters.faults["reply_error"] == 1
+    assert mgr.channel.unacked == {}
+
+
 @pytest.mark.parametrize("prompt, budget, chunk, hit, want", [
     (2000, 512, 128, 1024, 512),   # first event after the chunk ending at 640
     (2000, 512, 128, 256, 256),    # a shorter hit is kept
