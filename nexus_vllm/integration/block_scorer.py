@@ -1,12 +1,15 @@
-"""Scoring after the forward: every request due, all scored layers, one call; TP reduction.
+"""Scoring after the forward: every request due, all scored layers, one call; reduction
+over tensor- and pipeline-parallel ranks.
 
 :meth:`BlockScorer.score` runs after vLLM's forward: it scores every request the plan
 marks as due with one ``nexus_vllm.kernels.block_attention_mass_paged_layers`` call over
-the query ring and the scored layers' keys (and key norms for policies that read them),
-sums the results over tensor-parallel ranks with a validity flag (a failure on one rank
-drops the event on every rank instead of deadlocking), and starts one non-blocking copy to
-the host on the output rank. :meth:`BlockScorer.collect` (after sampling) waits for that
-copy and returns the per-request evidence for the reply.
+the query ring and this worker's scored layers' keys (and key norms for policies that
+read them), sums the results over the tensor-parallel ranks, then over the pipeline
+stages (each stage holds some of the layers), with a validity flag (a failure on one rank
+drops the event on every rank instead of deadlocking), and starts one non-blocking copy
+to the host on the output rank (TP rank 0 of the last stage, where vLLM takes the step's
+output). :meth:`BlockScorer.collect` (after sampling) waits for that copy and returns the
+per-request evidence for the reply.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ import torch
 from nexus_vllm.core import cdiv
 from nexus_vllm.integration import faults
 from nexus_vllm.integration.query_ring import QueryRing
-from nexus_vllm.integration.vllm_compat import tp_all_reduce
+from nexus_vllm.integration.vllm_compat import pp_all_reduce, tp_all_reduce
 from nexus_vllm.integration.worker_step import Batch, SelfCheckError, Staging, Step
 
-__all__ = ["BlockScorer", "Evidence"]
+__all__ = ["BlockScorer", "Evidence", "RankLayout", "reduce_over_ranks"]
 
 _SELF_CHECK_SCORING_STEPS = 4
 
@@ -57,6 +60,76 @@ class _Timer:
         if self._cuda:
             return float(self._start.elapsed_time(self._end)) / 1e3
         return self._t1 - self._t0
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where one worker sits in its engine's tensor- x pipeline-parallel grid.
+
+    Attributes
+    ----------
+    tp_rank, tp_size : int
+        Tensor-parallel rank and size (each rank holds some query and KV heads).
+    pp_rank, pp_size : int
+        Pipeline stage and number of stages (each stage holds some decoder layers).
+    """
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name, rank, size in (("tp", self.tp_rank, self.tp_size),
+                                 ("pp", self.pp_rank, self.pp_size)):
+            if size < 1 or not 0 <= rank < size:
+                raise ValueError(f"{name}_rank {rank} is not in [0, {name}_size={size})")
+
+    @property
+    def world(self) -> int:
+        """Ranks that score each step (every TP rank of every stage)."""
+        return self.tp_size * self.pp_size
+
+    @property
+    def rank(self) -> int:
+        """vLLM's rank order inside one engine: stage-major, TP rank within a stage."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def is_output(self) -> bool:
+        """TP rank 0 of the last stage: the worker whose output vLLM's executors read."""
+        return self.tp_rank == 0 and self.pp_rank == self.pp_size - 1
+
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def reduce_over_ranks(flat: torch.Tensor, layout: RankLayout, *, tp_reduce: Reduce,
+                      pp_reduce: Reduce) -> torch.Tensor:
+    """Sum ``flat`` over every TP rank and every stage (out of place).
+
+    Every rank must call this for the same steps with the same shape, failed or not: the
+    TP sum runs inside each stage, then the stages' sums are added across the PP group
+    (one rank per TP position in each PP group, so each rank's part is counted once).
+
+    Parameters
+    ----------
+    flat : Tensor [n] float32
+        This rank's masses, key norms and validity flag (see ``_Pending``).
+    layout : RankLayout
+    tp_reduce, pp_reduce : callable
+        Sum over the TP group / the PP group (vLLM's group coordinators in a server).
+
+    Returns
+    -------
+    Tensor [n] float32
+        The sum over ``layout.world`` ranks (the flag then counts the ranks that scored).
+    """
+    if layout.tp_size > 1:
+        flat = tp_reduce(flat)
+    if layout.pp_size > 1:
+        flat = pp_reduce(flat)
+    return flat
 
 
 @dataclass(frozen=True)
@@ -110,22 +183,33 @@ class BlockScorer:
     device : torch.device
     backend : str
         ``nexus_vllm.kernels`` backend of the scoring kernel.
-    tp_rank, tp_size : int
-        Tensor-parallel position; rank 0 is vLLM's output rank.
+    layout : RankLayout
+        This worker's TP rank and pipeline stage.
+    scored_layers : int
+        Scored layers of the whole model (all stages): each stage's sum is divided by it,
+        so the sum over stages is the mean over every scored layer. 0: as many as this
+        worker's ring holds (one stage).
     fault : callable
         ``(kind, message, exc=...)``: count and log a fault.
     self_check : bool
         Recompute the first scoring steps with the torch reference and compare.
+    tp_reduce, pp_reduce : callable, optional
+        Sum a tensor over the TP group / the PP group (default: vLLM's groups).
     """
 
     def __init__(self, ring: QueryRing, *, block_size: int, max_requests: int,
-                 device: torch.device, backend: str, tp_rank: int, tp_size: int,
-                 fault: Callable[..., None], self_check: bool) -> None:
+                 device: torch.device, backend: str, layout: RankLayout,
+                 fault: Callable[..., None], self_check: bool, scored_layers: int = 0,
+                 tp_reduce: Reduce = tp_all_reduce, pp_reduce: Reduce = pp_all_reduce
+                 ) -> None:
         self.ring = ring
         self.block_size = int(block_size)
         self.device = device
         self.backend = backend
-        self.tp_rank, self.tp_size = int(tp_rank), int(tp_size)
+        self.layout = layout
+        self.tp_size = layout.tp_size
+        self.scored_layers = int(scored_layers)
+        self._tp_reduce, self._pp_reduce = tp_reduce, pp_reduce
         self._fault = fault
         self.self_check = self_check
         self._checks = 0
@@ -161,19 +245,21 @@ class BlockScorer:
         timer = _Timer(self.device)
         timer.start()
         try:
-            if faults.fires("score_error", rank=self.tp_rank):
+            if faults.fires("score_error", rank=self.layout.rank):
                 raise RuntimeError("injected scoring failure")
             if step.capture_failed:
                 raise RuntimeError("query capture failed in this step")
             rows_dev = self._rows.put(np.array([d.row for d in mass_due + norm_due],
                                                dtype=np.int64))
             qidx_dev = self._qidx.put(qidx.reshape(-1))
-            if r_m:
+            # A stage without scored layers adds zeros (it still joins the reduction).
+            local = bool(self.ring.layer_keys)
+            if r_m and local:
                 self._score_into(mass_out, batch, rows_dev[:r_m], qidx_dev, n_max,
                                  self.backend)
-            if r_n:
+            if r_n and local:
                 self._key_norms_into(norm_out, batch, rows_dev[r_m:], n_max)
-            if r_m and self.self_check and self._checks < _SELF_CHECK_SCORING_STEPS:
+            if r_m and local and self.self_check and self._checks < _SELF_CHECK_SCORING_STEPS:
                 self._checks += 1
                 ref = torch.zeros_like(mass_out)
                 self._score_into(ref, batch, rows_dev[:r_m], qidx_dev, n_max, "torch")
@@ -189,11 +275,11 @@ class BlockScorer:
             self._fault("score_error", "block scoring failed; dropping this step's "
                         "eviction events on every rank", exc=True)
         timer.stop()
-        # Every rank reaches the collective, failed or not (no deadlock); the event is
-        # used only if every rank's flag made it (sum == TP size).
-        if self.tp_size > 1:
-            flat = tp_all_reduce(flat)
-        if self.tp_rank != 0:
+        # Every rank of every stage reaches the collectives, failed or not (no deadlock);
+        # the event is used only if every rank's flag made it (sum == TP x PP size).
+        flat = reduce_over_ranks(flat, self.layout, tp_reduce=self._tp_reduce,
+                                 pp_reduce=self._pp_reduce)
+        if not self.layout.is_output:
             return
         if self.device.type == "cuda":
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
@@ -203,7 +289,8 @@ class BlockScorer:
         else:
             host, done = flat, None
         self.pending = _Pending(mass_due=mass_due, norm_due=norm_due, rows=w_s, cols=n_max,
-                                host=host, done=done, timer=timer, world=self.tp_size)
+                                host=host, done=done, timer=timer,
+                                world=self.layout.world)
 
     def _due(self, step: Step) -> list[_Due]:
         """The requests to score now (those whose policy reads the worker's evidence)."""
@@ -248,7 +335,7 @@ class BlockScorer:
         block_attention_mass_paged_layers(
             q.view(layers, r_due, w_s, heads, dim), [layer.key_cache for layer in keys],
             tables, lens, kv_layout="HND", backend=backend, out=out)
-        out.div_(len(keys) * self.tp_size)
+        out.div_(self._layers_divisor())
 
     def _key_norms_into(self, out: torch.Tensor, batch: Batch, rows: torch.Tensor,
                         n_max: int) -> None:
@@ -269,7 +356,12 @@ class BlockScorer:
         pos = torch.arange(n_max * bs, device=total.device).view(1, n_max, bs)
         valid = (pos < lens[:, None, None]).to(total.dtype)
         per_block = (total * valid).sum(-1) / valid.sum(-1).clamp_(min=1.0)
-        out.copy_(per_block.div_(len(keys) * self.tp_size))
+        out.copy_(per_block.div_(self._layers_divisor()))
+
+    def _layers_divisor(self) -> int:
+        """Scored layers of the model x TP ranks: the sum over every rank of every stage
+        is then the mean over all scored layers and all heads."""
+        return (self.scored_layers or len(self.ring.layer_keys)) * self.tp_size
 
     # -- after sampling ------------------------------------------------------------------
     def collect(self) -> Evidence:

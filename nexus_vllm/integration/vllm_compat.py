@@ -37,6 +37,9 @@ accessor                      vLLM internal                         why
 ``attention_groups``          ``GPUModelRunner.attn_groups``        bind our metadata builders
 ``CommonAttentionMetadata``   ``v1/attention/backend.py`` fields    what compaction rewrites
 ``tp_all_reduce``             ``get_tp_group().all_reduce``         sum block masses over ranks
+``pp_all_reduce``             ``get_pp_group().device_group``       sum them over PP stages too
+``pp_rank_and_size``          ``get_pp_group().rank_in_group /      which stage this worker is
+                              world_size``                          (the last one replies)
 ``cpu_key_layout_probe``      ``_custom_ops`` (0.34: ``_cpu_ops``)  how the CPU kernel stores
                               ``.cpu_attn_reshape_and_cache``       keys inside a block
 ============================  ====================================  ===========================
@@ -76,6 +79,8 @@ __all__ = [
     "cap_prefix_hits",
     "gate_admission",
     "check_vllm_version",
+    "pp_all_reduce",
+    "pp_rank_and_size",
     "reset_request_ids",
     "request_blocks",
     "single_type_manager",
@@ -324,6 +329,31 @@ def tp_all_reduce(t: torch.Tensor) -> torch.Tensor:
     from vllm.distributed.parallel_state import get_tp_group
 
     out: torch.Tensor = get_tp_group().all_reduce(t)
+    return out
+
+
+def pp_rank_and_size() -> tuple[int, int]:
+    """This worker's pipeline-parallel stage and the number of stages (the last stage
+    holds the output: vLLM's executors take the step's output from its TP rank 0)."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    group = get_pp_group()
+    return int(group.rank_in_group), int(group.world_size)
+
+
+def pp_all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over the pipeline-parallel group (out of place).
+
+    Through ``torch.distributed`` on the group's ``device_group`` (gloo on CPU, NCCL on
+    GPU), not the coordinator's ``all_reduce``: on CPU that one goes through vLLM's
+    shared-memory communicator, which also carries the stages' activations (a
+    non-blocking send may still be in flight); the device group keeps the two apart.
+    """
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_pp_group
+
+    out = t.clone()
+    dist.all_reduce(out, group=get_pp_group().device_group)
     return out
 
 

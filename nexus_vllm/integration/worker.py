@@ -11,7 +11,9 @@ eviction path on top of it is the same on both:
   (``integration/runners.py``), bind the eviction state to every metadata builder and
   attention impl, and to each scored layer's key cache; ``extend_kv_cache`` (vLLM 0.34
   re-binds every layer's KV tensors after warm-up) binds the key views again;
-* ``execute_model``: apply the step's plan, run vLLM's step, score the requests due;
+* ``execute_model``: apply the step's plan, run vLLM's step, score the requests due
+  (with pipeline parallelism each stage scores the layers it holds; the sums meet in
+  ``block_scorer.reduce_over_ranks``);
 * ``sample_tokens``: attach the step's :class:`~nexus_vllm.integration.step_plan.WorkerReply`.
 """
 
@@ -31,6 +33,7 @@ from nexus_vllm.integration.attention import (
     key_view,
     register_backends,
 )
+from nexus_vllm.integration.block_scorer import RankLayout
 from nexus_vllm.integration.config import config_from_additional
 from nexus_vllm.integration.runners import RunnerAdapter, runner_adapter
 from nexus_vllm.integration.step_plan import attach_reply, read_plan
@@ -40,6 +43,7 @@ from nexus_vllm.integration.vllm_compat import (
     check_vllm_version,
     gpu_sync_check,
     group_builders,
+    pp_rank_and_size,
     tp_rank_and_size,
 )
 from nexus_vllm.integration.worker_state import LayerKeys, WorkerEvictionState, layer_index
@@ -57,6 +61,14 @@ __all__ = ["NexusWorker", "platform_backends"]
 def platform_backends() -> tuple[str, ...]:
     """The attention backends eviction supports on this platform."""
     return CPU_BACKENDS if current_platform.is_cpu() else CUDA_BACKENDS
+
+
+def _model_layers(vllm_config: Any, local_bound: int) -> int:
+    """Decoder layers of the whole model (every pipeline stage), from the HF config;
+    ``local_bound`` (one past this worker's last layer) when the config does not say."""
+    text = getattr(vllm_config.model_config, "hf_text_config", None)
+    layers = getattr(text, "num_hidden_layers", None)
+    return max(int(layers), local_bound) if isinstance(layers, int) else local_bound
 
 
 class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
@@ -93,28 +105,38 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
                     "--attention-backend)")
         cfg = self.nexus_cfg
         indices = [layer_index(v.name) for v in layers]
-        self._nexus_scored = frozenset(cfg.scored_layers(max(indices) + 1))
+        # With pipeline parallelism this stage holds only some layers: which layers are
+        # scored, and the mean over them, follow the whole model's layer count.
+        total = _model_layers(self.vllm_config, max(indices) + 1)
+        model_scored = cfg.scored_layers(total)
+        self._nexus_scored = frozenset(model_scored)
         scored = [v for v, i in zip(layers, indices, strict=True) if i in self._nexus_scored]
-        if not scored:
+        if not model_scored:
             raise RuntimeError(f"nexus-vllm: skip_layers={cfg.skip_layers} leaves no "
-                               f"attention layer to score (the model has {len(layers)})")
-        impl = scored[0].impl
+                               f"attention layer to score (the model has {total})")
         tp_rank, tp_size = tp_rank_and_size()
+        pp_rank, pp_size = pp_rank_and_size()
+        layout = RankLayout(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+                            pp_size=pp_size)
         state = WorkerEvictionState(
             block_size=int(self.cache_config.block_size),
             window=max(int(cfg.window), int(cfg.prefill_window)),
             max_requests=int(self.vllm_config.scheduler_config.max_num_seqs),
             device=torch.device(self.model_runner.device),
             score_backend="batched" if current_platform.is_cpu() else "auto",
-            tp_rank=tp_rank, tp_size=tp_size)
+            layout=layout, scored_layers=len(model_scored))
         dtype = self.model_runner.dtype
         assert isinstance(dtype, torch.dtype), dtype
+        # A stage without scored layers gets an empty ring (it still joins every
+        # reduction, adding zeros); the head shape is the same on every layer.
+        impl = layers[0].impl
         state.allocate_ring(len(scored), int(impl.num_heads), int(impl.head_size), dtype)
         self.nexus = state
-        logger.info("nexus-vllm worker: %d of %d attention layers scored, query ring %.1f "
-                    "MiB (%d requests x %d queries), TP rank %d/%d", len(scored),
-                    len(layers), state.ring_bytes() / 2**20, state.max_requests,
-                    state.window, tp_rank, tp_size)
+        logger.info("nexus-vllm worker: %d of %d attention layers scored here (%d in the "
+                    "model), query ring %.1f MiB (%d requests x %d queries), TP rank %d/%d, "
+                    "PP stage %d/%d", len(scored), len(layers), len(model_scored),
+                    state.ring_bytes() / 2**20, state.max_requests, state.window, tp_rank,
+                    tp_size, pp_rank, pp_size)
 
     def initialize_from_config(self, *args: Any, **kwargs: Any) -> None:
         super().initialize_from_config(*args, **kwargs)

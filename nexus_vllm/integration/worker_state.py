@@ -20,7 +20,8 @@ One step (``NexusWorker.execute_model``):
    blocks, with no device-to-host read;
 3. during the forward, the ring copies the newest queries of tracked requests;
 4. :meth:`finish_forward` has the scorer score every request due (all scored layers at
-   once), reduce over tensor-parallel ranks and start one non-blocking host copy;
+   once), reduce over tensor-parallel ranks and pipeline stages and start one
+   non-blocking host copy;
 5. :meth:`reply` (after sampling) turns that copy into the step's
    :class:`~nexus_vllm.integration.step_plan.WorkerReply`; :meth:`end_step` restores any
    temporarily masked entries and closes the step.
@@ -42,7 +43,7 @@ import torch
 from vllm.logger import init_logger
 
 from nexus_vllm.integration import faults
-from nexus_vllm.integration.block_scorer import BlockScorer
+from nexus_vllm.integration.block_scorer import BlockScorer, RankLayout
 from nexus_vllm.integration.compaction import Compactor
 from nexus_vllm.integration.query_ring import QueryRing
 from nexus_vllm.integration.runners import RunnerAdapter
@@ -80,13 +81,16 @@ class WorkerEvictionState:
     score_backend : str
         ``nexus_vllm.kernels`` backend for scoring and compaction (``"torch"`` on CPU,
         where vLLM disables Triton; ``"auto"`` elsewhere).
-    tp_rank, tp_size : int
-        Tensor-parallel position; rank 0 is vLLM's output rank.
+    layout : RankLayout, optional
+        TP rank and pipeline stage (default: a single rank); TP rank 0 of the last stage
+        is vLLM's output rank.
+    scored_layers : int
+        Scored layers of the whole model, over every stage (0: those this worker holds).
     """
 
     def __init__(self, *, block_size: int, window: int, max_requests: int,
-                 device: torch.device, score_backend: str, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+                 device: torch.device, score_backend: str,
+                 layout: RankLayout | None = None, scored_layers: int = 0) -> None:
         self.max_requests = int(max_requests)
         self.runner: RunnerAdapter | None = None
         self.fault = faults.FaultLog(logger)
@@ -97,8 +101,9 @@ class WorkerEvictionState:
                               fault=self.fault)
         self.scorer = BlockScorer(self.ring, block_size=block_size,
                                   max_requests=max_requests, device=device,
-                                  backend=score_backend, tp_rank=tp_rank, tp_size=tp_size,
-                                  fault=self.fault, self_check=self.self_check)
+                                  backend=score_backend, layout=layout or RankLayout(),
+                                  scored_layers=scored_layers, fault=self.fault,
+                                  self_check=self.self_check)
         # Logical block indices nulled per request (shared with the compactor).
         self.evicted: dict[str, set[int]] = self.compactor.evicted
         self.last_step = 0
