@@ -1,7 +1,7 @@
-"""End to end across process boundaries: the multiprocess executor and tensor
-parallelism (gloo on CPU), plus a scoring failure on one rank.
+"""End to end across process boundaries: the multiprocess executor, tensor parallelism
+(gloo on CPU), data parallelism, plus a scoring failure on one rank.
 
-Four servers of the tiny model, one after another (~3 min on 2 CPU cores):
+Five servers of the tiny model, one after another (~4 min on 2 CPU cores):
 
 1. the in-process (``uni``) executor: the reference;
 2. the multiprocess executor: plans and replies are pickled between engine core and
@@ -9,10 +9,19 @@ Four servers of the tiny model, one after another (~3 min on 2 CPU cores):
 3. ``--tensor-parallel-size 2``: each rank scores its query heads, the masses are summed
    over ranks, rank 0 reports; every rank applies the same broadcast plan;
 4. the same with scoring failing on rank 1 at every event: no deadlock, no event applied,
-   nothing freed by eviction, and the failure counted.
+   nothing freed by eviction, and the failure counted;
+5. ``--data-parallel-size 2``: two engine cores, each with its own scheduler, budgets and
+   eviction state; concurrent requests spread over both, per-request ``vllm_xargs`` reach
+   the rank that serves the request, ``/metrics`` shows each rank (``engine`` label).
+
+Pipeline parallelism is refused (see ``engine_policy``); its cross-stage scoring is
+tested with gloo groups in ``test_pp_reduction.py`` and its end-to-end test waits in
+``tests/compat/test_vllm034_parallel.py``.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -93,3 +102,63 @@ def test_scoring_failure_on_one_rank(tiny_model, serve_tmp) -> None:  # noqa: AN
     assert metrics.get("vllm:nexus_evicted_blocks_total", 0.0) == 0.0  # nothing applied
     assert metrics["vllm:nexus_faults_total"] > 0  # score_error_peer, seen by rank 0
     assert metrics["vllm:nexus_free_blocks"] == metrics["vllm:nexus_total_blocks"]
+
+
+def _per_engine(base_url: str, name: str) -> dict[str, float]:
+    """``name`` per ``engine`` label on a server's /metrics (summed over other labels)."""
+    import requests
+
+    from nexus_vllm.eval.metrics_text import parse_metrics
+
+    text = requests.get(base_url + "/metrics", timeout=10).text
+    return parse_metrics(text).by_label(name, "engine")
+
+
+def _concurrent(server, xargs: dict[str, object] | None) -> list[int]:  # noqa: ANN001
+    """The long prompts, twice each, all at once (so both DP ranks get work)."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="-", max_retries=0,
+                           timeout=600)
+
+    def one(prompt: str) -> int:
+        r = client.completions.create(model=server.model, prompt=prompt, max_tokens=16,
+                                      temperature=0.0,
+                                      extra_body={"vllm_xargs": xargs} if xargs else None)
+        return int(r.usage.completion_tokens)
+
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(one, PROMPTS * 2))
+
+
+def test_data_parallel_ranks_each_evict(tiny_model, serve_tmp) -> None:  # noqa: ANN001
+    from nexus_vllm.eval.server import VllmServer
+
+    # One API server: vLLM starts one per DP rank by default, and those extra API server
+    # processes do not see the eviction config (a request's vllm_xargs is then refused).
+    server = VllmServer(tiny_model, ARGS + [*MP, "--data-parallel-size", "2",
+                                            "--api-server-count", "1"], serve_tmp,
+                        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    try:
+        # A per-request budget above every prompt: the rank serving it must not evict.
+        assert _concurrent(server, {"kv_budget": 4096}) == [16] * 4
+        assert sum(_per_engine(server.base_url,
+                               "vllm:nexus_evicted_blocks_total").values()) == 0
+        # The server's budget: both ranks served requests, and both evicted.
+        assert _concurrent(server, None) == [16] * 4
+        served = _per_engine(server.base_url, "vllm:request_success_total")
+        assert set(served) == {"0", "1"} and all(n > 0 for n in served.values()), served
+        evicted = _per_engine(server.base_url, "vllm:nexus_evicted_blocks_total")
+        assert set(evicted) == {"0", "1"} and all(n > 0 for n in evicted.values()), evicted
+        # A tighter per-request budget holds on whichever rank serves it.
+        assert _concurrent(server, {"kv_budget": 192}) == [16] * 4
+        over = _per_engine(server.base_url, "vllm:nexus_live_blocks_over_budget")
+        assert set(over) == {"0", "1"} and max(over.values()) <= 0, over
+        # Every block back in both pools; vLLM's own KV usage is 0 on both ranks.
+        free = _per_engine(server.base_url, "vllm:nexus_free_blocks")
+        total = _per_engine(server.base_url, "vllm:nexus_total_blocks")
+        assert free == total and set(free) == {"0", "1"}, (free, total)
+        usage = _per_engine(server.base_url, "vllm:kv_cache_usage_perc")
+        assert usage == {"0": 0.0, "1": 0.0}, usage
+    finally:
+        server.stop()
