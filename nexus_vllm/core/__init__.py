@@ -5,9 +5,11 @@ are tested against.
 """
 
 from ._validate import ConfigError
-from .config import METHODS, EvictionConfig
+from .config import EvictionConfig
 from .policies import (
+    METHODS,
     POLICIES,
+    SERVABLE_METHODS,
     EvictionPolicy,
     Evidence,
     H2OPolicy,
@@ -19,6 +21,7 @@ from .policies import (
     TOVAPolicy,
     forced_blocks,
     get_policy,
+    register_policy,
 )
 from .sampling import SAMPLERS, inclusion_probabilities, sample_blocks
 from .scoring import (
@@ -36,6 +39,7 @@ __all__ = [
     "METHODS",
     "POLICIES",
     "SAMPLERS",
+    "SERVABLE_METHODS",
     "WALK_ROWS",
     "ConfigError",
     "EvictionConfig",
@@ -60,5 +64,6 @@ __all__ = [
     "indirect_scores",
     "nexus_weights",
     "num_blocks_for",
+    "register_policy",
     "sample_blocks",
 ]

@@ -60,7 +60,10 @@ def check_weights(name: str, weights: torch.Tensor) -> None:
         raise ConfigError(name, f"{name} must be non-negative")
 
 
-def check_mass(mass: torch.Tensor) -> None:
+def check_mass(mass: torch.Tensor, *, row_sum_tolerance: float | None = None) -> None:
+    """A block attention mass ``[W, N]``: 2-D, finite, non-negative; with
+    ``row_sum_tolerance``, also each row summing to 1 within it (or all zeros: a query
+    that attended to nothing, e.g. padding)."""
     if not isinstance(mass, torch.Tensor) or mass.dim() != 2:
         shape = tuple(mass.shape) if isinstance(mass, torch.Tensor) else type(mass)
         raise ValueError(f"mass must be a 2-D tensor [W, N]; got {shape}")
@@ -68,3 +71,10 @@ def check_mass(mass: torch.Tensor) -> None:
         raise ValueError("mass must be finite (no NaN or inf)")
     if mass.numel() and bool((mass < 0).any()):
         raise ValueError("mass must be non-negative")
+    if row_sum_tolerance is not None and mass.numel():
+        sums = mass.detach().double().sum(dim=1)
+        bad = ((sums - 1.0).abs() > row_sum_tolerance) & (sums != 0)
+        if bool(bad.any()):
+            row = int(torch.nonzero(bad)[0])
+            raise ValueError(f"mass rows must sum to 1 (attention over the live blocks); "
+                             f"row {row} sums to {float(sums[row]):.6g}")

@@ -6,39 +6,26 @@ policies and budgets from this, so a setting means the same thing everywhere.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import hashlib
 import math
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 from ._validate import ConfigError, check_choice, check_float, check_int
-from .policies import POLICIES, EvictionPolicy, NexusPolicy, get_policy
-from .sampling import SAMPLERS
+from .policies import METHODS, POLICIES, EvictionPolicy
 from .scoring import cdiv
-from .weights import check_indirect
 
 __all__ = ["METHODS", "PROMPT_MODES", "EvictionConfig"]
 
-METHODS = ("none", *POLICIES)
 # When the budget holds: from the first prompt chunk (the paper's streaming setting), from
 # the prompt's end (one event with the question in its window), or on generated tokens
 # only (the prompt is never evicted).
 PROMPT_MODES = ("stream", "end", "keep")
-# Engine-level fields that policies do not take; every other field a policy class also
-# declares is passed to it by policy() (the policy's own default is the field's default).
-_ENGINE_FIELDS = ("method", "max_tokens", "keep_ratio", "prompt_mode", "prefill_budget",
-                  "block_size", "interval", "window", "prefill_window", "chunk_size",
-                  "skip_layers", "layer_stride", "indirect", "prefill_indirect", "sampler",
-                  "prefill_sampler", "seed")
-
-
-def _policy_default(cls: type, name: str) -> Any:
-    """A policy class's default for knob ``name`` (the one source of truth)."""
-    return {f.name: f.default for f in fields(cls)}[name]
+_PREFILL = "prefill_"
 
 
 @dataclass(frozen=True)
@@ -48,8 +35,8 @@ class EvictionConfig:
     Parameters
     ----------
     method : str
-        ``"none"`` (no eviction) or a policy name: nexus, h2o, snapkv, tova, streaming,
-        random, knorm.
+        ``"none"`` (no eviction) or a registered policy's name
+        (:data:`~nexus_vllm.core.policies.POLICIES`).
     max_tokens : int, optional
         Fixed budget in tokens (the cache never grows past it).
     keep_ratio : float, optional
@@ -84,16 +71,15 @@ class EvictionConfig:
         Scoring costs rows x layers: ``configs/nexus-fast.yaml`` (16 prefill rows, every
         other layer) costs a quarter at prefill, for a small loss of quality
         (docs/results.md, "Cheaper scoring").
-    indirect, prefill_indirect : str
-        Nexus indirect mode at decode and at prefill events (after prompt chunks, and the
-        prompt-end event). ``prefill_indirect`` None: ``none`` in ``end`` mode, else
-        ``walk`` (:attr:`prefill_knobs`).
-    sampler, prefill_sampler : str
-        Nexus sampler at decode and at prefill events. ``prefill_sampler`` None: top-K in
-        ``end`` mode, else ``sampler``.
-    steps, lam, walk_rows, n, knorm_prior :
-        Nexus knobs (see :class:`~nexus_vllm.core.policies.NexusPolicy`, which holds their
-        defaults).
+    policy_args : Mapping[str, Any]
+        The chosen policy's knobs (:meth:`EvictionPolicy.knobs`, e.g. Nexus's ``steps``,
+        ``sampler``, ``eps``); empty: the policy's own defaults. :meth:`from_dict`,
+        :meth:`replace` and :meth:`from_budget` also take them as top-level keys
+        (``{"method": "nexus", "steps": 5}``).
+    prefill_args : Mapping[str, Any]
+        Knob overrides at prefill events (after prompt chunks, and the prompt-end event),
+        over ``policy_args`` and the policy's declared prefill defaults
+        (:meth:`policy_knobs`); top-level ``prefill_<knob>`` keys land here.
     seed : int
         Global seed; each request's generator is seeded from (seed, request seed).
     """
@@ -112,15 +98,10 @@ class EvictionConfig:
     chunk_size: int = 512
     skip_layers: int = 2
     layer_stride: int = 1
-    indirect: str = _policy_default(NexusPolicy, "indirect")
-    prefill_indirect: str | None = None
-    steps: int = _policy_default(NexusPolicy, "steps")
-    lam: float = _policy_default(NexusPolicy, "lam")
-    walk_rows: str = _policy_default(NexusPolicy, "walk_rows")
-    sampler: str = _policy_default(NexusPolicy, "sampler")
-    prefill_sampler: str | None = None
-    n: int = _policy_default(NexusPolicy, "n")
-    knorm_prior: float = _policy_default(NexusPolicy, "knorm_prior")
+    # Plain dicts (copied here): the config travels as JSON through vLLM's
+    # additional_config and is compared, never hashed.
+    policy_args: Mapping[str, Any] = field(default_factory=dict)
+    prefill_args: Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -157,38 +138,121 @@ class EvictionConfig:
         check_int("chunk_size", self.chunk_size, low=1)
         check_int("skip_layers", self.skip_layers, low=0)
         check_int("layer_stride", self.layer_stride, low=1)
-        if self.prefill_indirect is not None:
-            check_indirect("prefill_indirect", self.prefill_indirect)
-        if self.prefill_sampler is not None:
-            check_choice("prefill_sampler", self.prefill_sampler, SAMPLERS)
         check_int("seed", self.seed)
-        # The policies validate their own knobs (one source of truth for ranges too).
-        NexusPolicy(**self._knobs_for(NexusPolicy, prefill=False))
+        for name in ("policy_args", "prefill_args"):
+            value = getattr(self, name)
+            if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+                raise ConfigError(name, f"{name} must be a mapping of knob names to values; "
+                                        f"got {value!r}")
+            object.__setattr__(self, name, dict(value))
+        self._check_policy_args()
+
+    def _check_policy_args(self) -> None:
+        """Validate every knob now, decode and prefill, by building the policy: a bad one
+        fails at startup, naming ``policy_args.<knob>`` or ``prefill_args.<knob>``, not
+        at every eviction event."""
+        if self.method == "none":
+            for name in ("policy_args", "prefill_args"):
+                if getattr(self, name):
+                    raise ConfigError(name, f"method 'none' runs no policy, so it takes no "
+                                            f"{name}; got {getattr(self, name)!r}")
+            return
+        takes = POLICIES[self.method].knobs()
+        for name in ("policy_args", "prefill_args"):
+            for knob in getattr(self, name):
+                if knob not in takes:
+                    raise ConfigError(f"{name}.{knob}",
+                                      f"{name}.{knob}: {_not_a_knob(knob, self.method)}")
+        for prefill in (False, True):
+            try:
+                self.policy(prefill=prefill)
+            except (TypeError, ValueError) as exc:
+                knob = str(getattr(exc, "field", ""))
+                source = "prefill_args" if prefill and knob in self.prefill_args \
+                    else "policy_args"
+                qualified = f"{source}.{knob}" if knob else source
+                msg = str(exc)
+                msg = qualified + msg[len(knob):] if knob and msg.startswith(knob) \
+                    else f"{qualified}: {msg}"
+                raise ConfigError(qualified, msg) from None
 
     # -- construction ---------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EvictionConfig:
-        """Build from a mapping, rejecting unknown keys (typos must not pass silently)."""
-        if not isinstance(data, dict):
+    def from_dict(cls, data: Mapping[str, Any]) -> EvictionConfig:
+        """Build from a mapping, rejecting unknown keys (typos must not pass silently).
+
+        Besides the fields, a knob of the chosen policy may be a top-level key
+        (``{"method": "nexus", "steps": 5}``, as the presets write them) and goes to
+        ``policy_args``; ``prefill_<knob>`` goes to ``prefill_args`` (None: the policy's
+        prefill default). Top-level knobs override the same knob in ``policy_args``.
+
+        Raises
+        ------
+        ConfigError
+            An unknown key (with a close match as a hint), or a knob of another policy
+            than ``method`` (naming the policy it belongs to), or any bad value.
+        """
+        if not isinstance(data, Mapping):
             raise ConfigError("", f"eviction config must be a mapping; got "
                                   f"{type(data).__name__}")
+        method = data.get("method", cls.method)
+        check_choice("method", method, METHODS)
+        takes = POLICIES[method].knobs() if method in POLICIES else ()
         allowed = {f.name for f in fields(cls)}
-        # key=repr: a YAML file may hold non-string keys, which do not sort with str.
-        unknown = sorted(set(data) - allowed, key=repr)
+        out: dict[Any, Any] = {}
+        lifted: dict[str, dict[str, Any]] = {"policy_args": {}, "prefill_args": {}}
+        unknown = []
+        for key, value in data.items():
+            if key in allowed:
+                out[key] = value
+                continue
+            if not isinstance(key, str):
+                unknown.append(key)
+                continue
+            prefill = key.startswith(_PREFILL)
+            knob = key[len(_PREFILL):] if prefill else key
+            if knob in takes:
+                if not (prefill and value is None):
+                    lifted["prefill_args" if prefill else "policy_args"][knob] = value
+            elif _owners(knob):
+                if method == "none":
+                    continue  # no policy runs: the knobs a preset was written with are moot
+                raise ConfigError(key, f"{key}: {_not_a_knob(knob, method)}")
+            else:
+                unknown.append(key)
         if unknown:
+            # key=repr: a YAML file may hold non-string keys, which do not sort with str.
+            unknown.sort(key=repr)
+            names = sorted(allowed | set(takes))
+            candidates = names + [_PREFILL + k for k in takes]
             hints = [f"{m[0]!r} for {k!r}" for k in unknown if isinstance(k, str)
-                     for m in [difflib.get_close_matches(k, allowed, n=1)] if m]
+                     for m in [difflib.get_close_matches(k, candidates, n=1)] if m]
             hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+            also = f", and prefill_<knob> for the {method} knobs" if takes else ""
             raise ConfigError(
                 str(unknown[0]),
-                f"unknown eviction config key(s) {unknown}{hint}; allowed: {sorted(allowed)}",
+                f"unknown eviction config key(s) {unknown}{hint}; allowed: {names}{also}",
             )
-        return cls(**data)
+        for name, knobs in lifted.items():
+            given = out.get(name, {})
+            if knobs and isinstance(given, Mapping):  # a non-mapping fails in __post_init__
+                out[name] = {**given, **knobs}
+        try:
+            return cls(**out)
+        except ConfigError as exc:
+            # Name a knob the way it was given: a top-level key keeps its own name.
+            source, _, knob = exc.field.partition(".")
+            written = {"policy_args": knob, "prefill_args": _PREFILL + knob}.get(source)
+            if written is None or knob not in lifted.get(source, {}):
+                raise
+            msg = str(exc)
+            msg = written + msg[len(exc.field):] if msg.startswith(exc.field) else msg
+            raise ConfigError(written, msg) from None
 
     @classmethod
     def from_budget(cls, method: str, budget: float | int, **knobs: Any) -> EvictionConfig:
         """The one budget rule: a float in (0, 1] is a keep ratio of the tokens seen, an int
-        a token count (``max_tokens``).
+        a token count (``max_tokens``). ``knobs`` are any :meth:`from_dict` keys.
 
         Raises
         ------
@@ -208,24 +272,21 @@ class EvictionConfig:
         return cls.from_dict({"method": method, "keep_ratio": float(budget), **knobs})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain, JSON-serialisable fields; :meth:`from_dict` rebuilds an equal config."""
+        return {f.name: dict(v) if isinstance(v := getattr(self, f.name), Mapping) else v
+                for f in fields(self)}
 
     def replace(self, **changes: Any) -> EvictionConfig:
-        """A copy with ``changes`` applied (validated; unknown keys rejected)."""
+        """A copy with ``changes`` applied: any :meth:`from_dict` keys, validated. A new
+        ``method`` starts from its policy's defaults (the old policy's knobs mean nothing
+        to it) unless ``changes`` gives its knobs."""
         merged = self.to_dict()
-        unknown = sorted(set(changes) - set(merged))
-        if unknown:
-            raise ConfigError(unknown[0], f"unknown eviction config key(s) {unknown}")
+        if changes.get("method", self.method) != self.method:
+            merged["policy_args"], merged["prefill_args"] = {}, {}
         merged.update(changes)
-        return EvictionConfig(**merged)
+        return EvictionConfig.from_dict(merged)
 
     # -- derived --------------------------------------------------------------------
-    @property
-    def enabled(self) -> bool:
-        return self.method != "none" and (
-            self.max_tokens is not None or self.keep_ratio is not None
-        )
-
     @property
     def num_forced(self) -> int:
         return self.sink_blocks + self.recent_blocks + 1
@@ -310,41 +371,51 @@ class EvictionConfig:
         last = max(total_tokens, prompt_tokens + 1)
         return min(cdiv(total_tokens, self.block_size), self.hard_limit(last, prompt_tokens))
 
+    def policy_knobs(self, *, prefill: bool = False) -> dict[str, Any]:
+        """The knobs the policy runs with: ``policy_args`` at decode events; at prefill
+        events (after a prompt chunk, and the prompt-end event) overridden by the policy's
+        declared defaults for this prompt mode (``prompt_end_defaults`` in ``end``, else
+        ``prefill_defaults``), then by ``prefill_args``. A knob named nowhere takes the
+        policy's own default."""
+        if self.method == "none":
+            raise ValueError("method 'none' has no eviction policy")
+        knobs = dict(self.policy_args)
+        if prefill:
+            cls = POLICIES[self.method]
+            knobs.update(cls.prompt_end_defaults if self.prompt_mode == "end"
+                         else cls.prefill_defaults)
+            knobs.update(self.prefill_args)
+        return knobs
+
     def policy(self, *, prefill: bool = False, prompt_tokens: int = 0) -> EvictionPolicy:
         """The policy object for decode events, or for prefill events (after a prompt
         chunk, and the prompt-end event). In ``keep`` mode the prompt's blocks
         (``prompt_tokens``) join the sinks, so no event evicts them."""
-        if self.method == "none":
-            raise ValueError("method 'none' has no eviction policy")
-        knobs = self._knobs_for(POLICIES[self.method], prefill=prefill)
-        knobs["sink_blocks"] = max(self.sink_blocks, self.prompt_blocks(prompt_tokens))
-        return get_policy(self.method, **knobs)
-
-    def _knobs_for(self, cls: type[EvictionPolicy], *, prefill: bool) -> dict[str, Any]:
-        """This config's values of the knobs policy ``cls`` takes."""
-        takes = {f.name for f in fields(cls)}
-        knobs = {f.name: getattr(self, f.name) for f in fields(self)
-                 if f.name in takes and f.name not in _ENGINE_FIELDS}
-        if "indirect" in takes:
-            knobs["indirect"] = self.prefill_knobs[0] if prefill else self.indirect
-        if "sampler" in takes:
-            knobs["sampler"] = self.prefill_knobs[1] if prefill else self.sampler
-        return knobs
-
-    @property
-    def prefill_knobs(self) -> tuple[str, str]:
-        """Nexus ``(indirect, sampler)`` at prefill events. Unset, they are ``("walk",
-        sampler)``, the paper's; in ``end`` mode ``("none", "topk")``: at its one decisive
-        event, with the question in the window, direct attention and top-K keep the
-        needle where the walk and pps's hedging drop it (docs/algorithm.md, "The
-        prompt-end event")."""
-        end = self.prompt_mode == "end"
-        indirect = self.prefill_indirect or ("none" if end else "walk")
-        sampler = self.prefill_sampler or ("topk" if end else self.sampler)
-        return indirect, sampler
+        knobs = self.policy_knobs(prefill=prefill)
+        sinks = max(self.sink_blocks, self.prompt_blocks(prompt_tokens))
+        return POLICIES[self.method](sink_blocks=sinks, recent_blocks=self.recent_blocks,
+                                     **knobs)
 
     def generator(self, request_seed: int | str = 0) -> torch.Generator:
         """CPU generator seeded from (global seed, request seed): a recomputed (preempted)
         request draws the same evictions."""
         digest = hashlib.blake2b(f"{self.seed}:{request_seed}".encode(), digest_size=8).digest()
         return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+
+def _owners(knob: str) -> list[str]:
+    """The registered policies that take ``knob``."""
+    return [name for name, cls in POLICIES.items() if knob in cls.knobs()]
+
+
+def _not_a_knob(knob: str, method: str) -> str:
+    """Why ``knob`` is refused for ``method``: whose knob it is, or a close match."""
+    takes = POLICIES[method].knobs()
+    its = f"its knobs: {', '.join(takes)}" if takes else "it takes no knobs"
+    owners = _owners(knob)
+    if owners:
+        whose = ", ".join(repr(o) for o in owners)
+        return f"a knob of policy {whose}, not of method {method!r} ({its})"
+    match = difflib.get_close_matches(knob, takes, n=1)
+    hint = f" (did you mean {match[0]!r}?)" if match else ""
+    return f"not a knob of policy {method!r}{hint}; {its}"

@@ -10,22 +10,32 @@ A policy declares what it needs, so callers ask it instead of testing its name:
 ``needs`` (which evidence it reads), ``query_rows`` (how many of the newest window rows of
 the mass it reads: the scorer computes no more), ``stochastic`` (whether its choice
 depends on the generator) and ``servable`` (whether the vLLM plugin can gather its
-evidence). Adding a policy is one class here plus one row in the tests' case table.
+evidence). Its knobs are its dataclass fields (:meth:`EvictionPolicy.knobs`), and what
+they become at prefill events is declared here too (``prefill_defaults``,
+``prompt_end_defaults``), so :class:`~nexus_vllm.core.EvictionConfig` names no knob of
+any policy.
+
+Adding a policy is one ``@register_policy`` class in this module plus one row in the
+tests' case table (``tests/core/policy_cases.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from types import MappingProxyType
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from ._validate import check_choice, check_float, check_int, check_mass
+from ._validate import ConfigError, check_choice, check_float, check_int, check_mass
 from .sampling import SAMPLERS, sample_blocks, top_k_indices
 from .weights import WALK_ROWS, check_indirect, nexus_weights
 
 __all__ = [
+    "METHODS",
     "POLICIES",
+    "SERVABLE_METHODS",
     "Evidence",
     "EvictionPolicy",
     "H2OPolicy",
@@ -37,7 +47,12 @@ __all__ = [
     "TOVAPolicy",
     "forced_blocks",
     "get_policy",
+    "register_policy",
 ]
+
+# Rows of a mass matrix must sum to 1 within this (float32 sums over thousands of blocks,
+# averaged over heads and layers, drift by far less).
+_ROW_SUM_TOLERANCE = 1e-3
 
 
 def forced_blocks(num_blocks: int, sink_blocks: int, recent_blocks: int) -> torch.Tensor:
@@ -56,23 +71,54 @@ def forced_blocks(num_blocks: int, sink_blocks: int, recent_blocks: int) -> torc
 
 @dataclass(frozen=True)
 class Evidence:
-    """What a policy may read at one event of one request.
+    """What a policy may read at one event of one request; validated on construction.
 
     Attributes
     ----------
     mass : Tensor[W, N]
-        Block attention mass of the newest window queries on the N live blocks (rows sum
-        to 1); ``[1, N]`` of anything for policies that do not need it.
+        Block attention mass of the newest window queries on the N live blocks, in
+        logical order. Each row sums to 1 (a row of zeros, a query that saw nothing, is
+        allowed). For policies that read no mass, :meth:`uniform` builds it.
     key_norms : Tensor[N], optional
         Mean key norm per live block (for policies that need ``"key_norms"``).
+
+    Raises
+    ------
+    ValueError
+        ``mass`` not 2-D, not finite, negative or with a row not summing to 1;
+        ``key_norms`` not N finite values.
     """
 
     mass: torch.Tensor
     key_norms: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        check_mass(self.mass, row_sum_tolerance=_ROW_SUM_TOLERANCE)
+        norms = self.key_norms
+        if norms is not None:
+            n = self.num_blocks
+            if not isinstance(norms, torch.Tensor) or tuple(norms.shape) != (n,) \
+                    or not bool(torch.isfinite(norms).all()):
+                shape = tuple(norms.shape) if isinstance(norms, torch.Tensor) else type(norms)
+                raise ValueError(f"key_norms must be {n} finite values, one per block "
+                                 f"(Tensor[{n}]); got {shape}")
+
+    @classmethod
+    def uniform(cls, num_blocks: int, key_norms: torch.Tensor | None = None) -> Evidence:
+        """Evidence for a policy that reads no mass: one uniform row ``[1, N]`` over the
+        ``num_blocks`` live blocks (the scorer computed nothing for it)."""
+        check_int("num_blocks", num_blocks, low=0)
+        return cls(torch.full((1, num_blocks), 1.0 / max(1, num_blocks)), key_norms)
+
     @property
     def num_blocks(self) -> int:
         return int(self.mass.shape[1])
+
+    @property
+    def holds(self) -> frozenset[str]:
+        """The kinds of evidence present, in the vocabulary of ``EvictionPolicy.needs``."""
+        return frozenset({"mass"}) | (frozenset() if self.key_norms is None
+                                       else frozenset({"key_norms"}))
 
 
 @dataclass(frozen=True)
@@ -91,6 +137,10 @@ class EvictionPolicy:
     recent_blocks: int = 4
 
     name: ClassVar[str] = "base"
+    # Knob overrides at prefill events (after a prompt chunk, and the prompt-end event):
+    # in prompt_mode "stream" and "keep", and in "end". A config's own prefill_args win.
+    prefill_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({})
+    prompt_end_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({})
     # Evidence read by score(): "mass" and/or "key_norms"; empty for score-free policies.
     evidence: ClassVar[frozenset[str]] = frozenset({"mass"})
     # Newest rows of the window's mass that score() reads (None: all of them).
@@ -101,6 +151,13 @@ class EvictionPolicy:
     def __post_init__(self) -> None:
         check_int("sink_blocks", self.sink_blocks, low=1)
         check_int("recent_blocks", self.recent_blocks, low=0)
+
+    @classmethod
+    def knobs(cls) -> tuple[str, ...]:
+        """The policy's own settings: its fields besides the forced set's (which the
+        config holds for every policy)."""
+        shared = {f.name for f in fields(EvictionPolicy)}
+        return tuple(f.name for f in fields(cls) if f.name not in shared)
 
     @property
     def num_forced(self) -> int:
@@ -140,40 +197,43 @@ class EvictionPolicy:
 
     def select(
         self,
-        mass: torch.Tensor,
+        evidence: Evidence,
         budget_blocks: int,
         *,
         generator: torch.Generator | None = None,
         state: dict[str, Any] | None = None,
-        key_norms: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Blocks to keep.
 
         Parameters
         ----------
-        mass : Tensor[W, N]
-            Block attention mass of the window queries over the live blocks, in logical
-            order.
+        evidence : Evidence
+            What was gathered for this event: at least what :attr:`needs` names
+            (``Evidence.uniform`` when the policy reads no mass).
         budget_blocks : int
             Blocks allowed; must cover the forced set when ``N`` exceeds it.
         generator : torch.Generator, optional
             CPU generator for the stochastic samplers.
         state : dict, optional
             Caller-owned per-request state (used by ``h2o``).
-        key_norms : Tensor[N], optional
-            Mean key norm per block (used by ``knorm``).
 
         Returns
         -------
         LongTensor[min(N, budget_blocks)] (CPU), sorted ascending, unique.
+
+        Raises
+        ------
+        ValueError
+            Evidence lacking what the policy needs, or a budget below the forced set.
         """
-        check_mass(mass)
+        if not isinstance(evidence, Evidence):
+            raise TypeError(f"evidence must be an Evidence; got {type(evidence).__name__}")
         check_int("budget_blocks", budget_blocks, low=0)
-        n = mass.shape[1]
-        if "key_norms" in self.needs and key_norms is None:
-            raise ValueError(f"key_norms is required by policy {self.name!r} (mean key norm "
-                             "per block)")
-        evidence = Evidence(mass=mass, key_norms=key_norms)
+        missing = self.needs - evidence.holds
+        if missing:
+            raise ValueError(f"policy {self.name!r} needs {sorted(missing)} in its evidence; "
+                             f"it holds {sorted(evidence.holds)}")
+        n = evidence.num_blocks
         weights = self.score(evidence, state).detach().to("cpu", torch.float64)
         if weights.shape != (n,):
             raise ValueError(
@@ -200,13 +260,35 @@ class EvictionPolicy:
         """Hook for stateful policies to re-index their state to the kept blocks."""
 
 
+# name -> class, filled by @register_policy in definition order.
+POLICIES: dict[str, type[EvictionPolicy]] = {}
+_Policy = TypeVar("_Policy", bound=type[EvictionPolicy])
+# Names that mean "no policy" somewhere (config, eval harness) and so cannot be one.
+_RESERVED_NAMES = ("none", "dense", "base")
+
+
+def register_policy(cls: _Policy) -> _Policy:
+    """Class decorator: make ``cls`` a method every config, CLI and harness accepts.
+
+    Raises
+    ------
+    ValueError
+        A reserved or already registered name.
+    """
+    if cls.name in _RESERVED_NAMES or cls.name in POLICIES:
+        raise ValueError(f"policy name {cls.name!r} is reserved or already registered")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+@register_policy
 @dataclass(frozen=True)
 class NexusPolicy(EvictionPolicy):
     """Nexus Sampling: direct + indirect (walk) weights, then exact-inclusion (or A-Res) sampling.
 
     Parameters
     ----------
-    indirect : {"walk", "ppr", "none"}
+    indirect : {"walk", "none"}
     steps : int
         Walk steps H (>= 1).
     lam : float
@@ -234,6 +316,13 @@ class NexusPolicy(EvictionPolicy):
     knorm_prior: float = 0.0
 
     name: ClassVar[str] = "nexus"
+    # After a prompt chunk the walk runs whatever ``indirect`` says at decode (the prefill
+    # ablation's winner). At the one decisive prompt-end event, with the question in the
+    # window, direct attention and top-K keep the needle where the walk and pps's hedging
+    # drop it (docs/algorithm.md, "The prompt-end event").
+    prefill_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({"indirect": "walk"})
+    prompt_end_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType(
+        {"indirect": "none", "sampler": "topk"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -264,7 +353,8 @@ class NexusPolicy(EvictionPolicy):
             walk_rows=self.walk_rows,
             eps=self.eps,
         )
-        if self.knorm_prior > 0 and evidence.key_norms is not None:
+        if self.knorm_prior > 0:
+            assert evidence.key_norms is not None  # select() checks what the policy needs
             norms = evidence.key_norms.detach().to(weights.device, torch.float64).flatten()
             z = (norms - norms.mean()) / norms.std(unbiased=False).clamp(min=1e-12)
             weights = weights * torch.exp(-self.knorm_prior * z).to(weights.dtype)
@@ -275,6 +365,7 @@ class NexusPolicy(EvictionPolicy):
         return sample_blocks(weights, k, sampler=self.sampler, n=self.n, generator=generator)
 
 
+@register_policy
 @dataclass(frozen=True)
 class H2OPolicy(EvictionPolicy):
     """Heavy hitters: attention mass accumulated over every event (kept in ``state``)."""
@@ -302,6 +393,7 @@ class H2OPolicy(EvictionPolicy):
             state[self.STATE_KEY] = state[self.STATE_KEY][keep]
 
 
+@register_policy
 @dataclass(frozen=True)
 class SnapKVPolicy(EvictionPolicy):
     """SnapKV at block level: column sums of the window's attention (no token pooling)."""
@@ -312,6 +404,7 @@ class SnapKVPolicy(EvictionPolicy):
         return evidence.mass.detach().to("cpu", torch.float64).sum(dim=0)
 
 
+@register_policy
 @dataclass(frozen=True)
 class TOVAPolicy(EvictionPolicy):
     """TOVA: the newest query's attention row only."""
@@ -326,6 +419,7 @@ class TOVAPolicy(EvictionPolicy):
         return mass[-1].detach().to("cpu", torch.float64)
 
 
+@register_policy
 @dataclass(frozen=True)
 class StreamingPolicy(EvictionPolicy):
     """StreamingLLM: sinks plus the most recent blocks; no scores needed."""
@@ -337,6 +431,7 @@ class StreamingPolicy(EvictionPolicy):
         return torch.arange(evidence.num_blocks, dtype=torch.float64)
 
 
+@register_policy
 @dataclass(frozen=True)
 class RandomPolicy(EvictionPolicy):
     """Uniformly random among the non-forced blocks."""
@@ -356,6 +451,7 @@ class RandomPolicy(EvictionPolicy):
         return torch.randperm(weights.numel(), generator=generator)[:k]
 
 
+@register_policy
 @dataclass(frozen=True)
 class KNormPolicy(EvictionPolicy):
     """Keep the blocks with the lowest mean key norm (high-norm keys draw little attention)."""
@@ -365,25 +461,13 @@ class KNormPolicy(EvictionPolicy):
 
     def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
         assert evidence.key_norms is not None  # select() checks what the policy needs
-        norms = evidence.key_norms.detach().to("cpu", torch.float64).flatten()
-        n = evidence.num_blocks
-        if norms.numel() != n or not bool(torch.isfinite(norms).all()):
-            raise ValueError(f"key_norms must be {n} finite values, one per block")
-        return -norms
+        return -evidence.key_norms.detach().to("cpu", torch.float64)
 
 
-POLICIES: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls
-    for cls in (
-        NexusPolicy,
-        H2OPolicy,
-        SnapKVPolicy,
-        TOVAPolicy,
-        StreamingPolicy,
-        RandomPolicy,
-        KNormPolicy,
-    )
-}
+# Every method a config accepts ("none": no eviction), and those the vLLM plugin serves
+# (it gathers their evidence). Policies register above, so these are complete here.
+METHODS: tuple[str, ...] = ("none", *POLICIES)
+SERVABLE_METHODS: tuple[str, ...] = ("none", *(n for n, c in POLICIES.items() if c.servable))
 
 
 def get_policy(name: str, **knobs: Any) -> EvictionPolicy:
@@ -399,7 +483,8 @@ def get_policy(name: str, **knobs: Any) -> EvictionPolicy:
     allowed = {f.name for f in fields(cls)}
     unknown = sorted(set(knobs) - allowed)
     if unknown:
-        raise ValueError(
-            f"unknown knob(s) {unknown} for policy {name!r}; allowed: {sorted(allowed)}"
+        raise ConfigError(
+            unknown[0],
+            f"unknown knob(s) {unknown} for policy {name!r}; allowed: {sorted(allowed)}",
         )
     return cls(**knobs)

@@ -14,16 +14,25 @@ from ._validate import ConfigError, check_choice, check_float, check_int, check_
 __all__ = ["INDIRECT_MODES", "WALK_ROWS", "check_indirect", "direct_scores", "indirect_scores",
            "nexus_weights"]
 
-INDIRECT_MODES = ("walk", "ppr", "none")
+INDIRECT_MODES = ("walk", "none")
 WALK_ROWS = ("newest", "oldest", "cycle")
 
 
+# Modes that chose exactly as "none" for row-normalised mass (docs/algorithm.md), removed:
+# a config naming one gets told so instead of a bare "must be one of".
+_REMOVED_MODES = {
+    "hub": "its column sums are proportional to the direct score",
+    "ppr": "the direct score is the stationary vector of its co-attention walk",
+}
+
+
 def check_indirect(name: str, value: object) -> None:
-    """Validate an indirect mode, with a pointer for configs that still say ``hub``."""
-    if value == "hub":
-        raise ConfigError(name, f"{name}='hub' was removed: for row-normalised mass its "
-                                "column sums are proportional to the direct score, so it "
-                                "was 'none' in disguise; use 'none' or 'walk'")
+    """Validate an indirect mode, with a pointer for configs that still name a removed one
+    (``hub``, ``ppr``)."""
+    if isinstance(value, str) and value in _REMOVED_MODES:
+        raise ConfigError(name, f"{name}={value!r} was removed: for row-normalised mass "
+                                f"{_REMOVED_MODES[value]}, so it was 'none' in disguise; "
+                                "use 'none' or 'walk'")
     check_choice(name, value, INDIRECT_MODES)
 
 
@@ -71,7 +80,6 @@ def indirect_scores(
     indirect: str = "walk",
     steps: int = 3,
     walk_rows: str = "newest",
-    ppr_beta: float = 0.5,
 ) -> torch.Tensor:
     """Un-normalised indirect score ``c`` (see the spec, step 3).
 
@@ -79,12 +87,9 @@ def indirect_scores(
     ----------
     mass : Tensor[W, N]
         Block attention mass of the window queries.
-    indirect : {"walk", "ppr", "none"}
+    indirect : {"walk", "none"}
         ``walk``: ``C <- C + S_q * (1 + S_q . C)`` over ``steps`` chosen rows ``q`` of the
-        row-normalised mass ``S``; ``ppr``: damped power
-        iteration ``s <- (1-beta) a + beta s A`` over the co-attention matrix
-        ``A = rownorm(S^T S)`` (blocks that the same queries attend to link each other);
-        ``none``: zeros.
+        row-normalised mass ``S``; ``none``: zeros.
 
     Returns
     -------
@@ -97,20 +102,12 @@ def indirect_scores(
     w, n = mass.shape
     if w == 0 or indirect == "none":
         return torch.zeros(n, dtype=torch.float64, device=mass.device)
-    m = mass.double()
-    s = _row_normalise(m)
-    if indirect == "walk":
-        c = torch.zeros(n, dtype=torch.float64, device=mass.device)
-        for q in _walk_row_order(w, steps, walk_rows):
-            row = s[q]
-            c = c + row * (1.0 + torch.dot(row, c))
-        return c
-    a = s.mean(dim=0)
-    link = _row_normalise(s.T @ s)
-    score = a.clone()
-    for _ in range(steps):
-        score = (1.0 - ppr_beta) * a + ppr_beta * (score @ link)
-    return score
+    s = _row_normalise(mass.double())
+    c = torch.zeros(n, dtype=torch.float64, device=mass.device)
+    for q in _walk_row_order(w, steps, walk_rows):
+        row = s[q]
+        c = c + row * (1.0 + torch.dot(row, c))
+    return c
 
 
 def nexus_weights(
@@ -121,7 +118,6 @@ def nexus_weights(
     lam: float = 0.5,
     walk_rows: str = "newest",
     eps: float = 1e-6,
-    ppr_beta: float = 0.5,
 ) -> torch.Tensor:
     """Nexus weight of each block: ``w = a + lam * c / |c|_1 + eps * r``.
 
@@ -130,10 +126,10 @@ def nexus_weights(
     mass : Tensor[W, N]
         Attention mass each window query puts on each block (rows need not be
         normalised).
-    indirect : {"walk", "ppr", "none"}
+    indirect : {"walk", "none"}
         How the indirect score ``c`` is built; see :func:`indirect_scores`.
     steps : int
-        H, the number of walk steps (or power iterations for ``ppr``); >= 1.
+        H, the number of walk steps; >= 1.
     lam : float
         Weight of the normalised indirect score; >= 0.
     walk_rows : {"newest", "oldest", "cycle"}
@@ -147,11 +143,8 @@ def nexus_weights(
     """
     check_float("lam", lam, low=0.0)
     check_float("eps", eps, low=0.0)
-    check_float("ppr_beta", ppr_beta, low=0.0, high=1.0)
     a = direct_scores(mass)
-    c = indirect_scores(
-        mass, indirect=indirect, steps=steps, walk_rows=walk_rows, ppr_beta=ppr_beta
-    )
+    c = indirect_scores(mass, indirect=indirect, steps=steps, walk_rows=walk_rows)
     n = a.numel()
     ramp = torch.arange(n, dtype=torch.float64, device=a.device) / max(n - 1, 1)
     return a + lam * _l1_normalise(c) + eps * ramp

@@ -43,7 +43,7 @@ class MethodSpec:
         """Whether the method's choice depends on the seed (then several seeds run)."""
         if self.method in ("dense", "none"):
             return False
-        return EvictionConfig(method=self.method, **self.knobs).policy().stochastic
+        return EvictionConfig.from_dict({**self.knobs, "method": self.method}).policy().stochastic
 
 
 DENSE = MethodSpec("dense", "dense")
@@ -207,7 +207,7 @@ def _capture_rows(cfg: RunConfig) -> int:
     rows = 0
     for spec in (parse_method(m) for m in cfg.methods):
         if spec.method != "dense":
-            c = EvictionConfig(method=spec.method, **{**cfg.knobs, **spec.knobs})
+            c = EvictionConfig.from_dict({**cfg.knobs, **spec.knobs, "method": spec.method})
             rows = max(rows, c.window, c.prefill_window)
     return rows
 

@@ -7,42 +7,59 @@ re-rotated. The causal mask is derived by transformers from the *physical* cache
 which is correct because every cached token precedes the new ones.
 
 Evidence for an eviction event is the post-RoPE query rows of the newest ``W`` tokens per
-layer, captured by a registered attention function that wraps SDPA, scored against the
-cached keys of the layers ``>= skip_layers`` with ``nexus_vllm.core.block_attention_mass``
-and averaged over layers; the decision (which blocks of ``block_size`` tokens to keep) is
-shared by every layer and head, as in the vLLM plugin.
+layer, scored against the cached keys of the layers ``>= skip_layers`` with
+``nexus_vllm.core.block_attention_mass`` and averaged over layers; the decision (which
+blocks of ``block_size`` tokens to keep) is shared by every layer and head, as in the vLLM
+plugin.
+
+The queries are captured through transformers' public attention hook: the session's
+model attends with :data:`CAPTURE_ATTENTION`, registered with
+``transformers.AttentionInterface`` and chosen with ``model.set_attn_implementation``. It is
+SDPA plus a callback that each session passes with its own forward (``nexus_capture``, a
+keyword argument transformers hands down to every attention call), so no session is held
+in a global and a forward without the callback is plain SDPA.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from nexus_vllm.core import EvictionConfig, EvictionTrigger, block_attention_mass, num_blocks_for
+from nexus_vllm.core import (
+    EvictionConfig,
+    EvictionTrigger,
+    Evidence,
+    block_attention_mass,
+    num_blocks_for,
+)
 
-__all__ = ["EvictionEvent", "StreamingSession", "make_config"]
+__all__ = ["CAPTURE_ATTENTION", "EvictionEvent", "StreamingSession", "make_config",
+           "use_capture_attention"]
 
-_IMPL_NAME = "nexus_capture_sdpa"
+# The attention implementation of a session's model (see the module docstring).
+CAPTURE_ATTENTION = "nexus_capture_sdpa"
 _registered = False
 _register_lock = threading.Lock()
-# The session whose forward is running (one at a time per process; forwards are not reentrant).
-_active: StreamingSession | None = None
 # A prompt length no stream reaches: the prompt has not ended yet.
 _UNKNOWN = 1 << 62
 
 
 
 def _capture_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+                       attention_mask: Any, *,
+                       nexus_capture: Callable[[int, torch.Tensor], None] | None = None,
+                       **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """SDPA that first hands the layer's post-RoPE queries ``[1, Hq, n, D]`` to the
+    forward's ``nexus_capture`` callback (one session's), when there is one."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    session = _active
-    if session is not None:
-        session._record_queries(int(module.layer_idx), query)
+    if nexus_capture is not None:
+        nexus_capture(int(module.layer_idx), query)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -55,11 +72,26 @@ def _register() -> None:
         from transformers import AttentionInterface
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-        AttentionInterface.register(_IMPL_NAME, _capture_attention)
+        AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
         # Without a mask entry transformers skips mask creation for unknown implementations,
         # and SDPA would then apply an upper-left causal mask: wrong for chunks after a past.
-        ALL_MASK_ATTENTION_FUNCTIONS.register(_IMPL_NAME, sdpa_mask)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(CAPTURE_ATTENTION, sdpa_mask)
         _registered = True
+
+
+def use_capture_attention(model: Any) -> None:
+    """Make ``model`` attend with :data:`CAPTURE_ATTENTION` (``set_attn_implementation``;
+    idempotent). Only an SDPA model is switched: the capture is SDPA, so the model's
+    outputs stay the same for every caller; another implementation's would change."""
+    _register()
+    current = model.config._attn_implementation
+    if current == CAPTURE_ATTENTION:
+        return
+    if current != "sdpa":
+        raise ValueError(f"StreamingSession captures queries through SDPA; load the model "
+                         f"with attn_implementation='sdpa' (it has {current!r})")
+    with _register_lock:
+        model.set_attn_implementation(CAPTURE_ATTENTION)
 
 
 def make_config(method: str, budget: float | int | None, **knobs: Any) -> EvictionConfig | None:
@@ -125,7 +157,7 @@ class StreamingSession:
                  capture_rows: int = 0) -> None:
         from transformers import DynamicCache
 
-        _register()
+        use_capture_attention(model)
         self.model = model
         self.config = config
         self.cache: Any = DynamicCache(config=model.config)
@@ -160,20 +192,13 @@ class StreamingSession:
 
         ``logits_to_keep=0`` returns logits for every fed token.
         """
-        global _active
         ids = input_ids.reshape(1, -1)
         n = ids.shape[1]
         pos = torch.arange(self.seen, self.seen + n, device=ids.device).unsqueeze(0)
-        cfg = self.model.config
-        previous_impl = cfg._attn_implementation
-        cfg._attn_implementation = _IMPL_NAME
-        _active = self
-        try:
-            out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache,
-                             use_cache=True, logits_to_keep=logits_to_keep)
-        finally:
-            _active = None
-            cfg._attn_implementation = previous_impl
+        use_capture_attention(self.model)  # in case the model was switched back since
+        out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache,
+                         use_cache=True, logits_to_keep=logits_to_keep,
+                         nexus_capture=self._record_queries)
         self.seen += n
         self.positions = torch.cat([self.positions, pos[0].cpu()])
         return out.logits[0].float()
@@ -234,12 +259,10 @@ class StreamingSession:
         if cfg is None:
             return False
         n_blocks = num_blocks_for(self.cache_len, cfg.block_size)
-        if prefill:
-            if not self.trigger.prefill_chunk(self.seen, n_blocks):
-                return False
-        elif n_blocks <= cfg.target_blocks(self.seen, self.prompt_tokens):
+        # One rule for both: an event when over the target, and the decode clock restarts
+        # (``prefill`` only picks the policy and window of the event).
+        if not self.trigger.prefill_chunk(self.seen, n_blocks):
             return False
-        self.trigger.reset()
         return self._event(prefill=prefill, n_blocks=n_blocks,
                            budget_blocks=cfg.target_blocks(self.seen, self.prompt_tokens))
 
@@ -250,14 +273,15 @@ class StreamingSession:
         t = self.cache_len
         policy = cfg.policy(prefill=prefill, prompt_tokens=self.prompt_tokens)
         scored = "mass" in policy.needs
+        norms = self.key_norms() if "key_norms" in policy.needs else None
         if scored:
             mass = self.block_mass(policy.window(cfg.prefill_window if prefill else cfg.window))
+            evidence = Evidence(mass, norms)
         else:
-            mass = torch.full((1, n_blocks), 1.0 / n_blocks)  # the policy reads no scores
+            evidence = Evidence.uniform(n_blocks, norms)
         live_blocks = self.positions[::b] // b if self.record_events else None
-        norms = self.key_norms() if "key_norms" in policy.needs else None
         keep = policy.select(
-            mass, budget_blocks, generator=self.generator, state=self.state, key_norms=norms
+            evidence, budget_blocks, generator=self.generator, state=self.state
         )
         token_idx = (keep.view(-1, 1) * b + torch.arange(b)).view(-1)
         token_idx = token_idx[token_idx < t]
@@ -272,7 +296,7 @@ class StreamingSession:
                 seen=self.seen, prefill=prefill, blocks_before=n_blocks,
                 blocks_after=num_blocks_for(self.cache_len, b), budget_blocks=budget_blocks,
                 kept_positions=self.positions.clone(), live_blocks=live_blocks,
-                mass=mass.detach().cpu() if scored else None))
+                mass=evidence.mass.detach().cpu() if scored else None))
         return True
 
     def decode_step_done(self, n: int = 1) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from nexus_vllm.core.policies import Evidence
 from nexus_vllm.integration import faults
 from nexus_vllm.integration.live_blocks import LiveBlocks
 from nexus_vllm.integration.metrics import SchedulerCounters
@@ -74,9 +75,9 @@ class Evictor:
                 if scores is None:
                     continue
                 mass = torch.from_numpy(scores)
-            else:  # the policy reads no mass: one uniform row over the live blocks
+            else:  # the policy reads no mass
                 n = self.blocks.live_count(req_id, int(request.num_computed_tokens))
-                mass = torch.full((1, n), 1.0 / max(1, n))
+                mass = Evidence.uniform(n).mass
             try:
                 if faults.fires("policy_error"):
                     raise RuntimeError("injected policy failure")
@@ -114,8 +115,8 @@ class Evictor:
         if len(live) <= budget:
             return
         policy = st.cfg.policy(prefill=sreq.prefill, prompt_tokens=st.prompt_tokens)
-        keep = policy.select(mass, budget, generator=st.generator, state=st.policy_state,
-                             key_norms=key_norms)
+        keep = policy.select(Evidence(mass, key_norms), budget, generator=st.generator,
+                             state=st.policy_state)
         keep_set = {int(i) for i in keep.tolist()}
         full_blocks = tokens // self.blocks.block_size
         evict = [live[j] for j in range(len(live))

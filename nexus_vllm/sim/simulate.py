@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from nexus_vllm.core import EvictionPolicy, get_policy
+from nexus_vllm.core import POLICIES, EvictionPolicy, Evidence, get_policy
 from nexus_vllm.core._validate import check_int
 
 __all__ = [
@@ -43,17 +43,12 @@ __all__ = [
 
 BLOCK_CLASSES = ("background", "intermittent", "bridge", "spike")
 
-# name -> (policy, knobs): the baselines plus Nexus with each sampler.
+# name -> (policy, knobs): Nexus with each sampler, then every other registered policy.
 DEFAULT_POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
     "nexus": ("nexus", {}),
     "nexus-ares": ("nexus", {"sampler": "ares"}),
     "nexus-topk": ("nexus", {"sampler": "topk"}),
-    "h2o": ("h2o", {}),
-    "snapkv": ("snapkv", {}),
-    "tova": ("tova", {}),
-    "streaming": ("streaming", {}),
-    "random": ("random", {}),
-    "knorm": ("knorm", {}),
+    **{name: (name, {}) for name in POLICIES if name != "nexus"},
 }
 
 # The stream's shape. Importances are in units of the median background block (1.0).
@@ -211,13 +206,8 @@ def _run_one(
     for event in range(cfg.events):
         live += list(range(nxt, nxt + cfg.blocks_per_event))
         nxt += cfg.blocks_per_event
-        keep = policy.select(
-            stream.mass(event, live),
-            cfg.budget_blocks,
-            generator=gen,
-            state=state,
-            key_norms=stream.key_norms[torch.tensor(live)],
-        )
+        evidence = Evidence(stream.mass(event, live), stream.key_norms[torch.tensor(live)])
+        keep = policy.select(evidence, cfg.budget_blocks, generator=gen, state=state)
         live = [live[i] for i in keep.tolist()]
     return live
 

@@ -1,10 +1,15 @@
+import json
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nexus_vllm.core import (
+    METHODS,
     POLICIES,
+    SERVABLE_METHODS,
+    ConfigError,
     EvictionConfig,
     Evidence,
     forced_blocks,
@@ -13,8 +18,16 @@ from nexus_vllm.core import (
     indirect_scores,
     nexus_weights,
 )
+from tests.core.policy_cases import (
+    HAND_BUDGET,
+    HAND_EVIDENCE,
+    HAND_FORCED,
+    HAND_RECENT,
+    HAND_SINKS,
+    POLICY_CASES,
+    PolicyCase,
+)
 
-POLICY_NAMES = sorted(POLICIES)
 SAMPLERS = ["pps", "ares", "topk"]
 
 
@@ -27,13 +40,78 @@ def run_select(name, mass, budget, seed=0, **knobs):
     policy = get_policy(name, **knobs)
     norms = torch.rand(mass.shape[1], generator=torch.Generator().manual_seed(seed)) + 0.5
     return policy.select(
-        mass, budget, generator=torch.Generator().manual_seed(seed), state={}, key_norms=norms
+        Evidence(mass, norms), budget, generator=torch.Generator().manual_seed(seed), state={}
     )
+
+
+# -- the case table ------------------------------------------------------------------
+def test_case_table_covers_every_policy():
+    names = [case.name for case in POLICY_CASES]
+    assert sorted(names) == sorted(POLICIES) and len(set(names)) == len(names)
+    assert ("none", *POLICIES) == METHODS
+    assert set(SERVABLE_METHODS) == {"none", *(n for n, c in POLICIES.items() if c.servable)}
+
+
+@pytest.mark.parametrize("case", POLICY_CASES, ids=lambda c: c.name)
+def test_case_declared_properties(case: PolicyCase):
+    policy = get_policy(case.name, **case.knobs)
+    assert set(case.knobs) <= set(type(policy).knobs())
+    assert policy.stochastic == case.stochastic
+    assert policy.needs == case.needs
+    assert policy.query_rows == case.query_rows
+    assert policy.window(16) == (16 if case.query_rows is None else case.query_rows)
+
+
+@pytest.mark.parametrize("case", POLICY_CASES, ids=lambda c: c.name)
+def test_case_hand_checked_selection(case: PolicyCase):
+    policy = get_policy(case.name, sink_blocks=HAND_SINKS, recent_blocks=HAND_RECENT,
+                        **case.knobs)
+    keeps = {tuple(policy.select(HAND_EVIDENCE, HAND_BUDGET, state={},
+                                 generator=torch.Generator().manual_seed(seed)).tolist())
+             for seed in range(8)}
+    if case.keep is not None:
+        assert keeps == {case.keep}
+    else:  # stochastic: the seed matters, the forced set and the budget do not move
+        assert len(keeps) > 1
+        assert all(len(k) == HAND_BUDGET and set(HAND_FORCED) <= set(k) for k in keeps)
+
+
+@pytest.mark.parametrize("case", POLICY_CASES, ids=lambda c: c.name)
+def test_case_knobs_through_the_config(case: PolicyCase):
+    """Top-level knobs land in policy_args, build the same policy, and round-trip."""
+    cfg = EvictionConfig.from_dict({"method": case.name, "max_tokens": 1024, **case.knobs})
+    assert cfg.policy_args == dict(case.knobs)
+    assert cfg.policy() == get_policy(case.name, sink_blocks=cfg.sink_blocks,
+                                      recent_blocks=cfg.recent_blocks, **case.knobs)
+    assert EvictionConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    if case.bad_knob is not None:  # refused when the config is built, naming the knob
+        knob, value = case.bad_knob
+        # A top-level key is named as written; a knob inside policy_args/prefill_args
+        # by its qualified name.
+        for given, field in (({knob: value}, knob),
+                             ({f"prefill_{knob}": value}, f"prefill_{knob}"),
+                             ({"policy_args": {knob: value}}, f"policy_args.{knob}"),
+                             ({"prefill_args": {knob: value}}, f"prefill_args.{knob}")):
+            with pytest.raises(ConfigError) as err:
+                EvictionConfig.from_dict({"method": case.name, **given})
+            assert err.value.field == field and str(err.value).startswith(field)
+
+
+@pytest.mark.parametrize("case", POLICY_CASES, ids=lambda c: c.name)
+def test_case_refuses_evidence_it_needs(case: PolicyCase):
+    policy = get_policy(case.name, sink_blocks=HAND_SINKS, recent_blocks=HAND_RECENT,
+                        **case.knobs)
+    without_norms = Evidence(HAND_EVIDENCE.mass)
+    if "key_norms" in case.needs:
+        with pytest.raises(ValueError, match="needs \\['key_norms'\\]"):
+            policy.select(without_norms, HAND_BUDGET)
+    else:
+        assert policy.select(without_norms, HAND_BUDGET).numel() == HAND_BUDGET
 
 
 @settings(max_examples=40, deadline=None)
 @given(
-    name=st.sampled_from(POLICY_NAMES),
+    case=st.sampled_from(POLICY_CASES),
     w=st.integers(1, 16),
     n=st.integers(1, 64),
     sinks=st.integers(1, 4),
@@ -41,16 +119,17 @@ def run_select(name, mass, budget, seed=0, **knobs):
     extra=st.integers(0, 30),
     seed=st.integers(0, 10_000),
 )
-def test_policy_invariants(name, w, n, sinks, recent, extra, seed):
+def test_policy_invariants(case, w, n, sinks, recent, extra, seed):
     budget = sinks + recent + 1 + extra
     mass = random_mass(w, n, seed)
-    keep = run_select(name, mass, budget, seed, sink_blocks=sinks, recent_blocks=recent)
+    knobs = {**case.knobs, "sink_blocks": sinks, "recent_blocks": recent}
+    keep = run_select(case.name, mass, budget, seed, **knobs)
     assert keep.dtype == torch.long
     assert keep.numel() == min(n, budget)  # exact budget
     assert torch.equal(keep, torch.unique(keep))  # sorted, unique
     assert int(keep.min()) >= 0 and int(keep.max()) < n
     assert set(forced_blocks(n, sinks, recent).tolist()) <= set(keep.tolist())
-    again = run_select(name, mass, budget, seed, sink_blocks=sinks, recent_blocks=recent)
+    again = run_select(case.name, mass, budget, seed, **knobs)
     assert torch.equal(keep, again)  # reproducible from the seed
 
 
@@ -69,7 +148,8 @@ def test_forced_set_contents():
 
 def test_budget_smaller_than_forced_set_is_rejected():
     with pytest.raises(ValueError, match="budget_blocks must be >="):
-        get_policy("snapkv", sink_blocks=2, recent_blocks=4).select(random_mass(4, 30, 0), 5)
+        get_policy("snapkv", sink_blocks=2, recent_blocks=4).select(
+            Evidence(random_mass(4, 30, 0)), 5)
 
 
 def test_walk_lifts_bridge_above_single_query_spike():
@@ -84,13 +164,12 @@ def test_walk_lifts_bridge_above_single_query_spike():
     w_walk = nexus_weights(mass, indirect="walk", lam=0.5)
     assert a[spike] > a[bridge]  # direct attention alone prefers the spike
     assert w_walk[bridge] > w_walk[spike]  # the walk surfaces the bridge
-    for mode in ("walk", "ppr"):
-        assert indirect_scores(mass, indirect=mode)[bridge] > 0
+    assert indirect_scores(mass, indirect="walk")[bridge] > 0
 
 
 def test_nexus_weights_modes_and_ramp():
     mass = random_mass(8, 10, 3)
-    for mode in ("walk", "ppr", "none"):
+    for mode in ("walk", "none"):
         for rows in ("newest", "oldest", "cycle"):
             w = nexus_weights(mass, indirect=mode, walk_rows=rows)
             assert w.shape == (10,) and torch.all(w >= 0)
@@ -103,11 +182,11 @@ def test_h2o_accumulates_across_events():
     state: dict = {}
     first = torch.zeros(1, 6)
     first[0, 2] = 1.0  # block 2 was heavy in the past...
-    policy.select(first, 6, state=state)
+    policy.select(Evidence(first), 6, state=state)
     second = torch.zeros(1, 8)
     second[0, 3] = 0.6  # ...block 3 is heavier now, but not in total
     second[0, 4] = 0.4
-    keep = policy.select(second, 3, state=state)
+    keep = policy.select(Evidence(second), 3, state=state)
     assert keep.tolist() == [0, 2, 7]  # sink, the historic heavy hitter, the current block
     assert state[policy.STATE_KEY].numel() == 3  # re-indexed to the kept blocks
 
@@ -129,7 +208,7 @@ def test_topk_kills_intermittent_block_pps_survival_is_product_of_pi():
     # as new arrivals), so survival of `target` is the product over events.
     def survives(policy, generator) -> bool:
         for dip in dips:
-            keep = policy.select(event_mass(dip), budget, generator=generator)
+            keep = policy.select(Evidence(event_mass(dip)), budget, generator=generator)
             if target not in keep.tolist():
                 return False
         return True
@@ -160,8 +239,12 @@ def test_topk_kills_intermittent_block_pps_survival_is_product_of_pi():
         (lambda: get_policy("nexus", sampler="gumbel"), "sampler"),
         (lambda: get_policy("nexus", indirect="pagerank"), "indirect"),
         (lambda: get_policy("h2o", sink_blocks=0), "sink_blocks"),
-        (lambda: get_policy("knorm").select(random_mass(2, 20, 0), 8), "key_norms"),
-        (lambda: get_policy("tova").select(torch.full((2, 3), float("nan")), 2), "finite"),
+        (lambda: get_policy("knorm").select(Evidence(random_mass(2, 20, 0)), 8), "key_norms"),
+        (lambda: Evidence(torch.full((2, 3), float("nan"))), "finite"),
+        (lambda: Evidence(torch.ones(2, 3)), "rows must sum to 1"),
+        (lambda: Evidence(random_mass(2, 3, 0), torch.ones(4)), "key_norms must be 3"),
+        (lambda: Evidence(random_mass(2, 3, 0), torch.tensor([1.0, float("inf"), 1.0])),
+         "key_norms must be 3 finite"),
     ],
 )
 def test_bad_policy_input(call, match):
@@ -171,13 +254,10 @@ def test_bad_policy_input(call, match):
 
 def test_eviction_config():
     cfg = EvictionConfig(method="nexus", max_tokens=1024, block_size=32)
-    assert cfg.enabled and cfg.budget_blocks(100_000) == 32
+    assert cfg.budget_blocks(100_000) == 32
     ratio = EvictionConfig(keep_ratio=0.2)
     assert ratio.budget_blocks(64) == ratio.num_forced  # never below the forced set
     assert ratio.budget_blocks(32 * 100) == 20
-    assert (
-        not EvictionConfig().enabled and not EvictionConfig(method="none", max_tokens=512).enabled
-    )
     assert ratio.policy(prefill=True).indirect == "walk" and ratio.policy().indirect == "walk"
     assert EvictionConfig.from_dict({"method": "tova", "max_tokens": 512}).method == "tova"
     g1, g2 = cfg.generator("req-1"), cfg.generator("req-1")
@@ -200,16 +280,64 @@ def test_eviction_config():
         ({"keep_ratio": 1.5}, "keep_ratio"),
         ({"block_size": 0}, "block_size"),
         ({"layer_stride": 0}, "layer_stride"),
-        ({"sampler": "x"}, "sampler"),
-        ({"n": 0}, "n must be"),
-        ({"prefill_indirect": "hub"}, "prefill_indirect='hub' was removed"),
-        ({"indirect": "hub"}, "indirect='hub' was removed"),
-        ({"prefill_indirect": "walks"}, "prefill_indirect must be one of"),
+        ({"sampler": "x"}, "^sampler must be one of"),
+        ({"n": 0}, "^n must be"),
+        ({"eps": -1.0}, "^eps must be >= 0"),
+        ({"prefill_indirect": "hub"}, "^prefill_indirect='hub' was removed"),
+        ({"indirect": "hub"}, "^indirect='hub' was removed"),
+        ({"indirect": "ppr"}, "^indirect='ppr' was removed"),
+        ({"prefill_indirect": "walks"}, "^prefill_indirect must be one of"),
+        ({"policy_args": {"steps": 0}}, "policy_args.steps must be >= 1"),
+        ({"prefill_args": {"lamda": 1}}, "prefill_args.lamda: not a knob of policy 'nexus' "
+                                         "\\(did you mean 'lam'\\?\\)"),
+        ({"method": "h2o", "steps": 5}, "steps: a knob of policy 'nexus', not of method 'h2o'"),
+        ({"method": "snapkv", "prefill_sampler": "topk"}, "a knob of policy 'nexus'"),
+        ({"method": "tova", "policy_args": {"lam": 1}}, "policy_args.lam: a knob of policy"),
+        ({"method": "none", "policy_args": {"lam": 1}}, "method 'none' runs no policy"),
+        ({"policy_args": ["steps"]}, "policy_args must be a mapping"),
     ],
 )
 def test_bad_eviction_config(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        EvictionConfig(**kwargs)
+    with pytest.raises(ConfigError, match=match):
+        EvictionConfig.from_dict(kwargs)
+
+
+def test_knobs_live_with_the_policy():
+    """Top-level knobs (as the presets write them) and prefill_<knob> keys land in
+    policy_args / prefill_args; prefill events take the policy's declared defaults for
+    the prompt mode unless prefill_args says otherwise; eps is reachable."""
+    cfg = EvictionConfig.from_dict({"method": "nexus", "steps": 5, "eps": 0.0,
+                                    "prefill_indirect": "none", "prefill_sampler": None})
+    assert cfg.policy_args == {"steps": 5, "eps": 0.0}
+    assert cfg.prefill_args == {"indirect": "none"}  # None: the policy's prefill default
+    assert (cfg.policy().eps, cfg.policy().indirect, cfg.policy(prefill=True).indirect) \
+        == (0.0, "walk", "none")
+    assert cfg.policy(prefill=True).steps == 5  # a knob not overridden stays the decode one
+    # The declared defaults: walk (and the decode sampler) after a prompt chunk; none and
+    # top-K at the prompt-end event.
+    ares = EvictionConfig.from_dict({"sampler": "ares", "indirect": "none"})
+    assert (ares.policy(prefill=True).indirect, ares.policy(prefill=True).sampler) \
+        == ("walk", "ares")
+    end = ares.replace(prompt_mode="end")
+    assert (end.policy(prefill=True).indirect, end.policy(prefill=True).sampler) \
+        == ("none", "topk")
+    assert end.policy().sampler == "ares"  # decode events are the same in every mode
+    assert end.replace(prefill_sampler="pps").policy(prefill=True).sampler == "pps"
+    # Explicit mappings and top-level keys merge (top level wins); replace re-lifts them.
+    both = EvictionConfig.from_dict({"policy_args": {"steps": 2, "lam": 1.0}, "steps": 4})
+    assert both.policy_args == {"steps": 4, "lam": 1.0}
+    assert both.replace(lam=0.0).policy_args == {"steps": 4, "lam": 0.0}
+    # A new method starts from its own defaults: the old policy's knobs mean nothing to it.
+    assert both.replace(method="h2o").policy_args == {}
+    assert both.replace(method="nexus").policy_args == both.policy_args
+    # Method none runs no policy: the knobs a preset was written with are moot.
+    assert EvictionConfig.from_dict({"method": "none", "steps": 5}).policy_args == {}
+    # The config travels as JSON and comes back equal; its mappings are its own copies.
+    given = {"steps": 3}
+    cfg = EvictionConfig(policy_args=given)
+    given["steps"] = 9
+    assert cfg.policy_args == {"steps": 3}
+    assert EvictionConfig.from_dict(json.loads(json.dumps(end.to_dict()))) == end
 
 
 def test_eviction_config_rejects_unknown_keys():

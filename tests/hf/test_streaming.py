@@ -7,13 +7,15 @@ import torch
 
 from nexus_vllm.core import num_blocks_for
 from nexus_vllm.hf import StreamingSession, encode_prompt, generate, make_config, run_sample
+from tests.core.policy_cases import POLICY_CASES
 
 torch.set_num_threads(1)
 
 CONTEXT = ("The quick brown fox jumps over the lazy dog while the magic number is 4815162. "
            "Nothing else happens here, the river keeps flowing and birds sing. ") * 5
 QUESTION = " Question: what is the magic number? Answer:"
-METHODS = ["nexus", "h2o", "snapkv", "tova", "streaming", "random", "knorm"]
+# Every registered policy, from the case table (a new policy is tested here by its row).
+METHODS = [case.name for case in POLICY_CASES]
 # Small blocks and chunks so a ~900-token prompt sees many events.
 KNOBS = {"block_size": 8, "recent_blocks": 2, "interval": 4, "window": 4,
          "prefill_window": 8, "skip_layers": 1}
