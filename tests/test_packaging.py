@@ -189,7 +189,7 @@ def test_compose_builds_the_dockerfile_and_keeps_the_vllm_entrypoint():
 
 
 def test_compose_command_matches_the_dockerfile_and_readme_runs():
-    from nexus_vllm.integration.config import CLI_FLAGS, resolve_config
+    from nexus_vllm.integration.server_config import CLI_FLAGS, resolve_config
 
     raw = _compose()["services"]["nexus-vllm"]["command"]
     command = _defaults(raw)

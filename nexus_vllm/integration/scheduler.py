@@ -16,8 +16,8 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from nexus_vllm.integration import faults
-from nexus_vllm.integration.config import config_from_additional
 from nexus_vllm.integration.manager import EvictionManager
+from nexus_vllm.integration.server_config import config_from_additional
 from nexus_vllm.integration.step_plan import StepPlan, attach_plan, read_reply
 from nexus_vllm.integration.vllm_compat import check_vllm_version
 

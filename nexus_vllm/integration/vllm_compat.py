@@ -34,6 +34,10 @@ accessor                      vLLM internal                         why
                               resumed requests come as new ones)
 ``attention_layers``          ``compilation_config.                 per-layer impl, KV cache,
                               static_forward_context``              window / ALiBi / sharing
+``model_attention_traits``    ``ModelConfig.get_sliding_window /    models eviction refuses at
+                              uses_alibi / use_mla / is_hybrid /    startup (the same check as
+                              is_encoder_decoder / is_mm_prefix_lm  each layer's,
+                              / rswa_window``                       ``engine_policy``)
 ``attention_groups``          ``GPUModelRunner.attn_groups``        bind our metadata builders
 ``CommonAttentionMetadata``   ``v1/attention/backend.py`` fields    what compaction rewrites
 ``tp_all_reduce``             ``get_tp_group().all_reduce``         sum block masses over ranks
@@ -60,6 +64,7 @@ from typing import Any
 
 import torch
 
+from nexus_vllm.integration.engine_policy import AttentionTraits, unsupported_attention
 from nexus_vllm.integration.patches.catalogue import wrap_instance
 from nexus_vllm.integration.versions import (
     SUPPORTED_VLLM,
@@ -79,6 +84,7 @@ __all__ = [
     "cap_prefix_hits",
     "gate_admission",
     "check_vllm_version",
+    "model_attention_traits",
     "pp_all_reduce",
     "pp_rank_and_size",
     "reset_request_ids",
@@ -277,22 +283,35 @@ class AttentionLayerView:
         cache: torch.Tensor = self.layer.kv_cache
         return cache
 
-    def unsupported_reason(self) -> str | None:
-        """Why eviction cannot run on this layer (None when it can)."""
+    def attention_traits(self) -> AttentionTraits:
+        """What this layer's attention uses that eviction may not run on."""
         from vllm.v1.attention.backend import AttentionType
 
-        layer, impl = self.layer, self.layer.impl
-        if getattr(layer, "attn_type", AttentionType.DECODER) != AttentionType.DECODER:
-            return f"layer {self.name} is not decoder self-attention"
-        if getattr(layer, "sliding_window", None) is not None:
-            return (f"layer {self.name} uses sliding-window attention (compacted block "
-                    "tables would shift the window)")
-        if getattr(impl, "alibi_slopes", None) is not None:
-            return (f"layer {self.name} uses ALiBi (its position bias follows the "
-                    "compacted, not the logical, distance)")
-        if getattr(layer, "kv_sharing_target_layer_name", None) is not None:
-            return f"layer {self.name} shares another layer's KV cache"
-        return None
+        layer = self.layer
+        return AttentionTraits(
+            non_decoder_attention=getattr(layer, "attn_type", AttentionType.DECODER)
+            != AttentionType.DECODER,
+            sliding_window=getattr(layer, "sliding_window", None) is not None,
+            alibi=getattr(layer.impl, "alibi_slopes", None) is not None,
+            shared_kv_cache=getattr(layer, "kv_sharing_target_layer_name", None) is not None)
+
+    def unsupported_reason(self) -> str | None:
+        """Why eviction cannot run on this layer (None when it can)."""
+        reasons = unsupported_attention(self.attention_traits())
+        return f"layer {self.name} uses {' and '.join(reasons)}" if reasons else None
+
+
+def model_attention_traits(model_config: Any) -> AttentionTraits:
+    """What the model's attention uses that eviction may not run on, from vLLM's
+    ``ModelConfig`` (known before any layer is built)."""
+    return AttentionTraits(
+        sliding_window=model_config.get_sliding_window() is not None,
+        alibi=bool(model_config.uses_alibi),
+        mla=bool(model_config.use_mla),
+        hybrid=bool(model_config.is_hybrid),
+        encoder_decoder=bool(model_config.is_encoder_decoder),
+        mm_prefix=bool(model_config.is_mm_prefix_lm),
+        reference_sliding_window=model_config.rswa_window is not None)
 
 
 def attention_layers(vllm_config: Any) -> list[AttentionLayerView]:

@@ -34,8 +34,8 @@ from nexus_vllm.integration.attention import (
     register_backends,
 )
 from nexus_vllm.integration.block_scorer import RankLayout
-from nexus_vllm.integration.config import config_from_additional
 from nexus_vllm.integration.runners import RunnerAdapter, runner_adapter
+from nexus_vllm.integration.server_config import config_from_additional
 from nexus_vllm.integration.step_plan import attach_reply, read_plan
 from nexus_vllm.integration.vllm_compat import (
     attention_groups,

@@ -117,8 +117,8 @@ def scheduler_side(num_blocks: int = 64, **flags: Any) -> tuple[Any, Any, Any]:
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from nexus_vllm.integration.config import resolve_config
     from nexus_vllm.integration.manager import EvictionManager
+    from nexus_vllm.integration.server_config import resolve_config
 
     pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=False, hash_block_size=BS)
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=32, dtype=torch.float32)

@@ -7,12 +7,11 @@ import pathlib
 
 import pytest
 
-from nexus_vllm.integration.config import (
+from nexus_vllm.integration.request_config import request_config, validate_request_args
+from nexus_vllm.integration.server_config import (
     config_from_additional,
     load_config_file,
-    request_config,
     resolve_config,
-    validate_request_args,
 )
 from tests.integration.conftest import HAS_VLLM
 
@@ -42,6 +41,39 @@ def test_budget_required_for_evicting_method() -> None:
 def test_bad_flag_values_name_the_flag(flags, flag) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match=flag):
         resolve_config(flags=flags)
+
+
+@pytest.mark.parametrize("file, flags, flag", [
+    # The bad key is the flag's own.
+    ("prompt_mode: end\n", {"max_tokens": 1024, "prefill_budget": 512},
+     "--kv-prefill-budget"),
+    # The bad key comes from the file; a flag its cross-field rule reads made it bad.
+    ("prompt_mode: end\nprefill_budget: 2048\n", {"max_tokens": 1024, "prompt_mode": "keep"},
+     "--kv-prompt-mode"),
+    ("prompt_mode: end\nprefill_budget: 512\n", {"max_tokens": 1024}, "--kv-budget"),
+    ("max_tokens: 256\n", {"block_size": 64}, "--block-size"),
+])
+def test_the_flag_named_comes_from_the_error_field(tmp_path, file, flags, flag) -> None:  # noqa: ANN001
+    f = tmp_path / "preset.yaml"
+    f.write_text(f"method: nexus\n{file}")
+    with pytest.raises(ValueError, match=f"^{flag}: "):
+        resolve_config(file=str(f), flags=flags)
+
+
+def test_the_error_text_is_not_searched_for_field_names(monkeypatch) -> None:  # noqa: ANN001
+    """A message mentioning another given flag's key is still blamed on its own field
+    (and on the source when no flag sets it or what its rule reads)."""
+    from nexus_vllm.core import EvictionConfig
+    from nexus_vllm.core._validate import ConfigError
+
+    def refuse(data):  # noqa: ANN001, ANN202
+        raise ConfigError("seed", "seed must be below max_tokens and chunk_size")
+
+    monkeypatch.setattr(EvictionConfig, "from_dict", staticmethod(refuse))
+    with pytest.raises(ValueError, match="^--kv-eviction-seed: seed must be below"):
+        resolve_config(flags={"max_tokens": 1024, "chunk_size": 64, "seed": 3})
+    with pytest.raises(ValueError, match="^flags: seed must be below"):
+        resolve_config(flags={"max_tokens": 1024, "chunk_size": 64})
 
 
 def test_unknown_key_in_file_and_additional(tmp_path) -> None:  # noqa: ANN001
@@ -244,7 +276,8 @@ def test_end_preset_holds_the_budget_from_the_prompt_end() -> None:
     path = pathlib.Path(__file__).parents[2] / "configs" / "nexus-end.yaml"
     cfg = resolve_config(file=str(path), flags={"max_tokens": 2048})
     assert (cfg.method, cfg.prompt_mode, cfg.prefill_budget) == ("nexus", "end", None)
-    assert cfg.prefill_knobs == ("none", "topk")  # the tuned prompt-end event
+    prompt_end = cfg.policy(prefill=True)
+    assert (prompt_end.indirect, prompt_end.sampler) == ("none", "topk")  # the tuned event
     assert cfg.policy().sampler == "pps"  # decode events keep the paper's sampler
 
 

@@ -161,3 +161,17 @@ def test_the_plugin_writes_no_environment_variable() -> None:
                 for t in node.targets:
                     assert not (isinstance(t, ast.Subscript) and "environ" in ast.unparse(t)), \
                         f"{path.name}: {ast.unparse(node)}"
+
+
+def test_every_catalogue_entry_names_the_module_that_makes_it() -> None:
+    """``where`` of each entry is a module under ``nexus_vllm/integration`` (or the setup
+    script), and a class wrap's module swaps that very target."""
+    repo = PACKAGE.parent
+    for patch in CATALOGUE:
+        path = (repo / patch.where) if patch.where.startswith("scripts/") else (
+            PACKAGE / "integration" / f"{patch.where}.py")
+        assert path.is_file(), f"{patch.target}: no module {patch.where}"
+        if patch.kind == "class-wrap":
+            owner, attr = patch.target.split(".")
+            text = path.read_text()
+            assert f'"{attr}"' in text and owner in text, f"{patch.target} is not in {path}"

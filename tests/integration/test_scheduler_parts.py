@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 
 
 def _cfg(**flags):  # noqa: ANN003, ANN202
-    from nexus_vllm.integration.config import resolve_config
+    from nexus_vllm.integration.server_config import resolve_config
 
     return resolve_config(flags={"method": "nexus", "seed": 3, "max_tokens": 256,
                                  "chunk_size": 128, **flags})

@@ -335,7 +335,7 @@ def test_get_computed_blocks_and_its_callers(src: VllmSource) -> None:
             f"positional args to get_computed_blocks: {text}; re-read cap_prefix_hits")
         assert {k.arg for k in call.keywords} <= {"max_cache_hit_length"}, text
     # The connector variant bypasses the wrap; it only runs with a KV connector, which
-    # evicting configs refuse (patches/engine_args.check_engine_args).
+    # evicting configs refuse (engine_policy.refuse_kv_connector).
     parents = _parents(src.tree(SCHED))
     for call in _calls(src.tree(SCHED), "self.kv_cache_manager.get_computed_blocks_for_connector"):
         node: ast.AST = call
@@ -684,7 +684,7 @@ def test_api_server_patch_targets(src: VllmSource) -> None:
         assert fn is not None, f"vLLM {src.label}: EngineArgs.{name} is gone (engine_args.py)"
         decos = {ast.unparse(d) for d in fn.decorator_list}
         assert deco is None or deco in decos, f"vLLM {src.label}: EngineArgs.{name} {decos}"
-    # What translate_engine_args / check_engine_args set and read (getattr hides renames).
+    # What patches/engine_args sets and reads (getattr hides renames).
     fields = _fields(engine_args)
     used = {"additional_config", "async_scheduling", "block_size", "compilation_config",
             "enable_chunked_prefill", "long_prefill_token_threshold", "scheduler_cls",
