@@ -66,3 +66,36 @@ def test_capacity_configs_with_knobs() -> None:
     for bad in ("nexus:layer_stride=0", "nexus:layer_strid=2", "lru"):
         with pytest.raises(SystemExit):
             mod._parse(["--configs", bad])
+
+
+def test_capacity_report_from_saved_json(tmp_path: pathlib.Path) -> None:
+    """The docs side reads only a capacity.json: ``capacity.py --from-json`` on the saved
+    run behind docs/results.md rewrites its table and headline as committed, and the docs
+    section comes from the same JSON (a config evicts when its server got --kv-eviction)."""
+    import json
+    import shutil
+
+    saved = REPO / "docs" / "figures" / "serving_modes"
+    shutil.copy2(saved / "capacity.json", tmp_path / "capacity.json")
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks/serving/capacity.py"),
+                           "--from-json", str(tmp_path / "capacity.json")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # The load caveat depends on this machine's cores; table and headline do not.
+    committed = (saved / "capacity.md").read_text().split("**Caveat")[0]
+    assert (tmp_path / "capacity.md").read_text().split("**Caveat")[0] == committed
+    for name in ("throughput", "preemptions", "pool_usage", "running"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 0, name
+
+    report = _load("benchmarks/serving/capacity_report.py")
+    result = json.loads((tmp_path / "capacity.json").read_text())
+    assert report.evicting_configs(result) == set(report.config_names(result)) - {"stock"}
+    docs = tmp_path / "performance.md"
+    docs.write_text("# Performance\n")
+    report.update_docs(result, sorted(tmp_path.glob("*.png")), docs=docs,
+                       figures=tmp_path / "figures" / "serving")
+    section = docs.read_text().split(report.BEGIN, 1)[1]
+    assert "| nexus:prompt_mode=end,prefill_budget=832 | 8 | 8 | 0 | 6 | 0 |" in section
+    assert "stock **2**, nexus **8**" in section and "- **Knobs:**" in section
+    assert "stock-chunked" not in section  # not among this run's configs
+    assert "![running](figures/serving/running.png)" in section

@@ -2,8 +2,9 @@
 
 Three real ``vllm serve`` processes (stock, nexus, streaming) one after another, two
 concurrency levels each: about 1.5-2 minutes on 2 idle CPU cores, most of it server
-start-up. Checks that the script writes its JSON, table and plots and that the numbers are
-sane; the timings of a tiny model on a shared box mean nothing.
+start-up. Checks that the script writes its JSON, table and plots (``capacity_report.py``
+on the JSON it wrote) and that the numbers are sane; the timings of a tiny model on a
+shared box mean nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ pytestmark = [
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "serving" / "capacity.py"
+REPORT = REPO / "benchmarks" / "serving" / "capacity_report.py"
 
 
 def test_capacity_smoke(tmp_path: pathlib.Path) -> None:
@@ -63,24 +65,26 @@ def test_capacity_smoke(tmp_path: pathlib.Path) -> None:
             assert r["over_budget_peak_lifetime"] <= 0, r
             assert r["evicted_blocks"] > 0 and r["preemptions"] == 0, r
             assert r["overhead"] is not None and 0 <= r["overhead"] < 1, r
-    h = result["headline"]
+    spec = importlib.util.spec_from_file_location("capacity_report", REPORT)
+    assert spec is not None and spec.loader is not None
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    names, evicting = report.config_names(result), report.evicting_configs(result)
+    assert names == ["stock", "nexus", "streaming"] and evicting == {"nexus", "streaming"}
+    h = report.headline(rows, names, evicting)
     assert set(h["no_preemption_concurrency"]) == {"stock", "nexus", "streaming"}
     assert h["top_level"] == 2 and "nexus" in h["throughput_ratio_top"]
 
     # --update-docs, pointed at copies: the marked section is created once, then replaced.
-    spec = importlib.util.spec_from_file_location("capacity", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    capacity = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(capacity)
     docs = tmp_path / "performance.md"
     docs.write_text("# Kernel performance\n\nkept.\n")
-    capacity.DOCS, capacity.FIGURES = docs, tmp_path / "figures" / "serving"
+    figures = tmp_path / "figures" / "serving"
     pngs = sorted(out.glob("*.png"))
     for _ in range(2):
-        capacity.update_docs(result, pngs)
+        report.update_docs(result, pngs, docs=docs, figures=figures)
     text = docs.read_text()
     assert text.startswith("# Kernel performance\n\nkept.\n")
-    assert text.count(capacity.BEGIN) == 1 and text.count(capacity.END) == 1
+    assert text.count(report.BEGIN) == 1 and text.count(report.END) == 1
     assert "## Serving: capacity and speed against stock vLLM (CPU)" in text
     assert result["command"] in text and "](figures/serving/throughput.png)" in text
-    assert (tmp_path / "figures" / "serving" / "throughput.png").is_file()
+    assert (figures / "throughput.png").is_file()

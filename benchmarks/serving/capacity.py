@@ -24,18 +24,18 @@ While each run goes, ``/metrics`` is polled: ``vllm:num_requests_running`` (the
 concurrency actually reached), ``vllm:kv_cache_usage_perc`` (pool blocks in use) and, for
 evicting servers, ``vllm:nexus_live_blocks_max`` (blocks of the largest request); the
 deltas of ``vllm:num_preemptions_total`` and the ``vllm:nexus_*`` counters give the
-preemptions, admission waits and the eviction overhead (scoring + policy seconds over
-engine step seconds). It prints and writes (``--out DIR``):
+preemptions, admission waits, faults and the eviction overhead (scoring + policy seconds
+over engine step seconds). This module measures; it writes (``--out DIR``):
 
 * ``runs/<config>-c<level>.json``: the ``vllm bench serve`` result and the row (the
   config name made file-safe);
-* ``capacity.json``: every row, the settings and the headline;
-* ``capacity.md``: the table and the headline;
-* ``throughput.png``, ``preemptions.png``, ``pool_usage.png``, ``running.png``.
+* ``capacity.json``: every row, the settings, the derived pool and budget, each server's
+  flags: everything the report reads.
 
-``--update-docs`` writes the table, headline and plots into the section between
-``<!-- serving:begin -->`` and ``<!-- serving:end -->`` of ``docs/performance.md``
-(created at the end if missing) and copies the PNGs to ``docs/figures/serving/``.
+Then ``capacity_report.py`` (next to this file) turns that JSON into ``capacity.md`` (the
+table and the headline) and the plots, and with ``--update-docs`` into the section of
+``docs/performance.md`` between ``<!-- serving:begin -->`` and ``<!-- serving:end -->``.
+``--from-json CAPACITY_JSON`` runs only that report, from a saved run.
 
     python benchmarks/serving/capacity.py                       # CPU, embedded SmolLM2
     python benchmarks/serving/capacity.py --model MODEL --concurrency 8,32,128 \\
@@ -55,16 +55,13 @@ import pathlib
 import platform
 import re
 import shlex
-import shutil
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-DOCS = REPO / "docs" / "performance.md"
-FIGURES = REPO / "docs" / "figures" / "serving"
-BEGIN, END = "<!-- serving:begin -->", "<!-- serving:end -->"
 METHODS = ("nexus", "snapkv", "streaming", "h2o", "tova", "random")
 # Servers without eviction. ``stock-chunked`` (opt-in) is vLLM with the evicting servers'
 # prefill chunk and admission by the first chunk (``--no-scheduler-reserve-full-isl``, the
@@ -75,13 +72,8 @@ STOCK = {
     "stock-chunked": ["--no-scheduler-reserve-full-isl", "--long-prefill-token-threshold",
                       "{chunk}"],
 }
-PLOTS = {
-    "throughput": ("output_tok_s", "output tokens / s"),
-    "preemptions": ("preemptions", "preemptions (during the level)"),
-    "pool_usage": ("peak_pool_blocks", "peak KV blocks in use (pool)"),
-    "running": ("peak_running", "peak running requests"),
-}
-
+# The series summed for the faults column (every kind, every engine).
+FAULTS = "vllm:nexus_faults_total"
 
 # -- settings ---------------------------------------------------------------------------
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -185,6 +177,7 @@ def _cdiv(a: int, b: int) -> int:
 def derive(args: argparse.Namespace) -> dict[str, int]:
     """Budget, bounds and pool in blocks/tokens from the options (what the servers get)."""
     from nexus_vllm.core import EvictionConfig
+    from nexus_vllm.plan import stock_admission_blocks
 
     bs = args.block_size
     forced = EvictionConfig(block_size=bs).num_forced
@@ -209,7 +202,7 @@ def derive(args: argparse.Namespace) -> dict[str, int]:
         "pool_blocks": pool, "usable_blocks": pool - 1,
         # What admission alone allows: stock by whole prompts (vLLM 0.32 reserves the full
         # input at admission), evicting servers by their bound.
-        "stock_fit": (pool - 1) // _cdiv(args.input_len, bs),
+        "stock_fit": (pool - 1) // stock_admission_blocks(args.input_len, bs),
         "evicting_fit": (pool - 1) // bound,
     }
 
@@ -217,10 +210,13 @@ def derive(args: argparse.Namespace) -> dict[str, int]:
 def config_bound(name: str, d: dict[str, int], args: argparse.Namespace) -> int:
     """Most blocks one request of config ``name`` may hold: the server's own rule
     (``EvictionConfig.bound_blocks``, which follows the config's ``prompt_mode``), so the
-    benchmark cannot drift from what admission reserves. Stock: the whole sequence."""
-    if name in STOCK:
-        return d["seq_blocks"]
+    benchmark cannot drift from what admission reserves. Stock: the whole sequence
+    (the planner's rule, ``nexus_vllm.plan``)."""
     from nexus_vllm.core import EvictionConfig
+    from nexus_vllm.plan import stock_bound_blocks
+
+    if name in STOCK:
+        return stock_bound_blocks(args.input_len + args.output_len, d["block_size"])
 
     method, knobs = config_knobs(name)
     cfg = EvictionConfig.from_dict({"method": method, "max_tokens": d["budget_tokens"],
@@ -247,11 +243,6 @@ def server_flags(name: str, d: dict[str, int], max_seqs: int, gpu: bool) -> list
 
 
 # -- measurement ------------------------------------------------------------------------
-def _faults(text: str) -> float:
-    return sum(float(m.group(1)) for m in
-               re.finditer(r"^vllm:nexus_faults_total\{[^}]*\}\s+(\S+)$", text, re.M))
-
-
 class Poller(threading.Thread):
     """Polls ``/metrics`` until stopped; keeps the maxima the table needs."""
 
@@ -292,16 +283,8 @@ class Poller(threading.Thread):
         self.join(timeout=30)
 
 
-def _snapshot(server: Any) -> dict[str, float]:
-    import requests
-
-    m = server.metrics()
-    text = requests.get(server.base_url + "/metrics", timeout=10).text
-    m["faults"] = _faults(text)
-    return m
-
-
-def _delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+def _delta(after: Mapping[str, float], before: Mapping[str, float], key: str) -> float:
+    """How much series ``key`` (summed over its labels) grew; an absent series is 0."""
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
@@ -310,7 +293,7 @@ def run_level(server: Any, name: str, level: int, args: argparse.Namespace,
     from nexus_vllm.eval.server import bench_serve
 
     num_prompts = max(level * args.prompts_per_slot, args.min_prompts)
-    before = _snapshot(server)
+    before = server.metrics()
     poller = Poller(server, d["usable_blocks"], args.poll)
     poller.start()
     t0 = time.monotonic()
@@ -323,7 +306,7 @@ def run_level(server: Any, name: str, level: int, args: argparse.Namespace,
         time.sleep(max(2 * args.poll, 0.5))  # the last steps' stats reach /metrics
         poller.stop()
     wall = time.monotonic() - t0
-    after = _snapshot(server)
+    after = server.metrics()
     evicting = name not in STOCK
     step_s = _delta(after, before, "vllm:nexus_step_seconds_total")
     scoring_s = _delta(after, before, "vllm:nexus_scoring_seconds_total")
@@ -357,7 +340,7 @@ def run_level(server: Any, name: str, level: int, args: argparse.Namespace,
         "evicted_blocks": int(_delta(after, before, "vllm:nexus_evicted_blocks_total")),
         "eviction_events": int(_delta(after, before, "vllm:nexus_eviction_events_total")),
         "admission_waits": int(_delta(after, before, "vllm:nexus_admission_waits_total")),
-        "faults": int(after["faults"] - before["faults"]),
+        "faults": int(_delta(after, before, FAULTS)),
         "live_blocks_peak_lifetime": after.get("vllm:nexus_live_blocks_peak"),
         "over_budget_peak_lifetime": after.get("vllm:nexus_live_blocks_over_budget"),
         "mean_input_len": (res["total_input_tokens"] / res["completed"]
@@ -386,142 +369,6 @@ def _log_problems(path: pathlib.Path) -> dict[str, Any]:
     }
     return {k: {"count": len(v), "first": v[:3]} for k, v in pick.items()}
 
-
-# -- reporting --------------------------------------------------------------------------
-def _fmt(value: Any, spec: str = ".1f") -> str:
-    if value is None:
-        return "-"
-    return format(value, spec)
-
-
-def headline(rows: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
-    """The numbers the issue asks for, each against ``stock`` of the same run."""
-    by = {n: {r["concurrency"]: r for r in rows if r["config"] == n} for n in names}
-    top = max((r["concurrency"] for r in rows), default=None)
-    out: dict[str, Any] = {"top_level": top, "no_preemption_concurrency": {},
-                           "concurrency_ratio": {}, "throughput_ratio_top": {},
-                           "preempts_at": {}, "throughput_ratio_when_preempting": {},
-                           "overhead_max": {}}
-    for n, rs in by.items():
-        clean = [r["peak_running"] for r in rs.values()
-                 if r["preemptions"] == 0 and r["failed"] == 0]
-        out["no_preemption_concurrency"][n] = max(clean) if clean else 0
-    stock = by.get("stock", {})
-    base = out["no_preemption_concurrency"].get("stock")
-    for n, rs in by.items():
-        if n == "stock":
-            continue
-        if base:
-            out["concurrency_ratio"][n] = out["no_preemption_concurrency"][n] / base
-        if top in rs and top in stock and stock[top]["output_tok_s"] > 0:
-            out["throughput_ratio_top"][n] = rs[top]["output_tok_s"] / stock[top]["output_tok_s"]
-        ovh = [r["overhead"] for r in rs.values() if r["overhead"] is not None]
-        if ovh:
-            out["overhead_max"][n] = max(ovh)
-            out.setdefault("overhead_split", {})[n] = {
-                k: round(sum(r[k] for r in rs.values()), 2)
-                for k in ("scoring_s", "policy_s", "step_s", "eviction_events")}
-    for ref in (n for n in by if n in STOCK):
-        levels = sorted(c for c, r in by[ref].items() if r["preemptions"] > 0)
-        out["preempts_at"][ref] = levels
-        out["throughput_ratio_when_preempting"][ref] = {
-            n: {c: rs[c]["output_tok_s"] / by[ref][c]["output_tok_s"]
-                for c in levels if c in rs and by[ref][c]["output_tok_s"] > 0}
-            for n, rs in by.items() if n not in STOCK}
-    return out
-
-
-def table_md(rows: list[dict[str, Any]]) -> str:
-    stock = {r["concurrency"]: r for r in rows if r["config"] == "stock"}
-    head = ("| config | conc. | done | failed | peak running | preempt. | out tok/s | vs stock "
-            "| TTFT p50 / p99 ms | TPOT p50 / p99 ms | peak pool blocks | peak blocks/req "
-            "| adm. waits | overhead | load |")
-    lines = [head, "|" + "---|" * 15]
-    for r in rows:
-        ref = stock.get(r["concurrency"])
-        ratio = (f"{r['output_tok_s'] / ref['output_tok_s']:.2f}x"
-                 if ref and ref["output_tok_s"] > 0 else "-")
-        evict = r["config"] not in STOCK
-        ovh = f"{100 * r['overhead']:.1f}%" if r["overhead"] is not None else "-"
-        lines.append(
-            f"| {r['config']} | {r['concurrency']} | {r['completed']} | {r['failed']} "
-            f"| {r['peak_running']} | {r['preemptions']} | {r['output_tok_s']:.1f} | {ratio} "
-            f"| {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
-            f"| {r['tpot_p50_ms']:.0f} / {r['tpot_p99_ms']:.0f} "
-            f"| {r['peak_pool_blocks']:.0f} | {r['peak_blocks_per_request']:.1f} "
-            f"| {r['admission_waits'] if evict else '-'} | {ovh} | {r.get('load1', '-')} |")
-    return "\n".join(lines)
-
-
-def headline_md(h: dict[str, Any], d: dict[str, int]) -> str:
-    npc = h["no_preemption_concurrency"]
-    lines = ["Largest number of concurrent requests served without preemption "
-             "(peak `vllm:num_requests_running` over the levels with no preemption): "
-             + ", ".join(f"{n} **{v}**" for n, v in npc.items())
-             + f" (admission alone allows stock {d['stock_fit']}, evicting "
-             f"{d['evicting_fit']}).", ""]
-    for n, ratio in h["concurrency_ratio"].items():
-        line = (f"- **{n}**: {ratio:.2f}x stock's concurrency without preemption; output "
-                f"throughput at concurrency {h['top_level']}: "
-                f"{_fmt(h['throughput_ratio_top'].get(n), '.2f')}x stock")
-        if n in h["overhead_max"]:
-            sp = h["overhead_split"][n]
-            line += (f"; eviction overhead at most {_pct(h['overhead_max'][n]):.1f}% of "
-                     f"step time (all levels: scoring {sp['scoring_s']:.1f} s + policy "
-                     f"{sp['policy_s']:.1f} s of {sp['step_s']:.1f} s, "
-                     f"{sp['eviction_events']:.0f} events)")
-        lines.append(line + ".")
-    for ref, levels in h["preempts_at"].items():
-        if not levels:
-            lines.append(f"- {ref} did not preempt at any level"
-                         + (": it queues a request until its whole prompt fits (vLLM 0.32 "
-                            "reserves the full input at admission)." if ref == "stock"
-                            else "."))
-            continue
-        for n, by_c in h["throughput_ratio_when_preempting"][ref].items():
-            pairs = ", ".join(f"c={c}: {v:.2f}x" for c, v in by_c.items())
-            lines.append(f"- where {ref} preempts, {n}'s output throughput vs {ref}: {pairs}")
-    return "\n".join(lines)
-
-
-def _pct(x: float | None) -> float | None:
-    return None if x is None else 100 * x
-
-
-def plots(rows: list[dict[str, Any]], names: list[str], out: pathlib.Path,
-          d: dict[str, int]) -> list[pathlib.Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    for fname, (key, label) in PLOTS.items():
-        fig, ax = plt.subplots(figsize=(5.5, 3.6))
-        for i, n in enumerate(names):
-            rs = sorted((r for r in rows if r["config"] == n), key=lambda r: r["concurrency"])
-            if rs:
-                # Markers shrink from config to config so that equal values stay visible.
-                ax.plot([r["concurrency"] for r in rs], [r[key] for r in rs],
-                        marker="osD^vx"[i % 6], markersize=max(10 - 2 * i, 3), label=n,
-                        linestyle="-" if n in ("stock", "nexus") else "--")
-        if key == "peak_pool_blocks":
-            ax.axhline(d["usable_blocks"], color="grey", linewidth=0.8, linestyle=":")
-            ax.text(0.02, d["usable_blocks"], " pool", va="bottom", fontsize=8,
-                    transform=ax.get_yaxis_transform())
-        ax.set_xscale("log", base=2)
-        levels = sorted({r["concurrency"] for r in rows})
-        ax.set_xticks(levels, [str(c) for c in levels])
-        ax.set_xlabel("client concurrency")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out / f"{fname}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-    return paths
 
 
 def machine() -> str:
@@ -557,130 +404,33 @@ def command_line(argv: list[str]) -> str:
     return shlex.join(["python", script_s, *argv])
 
 
-def docs_section(result: dict[str, Any], pngs: list[pathlib.Path]) -> str:
-    d, s = result["derived"], result["settings"]
-    where = "GPU" if result["gpu"] else "CPU"
-    rel = "figures/serving"
-    figs = " ".join(f"![{p.stem}]({rel}/{p.name})" for p in pngs)
-    return "\n".join([
-        BEGIN,
-        f"## Serving: capacity and speed against stock vLLM ({where})",
-        "",
-        "Produced by `benchmarks/serving/capacity.py` (do not edit by hand; rerun with "
-        "`--update-docs`):",
-        "",
-        "```bash",
-        result["command"],
-        "```",
-        "",
-        f"- **Machine:** {result['machine']}; load average {result['load_before']} before, "
-        f"{result['load_after']} after (shared box: timings are noisy). Wall time "
-        f"{result['wall_s'] / 60:.1f} min.",
-        f"- **Model:** `{pathlib.Path(result['model']).name}`; random prompts of "
-        f"{s['input_len']} tokens, {s['output_len']} output tokens (EOS ignored), "
-        f"`vllm bench serve --max-concurrency` at each level, "
-        f"max({s['prompts_per_slot']} x level, {s['min_prompts']}) prompts per level.",
-        f"- **Same pool for every config:** `--num-gpu-blocks-override {d['pool_blocks']}` "
-        f"({d['usable_blocks']} usable blocks of {d['block_size']} tokens), `--max-model-len "
-        f"{d['max_model_len']}`, prefix caching off. A stock request holds "
-        f"{d['seq_blocks']} blocks at its end.",
-        f"- **Eviction:** `--kv-budget {d['budget_tokens']}` ({s['keep']:.0%} of the input "
-        f"rounded up to blocks: {d['budget_blocks']} blocks), `--kv-chunk-size "
-        f"{d['chunk_tokens']}`: bound = {d['bound_blocks']} blocks per request.",
-        *([f"- **stock-chunked:** stock vLLM with `--long-prefill-token-threshold "
-           f"{d['chunk_tokens']} --no-scheduler-reserve-full-isl` (the evicting servers' "
-           "chunk, admission by the first chunk as before vLLM 0.32)."]
-          if "stock-chunked" in split_configs(s["configs"]) else []),
-        *([f"- **Knobs:** {evicting_knobs_md()}."]
-          if any(n not in STOCK for n in split_configs(s["configs"])) else []),
-        "- **Columns:** peak running = max of `vllm:num_requests_running` polled every "
-        f"{s['poll']} s; preempt. = delta of `vllm:num_preemptions_total`; peak pool = "
-        "`vllm:kv_cache_usage_perc` x usable blocks; peak blocks/req = "
-        "`vllm:nexus_live_blocks_max` (its high-water mark) for evicting servers, peak "
-        "pool / running for stock; adm. waits = delta of `vllm:nexus_admission_waits_total`; "
-        "overhead = delta (scoring + policy seconds) / delta step seconds of the "
-        "`vllm:nexus_*` counters; load = the box's 1-minute load average as the level "
-        "ended (2 cores: above ~2, other jobs were taking CPU from the run).",
-        "",
-        table_md(result["rows"]),
-        "",
-        headline_md(result["headline"], d),
-        *(["", caveat] if (caveat := load_caveat(result)) else []),
-        "",
-        figs,
-        END,
-    ])
-
-
-def evicting_knobs_md() -> str:
-    """What the evicting configs score with: the defaults, unless a name carries knobs."""
-    from nexus_vllm.core import EvictionConfig
-
-    cfg = EvictionConfig()
-    return (f"evicting servers score with the defaults (`prefill_window` "
-            f"{cfg.prefill_window}, `window` {cfg.window}, `skip_layers` {cfg.skip_layers}, "
-            f"`layer_stride` {cfg.layer_stride}) unless their name carries knobs, which they "
-            "get as `--additional-config '{\"nexus\": {...}}'`")
-
-
-def load_caveat(result: dict[str, Any]) -> str:
-    """A warning when other jobs loaded the box during the run ('' when it was quiet)."""
-    if result["gpu"]:
-        return ""
-    cores = os.cpu_count() or 1
-    loads = [r["load1"] for r in result["rows"] if r.get("load1") is not None]
-    if not loads or max(loads) <= 1.5 * cores:
-        return ""
-    return (f"**Caveat: a loaded box.** The 1-minute load average was "
-            f"{min(loads):.1f}-{max(loads):.1f} on {cores} cores while the levels ran "
-            "(other jobs). Configs run one after another, so throughput, TTFT and TPOT "
-            "ratios between configs mix in how the load changed; concurrency, preemptions "
-            "and pool/blocks-per-request numbers do not depend on speed. The overhead is a "
-            "ratio within one server but also grows with contention.")
-
-
-def update_docs(result: dict[str, Any], pngs: list[pathlib.Path]) -> None:
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    copied = []
-    for p in pngs:
-        shutil.copy2(p, FIGURES / p.name)
-        copied.append(FIGURES / p.name)
-    section = docs_section(result, copied)
-    text = DOCS.read_text()
-    if BEGIN in text and END in text:
-        pre, rest = text.split(BEGIN, 1)
-        post = rest.split(END, 1)[1]
-        text = pre + section + post
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    DOCS.write_text(text)
-
-
 # -- main -------------------------------------------------------------------------------
-def report(result: dict[str, Any], out: pathlib.Path, update: bool) -> None:
-    """Table, headline and plots of ``result`` into ``out`` (and the docs)."""
-    names = [n for n in split_configs(result["settings"]["configs"])
-             if any(r["config"] == n for r in result["rows"])]
-    result["headline"] = h = headline(result["rows"], names)
-    pngs = plots(result["rows"], names, out, result["derived"]) if result["rows"] else []
-    md = table_md(result["rows"]) + "\n\n" + headline_md(h, result["derived"]) + "\n"
-    if caveat := load_caveat(result):
-        md += "\n" + caveat + "\n"
-    (out / "capacity.md").write_text(md)
-    (out / "capacity.json").write_text(json.dumps(result, indent=2, default=str))
-    print("\n" + md)
-    if update:
-        update_docs(result, pngs)
-        print(f"updated {DOCS} and {FIGURES}")
+def _report_module() -> Any:
+    """``capacity_report.py`` next to this file, loaded by path (the benchmarks are
+    scripts, not a package; the report never imports this module)."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).with_name("capacity_report.py")
+    spec = importlib.util.spec_from_file_location("capacity_report", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parse(argv)
-    if args.from_json is not None:
-        report(json.loads(args.from_json.read_text()), args.from_json.parent,
-               args.update_docs)
-        return 0
+def report(capacity_json: pathlib.Path, update_docs: bool) -> None:
+    """The docs side on a saved run: ``capacity.md`` and plots next to ``capacity_json``
+    (and with ``update_docs`` the docs section)."""
+    module = _report_module()
+    print("\n" + module.report(json.loads(capacity_json.read_text()), capacity_json.parent,
+                               update_docs))
+    if update_docs:
+        print(f"updated {module.DOCS} and {module.FIGURES}")
+
+
+def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """Run every config at every level; return what ``capacity.json`` holds (one row per
+    config and level that ran, the settings, the derived sizes, each server's flags)."""
     import torch
     from tqdm import tqdm
 
@@ -740,13 +490,14 @@ def main(argv: list[str] | None = None) -> int:
                            f"tok/s TTFT p50 {row['ttft_p50_ms']:7.0f} ms pool "
                            f"{row['peak_pool_blocks']:5.0f} per-req "
                            f"{row['peak_blocks_per_request']:5.1f} overhead "
-                           f"{_fmt(_pct(row['overhead']))}%")
+                           + ("-" if row["overhead"] is None
+                              else f"{100 * row['overhead']:.1f}%"))
                 bar.update(1)
         finally:
             server.stop()
             servers[name]["log_problems"] = _log_problems(server.log_path)
     bar.close()
-    result: dict[str, Any] = {
+    return {
         "command": command_line(argv), "machine": machine(), "gpu": gpu, "model": model,
         "settings": {k: v for k, v in vars(args).items()
                      if k not in ("out", "names", "levels", "from_json")} | {"out": str(out)},
@@ -755,11 +506,22 @@ def main(argv: list[str] | None = None) -> int:
         "load_after": " ".join(f"{x:.1f}" for x in os.getloadavg()),
         "wall_s": round(time.monotonic() - t_start, 1),
     }
-    report(result, out, args.update_docs)
-    print(f"wall time {result['wall_s'] / 60:.1f} min; results in {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse(argv)
+    if args.from_json is not None:
+        report(args.from_json, args.update_docs)
+        return 0
+    result = measure(args, argv)
+    capacity_json = args.out / "capacity.json"
+    capacity_json.write_text(json.dumps(result, indent=2, default=str))
+    report(capacity_json, args.update_docs)
+    print(f"wall time {result['wall_s'] / 60:.1f} min; results in {args.out}")
     expected = len(args.names) * len(args.levels)
-    failed = sum(r["failed"] for r in rows)
-    return 0 if len(rows) == expected and failed == 0 else 1
+    failed = sum(r["failed"] for r in result["rows"])
+    return 0 if len(result["rows"]) == expected and failed == 0 else 1
 
 
 if __name__ == "__main__":
