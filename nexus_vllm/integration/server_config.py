@@ -272,17 +272,20 @@ def resolve_config(
     ValueError
         Naming the flag or source that holds the bad value.
     """
+    given = {k: v for k, v in (flags or {}).items() if v is not None}
+    # Each layer is checked on its own so an error names it; a policy's knobs are checked
+    # against the method that will run (the flag's, when given).
+    method = {"method": given["method"]} if "method" in given else {}
     knobs: dict[str, Any] = {}
     if file:
         knobs.update(load_config_file(file))
-        _build(knobs, "--kv-eviction-config")
+        _build({**knobs, **method}, "--kv-eviction-config")
     if additional is not None:
         if not isinstance(additional, dict):
             raise ValueError("--additional-config: 'nexus' must be a JSON object of "
                              f"eviction knobs; got {additional!r}")
         knobs.update(additional)
-        _build(knobs, "--additional-config nexus")
-    given = {k: v for k, v in (flags or {}).items() if v is not None}
+        _build({**knobs, **method}, "--additional-config nexus")
     # A budget flag replaces the other budget form coming from a file/additional config.
     if "max_tokens" in given:
         knobs.pop("keep_ratio", None)

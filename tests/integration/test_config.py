@@ -380,3 +380,14 @@ def test_vllm_serve_takes_a_preset_by_name(tmp_path, monkeypatch) -> None:  # no
     with pytest.raises(SystemExit, match="^vllm serve: error: --kv-eviction-config: no such "
                                          "file or preset 'nexus-fats'.*presets: h2o, nexus"):
         AsyncEngineArgs.from_cli_args(args)
+
+
+def test_a_layer_knob_is_checked_against_the_flag_method() -> None:
+    """A policy knob in --additional-config is checked against the method that will run
+    (--kv-eviction's), so the error names the layer that holds the knob."""
+    with pytest.raises(ValueError, match="^--additional-config nexus: steps: a knob of "
+                                         "policy 'nexus', not of method 'h2o'"):
+        resolve_config(additional={"steps": 5}, flags={"method": "h2o", "max_tokens": 512})
+    cfg = resolve_config(additional={"method": "h2o"}, flags={"method": "nexus",
+                                                              "max_tokens": 512})
+    assert cfg.method == "nexus"
