@@ -46,6 +46,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nexus_vllm.argtypes import int_at_least
 from nexus_vllm.core import ConfigError, EvictionConfig, cdiv
 from nexus_vllm.core.config import PROMPT_MODES
 from nexus_vllm.eval.budget import parse_budget
@@ -483,18 +484,6 @@ def format_plan(plan: Plan) -> str:
 
 
 # -- command line ------------------------------------------------------------------------
-def _int_at_least(low: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
-
-
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -544,32 +533,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overhead-gib", type=_non_negative_float, default=4.0,
                    help="per GPU, for activations, CUDA graphs and non-torch memory, which "
                         "vLLM profiles at start-up (default 4)")
-    p.add_argument("--tp", type=_int_at_least(1), default=1, help="tensor parallel size")
-    p.add_argument("--pp", type=_int_at_least(1), default=1, help="pipeline parallel size")
-    p.add_argument("--block-size", type=_int_at_least(1), default=16,
+    p.add_argument("--tp", type=int_at_least(1), default=1, help="tensor parallel size")
+    p.add_argument("--pp", type=int_at_least(1), default=1, help="pipeline parallel size")
+    p.add_argument("--block-size", type=int_at_least(1), default=16,
                    help="tokens per KV block (default 16, vLLM's on GPU)")
-    p.add_argument("--pool-blocks", type=_int_at_least(2), default=None,
+    p.add_argument("--pool-blocks", type=int_at_least(2), default=None,
                    help="vLLM's --num-gpu-blocks-override: skip the memory arithmetic")
-    p.add_argument("--context", type=_int_at_least(1), required=True,
+    p.add_argument("--context", type=int_at_least(1), required=True,
                    help="--max-model-len, tokens")
-    p.add_argument("--prompt-tokens", type=_int_at_least(1), default=None,
+    p.add_argument("--prompt-tokens", type=int_at_least(1), default=None,
                    help="prompt per request (default: with --output-tokens, the context "
                         "less one block, split 64:1 as the capacity benchmark does)")
-    p.add_argument("--output-tokens", type=_int_at_least(1), default=None,
+    p.add_argument("--output-tokens", type=int_at_least(1), default=None,
                    help="output per request (default: see --prompt-tokens)")
     p.add_argument("--budget", type=_budget, required=True,
                    help="a keep ratio in (0, 1] like 0.2, or tokens like 4096")
     p.add_argument("--method", default="nexus", help="eviction policy (default nexus)")
     p.add_argument("--prompt-mode", choices=PROMPT_MODES, default="stream",
                    help="when the budget holds (default stream)")
-    p.add_argument("--prefill-budget", type=_int_at_least(1), default=None,
+    p.add_argument("--prefill-budget", type=int_at_least(1), default=None,
                    help="prompt_mode end: tokens kept while the prompt is computed")
-    p.add_argument("--chunk-size", type=_int_at_least(1), default=512,
+    p.add_argument("--chunk-size", type=int_at_least(1), default=512,
                    help="prefill chunk of evicting requests, tokens (default 512)")
-    p.add_argument("--max-num-seqs", type=_int_at_least(1), default=1024,
+    p.add_argument("--max-num-seqs", type=int_at_least(1), default=1024,
                    help="vLLM's cap on running requests (default 1024, vLLM 0.32's on "
                         "H100/H200); the burst has this many requests")
-    p.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=None,
+    p.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=None,
                    help="vLLM's token budget per step (default: none, so the KV pool "
                         "alone sets the concurrency; vLLM's on H100/H200 is 8192, and with "
                         "short answers prefill throughput can bind before the pool)")

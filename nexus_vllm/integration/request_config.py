@@ -85,21 +85,25 @@ def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
     return value
 
 
+def _needs_eviction(key: str, server_cfg: Any | None, opt_out: bool, what: str = "needs",
+                    allowed: str = "") -> None:
+    """Refuse ``key`` on a server started without eviction (unless the request opts out
+    with ``kv_eviction: none``, which makes the other fields moot)."""
+    if server_cfg is None and not opt_out:
+        raise RequestArgError(key, f"{what} a server started with eviction on; this server "
+                                   f"was started with --kv-eviction none{allowed}")
+
+
 def _check_method(extra_args: dict[str, Any], server_cfg: Any | None, opt_out: bool) -> None:
     method = _choice("kv_eviction", extra_args["kv_eviction"], METHODS)
-    if server_cfg is None and not opt_out:
-        raise RequestArgError(
-            "kv_eviction", f"{method!r} needs a server started with eviction on; this "
-            "server was started with --kv-eviction none (only 'none' is allowed)")
+    _needs_eviction("kv_eviction", server_cfg, opt_out, f"{method!r} needs",
+                    " (only 'none' is allowed)")
 
 
 def _check_budget(extra_args: dict[str, Any], server_cfg: Any | None, opt_out: bool,
                   max_model_len: int | None) -> None:
     budget = _tokens("kv_budget", extra_args["kv_budget"])
-    if server_cfg is None and not opt_out:
-        raise RequestArgError(
-            "kv_budget", "per-request budgets need a server started with eviction on; "
-            "this server was started with --kv-eviction none")
+    _needs_eviction("kv_budget", server_cfg, opt_out, "per-request budgets need")
     if server_cfg is None or opt_out:
         return
     floor = server_cfg.num_forced * server_cfg.block_size
@@ -123,10 +127,7 @@ def _check_prompt_mode(extra_args: dict[str, Any], server_cfg: Any | None,
     from nexus_vllm.core.config import PROMPT_MODES
 
     _choice("kv_prompt_mode", extra_args["kv_prompt_mode"], PROMPT_MODES)
-    if server_cfg is None and not opt_out:
-        raise RequestArgError(
-            "kv_prompt_mode", "needs a server started with eviction on; this server was "
-            "started with --kv-eviction none")
+    _needs_eviction("kv_prompt_mode", server_cfg, opt_out)
 
 
 def _check_prefill_budget(extra_args: dict[str, Any], server_cfg: Any | None,
@@ -135,10 +136,7 @@ def _check_prefill_budget(extra_args: dict[str, Any], server_cfg: Any | None,
     the max model length is allowed: it never binds (the whole prompt is kept until its
     end, as without one)."""
     value = _tokens("kv_prefill_budget", extra_args["kv_prefill_budget"])
-    if server_cfg is None and not opt_out:
-        raise RequestArgError(
-            "kv_prefill_budget", "needs a server started with eviction on; this server "
-            "was started with --kv-eviction none")
+    _needs_eviction("kv_prefill_budget", server_cfg, opt_out)
     if server_cfg is None or opt_out:
         return
     mode = extra_args.get("kv_prompt_mode", server_cfg.prompt_mode)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-from collections.abc import Callable
 from typing import Any
 
+from nexus_vllm.argtypes import int_at_least
 from nexus_vllm.core.config import PROMPT_MODES
 from nexus_vllm.core.policies import SERVABLE_METHODS
 
@@ -74,23 +74,8 @@ def describe_value(value: Any) -> str:
 
 
 # -- the --kv-* flags ----------------------------------------------------------------------
-def _int_at_least(low: int, meaning: str) -> Callable[[str], int]:
-    """argparse type: an int >= ``low``; errors say ``must be {meaning}``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {meaning}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be {meaning}, got {text!r}")
-        return value
-
-    return parse
-
-
-_positive_int = _int_at_least(1, "a positive integer")
-_non_negative_int = _int_at_least(0, "an integer >= 0")
+_positive_int = int_at_least(1, "a positive integer")
+_non_negative_int = int_at_least(0)
 
 
 def _ratio(text: str) -> float:
