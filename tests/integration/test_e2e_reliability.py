@@ -123,11 +123,12 @@ def _wait_idle(server, timeout: float = 60.0) -> None:  # noqa: ANN001
 
 
 def _greedy_ids(server, prompt: list[int], max_tokens: int, seed: int,  # noqa: ANN001
-                xargs: dict | None = None) -> tuple[list[int], str]:
+                xargs: dict | None = None, priority: int = 0) -> tuple[list[int], str]:
     import requests
 
     body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0.0, "seed": seed, "ignore_eos": True, "return_token_ids": True}
+            "temperature": 0.0, "seed": seed, "ignore_eos": True, "return_token_ids": True,
+            "priority": priority}
     if xargs:
         body["vllm_xargs"] = xargs
     r = requests.post(server.base_url + "/v1/completions", json=body, timeout=300)
@@ -157,9 +158,12 @@ def server(tiny_model, serve_tmp):  # noqa: ANN001, ANN201
     log = serve_tmp / "preemptions.jsonl"
     log.write_text("")
     pythonpath = os.pathsep.join(filter(None, [str(probe_dir), os.environ.get("PYTHONPATH")]))
-    srv = VllmServer(tiny_model, SERVER_ARGS, serve_tmp, env={
+    # Priority scheduling: the preemption test picks its victims by priority (requests
+    # without one all have priority 0, which is first come, first served).
+    srv = VllmServer(tiny_model, [*SERVER_ARGS, "--scheduling-policy", "priority"], serve_tmp,
+                     env={
         "PYTHONPATH": pythonpath, "NEXUS_TEST_PREEMPT_LOG": str(log),
-        "NEXUS_VLLM_SELF_CHECK": "1"})
+                         "NEXUS_VLLM_SELF_CHECK": "1"})
     srv.preempt_log = log
     # The pool gauges are published with the first engine step.
     _greedy_ids(srv, [5, 6, 7, 8], 4, seed=0)
@@ -313,9 +317,12 @@ def _preemptions(server, offset: int) -> list[dict]:  # noqa: ANN001
 
 
 # Preemption by construction (see the test's docstring): three non-evicting requests of
-# N_TOKENS tokens each, and an evicting sentinel that outlives them.
+# N_TOKENS tokens each, an evicting sentinel that outlives them, and seven more evicting
+# requests. Evicting requests have the lower priority, so vLLM preempts them first.
 N_TOKENS = 31 * BLOCK  # 992: 31 blocks each at the end, 93 together (< the 95 usable)
 SENTINEL_BUDGET = 512  # 16 blocks always live once past it; admitted with 20 free
+SENTINEL_PROMPT, SENTINEL_OUTPUT = 600, 800  # 19 blocks of prompt: >= 16 live throughout
+EVICTING_PRIORITY = 1  # vLLM: a larger value is a lower priority
 
 
 def _wait_running(server, n: int, timeout: float = 120.0) -> None:  # noqa: ANN001
@@ -324,47 +331,39 @@ def _wait_running(server, n: int, timeout: float = 120.0) -> None:  # noqa: ANN0
     while time.monotonic() < deadline:
         if server.metrics().get("vllm:num_requests_running", 0) >= n:
             return
-        time.sleep(0.02)
+        time.sleep(0.05)
+    m = server.metrics()
+    gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+              "vllm:nexus_free_blocks")
     raise AssertionError(f"fewer than {n} requests running after {timeout}s: "
-                         f"{server.metrics()}")
+                         f"{ {g: m.get(g) for g in gauges} }")
 
 
 def test_preempted_requests_finish_and_replay(server) -> None:  # noqa: ANN001
-    """Three long non-evicting requests, then an evicting sentinel, then seven more seeded
-    evicting ones (long prompts) overfill the 95-block pool, so vLLM preempts, and its
-    first victim is an evicting request in every interleaving. Every request finishes
-    with all its tokens; then each is sent alone (same server, one at a time: nothing to
-    preempt, and the same process and kernels, so the only difference is the
-    preemption). A request that was never preempted after its first token gives exactly
-    its tokens alone; one preempted after generating G tokens gives the same first G
-    tokens (module docstring: why later tokens may differ).
+    """An evicting sentinel, then three long non-evicting requests and seven more seeded
+    evicting ones (long prompts) overfill the 95-block pool, so vLLM preempts, and every
+    victim it picks while an evicting request runs is an evicting one, in every
+    interleaving. Every request finishes with all its tokens; then each is sent alone
+    (same server, one at a time: nothing to preempt, and the same process and kernels, so
+    the only difference is the preemption). A request that was never preempted after its
+    first token gives exactly its tokens alone; one preempted after generating G tokens
+    gives the same first G tokens (module docstring: why later tokens may differ).
 
-    Why the first preemption hits an evicting request whatever the timing. vLLM 0.32
-    (FCFS) preempts only when a *running* request cannot get a block, and then preempts
-    ``running[-1]``, the most recently admitted running request (``running`` keeps
-    admission order; a waiting request never preempts). The plugin admits an evicting
-    request only when the free pool covers its bound on top of the other evicting
-    requests' outstanding growth, and ignores non-evicting ones.
+    Why the victim is an evicting request whatever the order. The server schedules by
+    priority, and vLLM's priority policy preempts the running request with the largest
+    ``(priority, arrival)``: evicting requests are sent with priority 1, the non-evicting
+    ones with 0, so while any evicting request runs the victim is one of them. And the
+    non-evicting requests alone never fill the pool (each ends at N_TOKENS = 31 blocks,
+    93 < 95 together), so no allocation fails while no evicting request runs.
 
-    1. Order: the evicting requests are sent only once the three non-evicting ones are in
-       ``running`` (``_wait_running``), and no request is re-admitted before the first
-       preemption, so until then every running evicting request is behind every
-       non-evicting one in ``running``.
-    2. The non-evicting requests alone never fill the pool: each ends at N_TOKENS = 31
-       blocks, 93 < 95 together. So no allocation fails while no evicting request runs;
-       the first one that fails has an evicting request running, ``running[-1]`` is one,
-       and it is the victim (``events[0]`` below).
-    3. A preemption does happen. The sentinel (budget 512: 16 blocks, bound 20) is sent
-       once the three are running (~48 blocks after their prompts) and is admitted at
-       once (it fits until they pass 75 blocks, ~290 decode steps later). Every running
-       request is scheduled every step (at most 11 * 128 tokens, under the 2048-token
-       step budget), and the sentinel's 9 prompt chunks + 560 decode steps outlast each
-       non-evicting request's <= 4 chunks + <= 522 steps, all started before it. So on
-       the step the first non-evicting request reaches its 31st block, the sentinel
-       still runs (or was preempted already) holding >= 16 blocks (an event never keeps
-       fewer than the budget), while the three hold >= 80 (sent together, they start
-       within far fewer than ~190 steps of each other): 96 > 95 blocks cannot be held, so
-       a preemption came first. The seven later evicting requests only add pressure.
+    Why a preemption happens. The sentinel (600-token prompt, budget 512: 16 to 20 live
+    blocks from its prefill on, 1000 generated tokens) runs first, alone. The others are
+    sent once it runs; the three non-evicting ones grow to 93 blocks within 4 prompt
+    chunks + ~520 decode steps and pass 79 after ~380, and 80 + 16 > 95 blocks cannot be
+    held, so an allocation fails while the sentinel runs, unless the three reach the
+    server more than ~400 of the sentinel's 800 decode steps after it started (one
+    engine step per token: the only time this assumes is the client sending three HTTP
+    requests in that many steps). The seven later evicting requests only add pressure.
     """
     import concurrent.futures as cf
 
@@ -374,14 +373,14 @@ def test_preempted_requests_finish_and_replay(server) -> None:  # noqa: ANN001
         n = rng.randint(470, 490)
         pressure.append((10_000 + i, [rng.choice(VOCAB) for _ in range(n)], N_TOKENS - n,
                          {"kv_eviction": "none"}))
-    sentinel = (20_000, [rng.choice(VOCAB) for _ in range(1100)], 560,
+    sentinel = (20_000, [rng.choice(VOCAB) for _ in range(SENTINEL_PROMPT)], SENTINEL_OUTPUT,
                 {"kv_eviction": "nexus", "kv_budget": SENTINEL_BUDGET})
     others = []
     for i in range(1, 8):
         xargs = {"kv_eviction": METHODS[i % 4], "kv_budget": BUDGETS[i % 3]}
         others.append((20_000 + i, [rng.choice(VOCAB) for _ in range(rng.randint(1000, 1500))],
                        rng.randint(40, 80), xargs))
-    reqs = [*pressure, sentinel, *others]
+    reqs = [sentinel, *pressure, *others]
     evicting = {seed for seed, *_ in reqs if seed >= 20_000}
 
     _wait_idle(server)
@@ -389,19 +388,17 @@ def test_preempted_requests_finish_and_replay(server) -> None:  # noqa: ANN001
     p0 = _series(server, "vllm:num_preemptions_total")
     e0 = _series(server, "vllm:nexus_evicted_blocks_total")
 
-    def send(req: tuple, delay: float = 0.0) -> tuple[list[int], str]:
+    def send(req: tuple, priority: int = 0) -> tuple[list[int], str]:
         seed, prompt, max_tokens, xargs = req
-        time.sleep(delay)
-        return _greedy_ids(server, prompt, max_tokens, seed, xargs)
+        return _greedy_ids(server, prompt, max_tokens, seed, xargs, priority)
 
     # At most 11 requests * 128-token chunks per step: below vLLM's 2048-token step
     # budget, so no chunk is ever cut short by other requests' tokens.
     with cf.ThreadPoolExecutor(len(reqs)) as pool:
-        futs = [pool.submit(send, r) for r in pressure]
-        _wait_running(server, len(pressure))
-        futs.append(pool.submit(send, sentinel))
-        _wait_running(server, len(pressure) + 1)
-        futs += [pool.submit(send, r, 0.05 * i) for i, r in enumerate(others)]
+        futs = [pool.submit(send, sentinel, EVICTING_PRIORITY)]
+        _wait_running(server, 1)
+        futs += [pool.submit(send, r) for r in pressure]
+        futs += [pool.submit(send, r, EVICTING_PRIORITY) for r in others]
         busy = [f.result() for f in futs]
     _wait_idle(server)
     events = _preemptions(server, offset)
@@ -414,7 +411,7 @@ def test_preempted_requests_finish_and_replay(server) -> None:  # noqa: ANN001
     assert p1 - p0 == len(events) > 0
     assert events[0]["seed"] in evicting, events
 
-    alone = [send(r, 0.0) for r in reqs]
+    alone = [send(r) for r in reqs]
     assert _series(server, "vllm:num_preemptions_total") == p1  # alone: nothing preempted
     exact, prefix_only = 0, []
     for (seed, *_), (tokens, _), (ref, _) in zip(reqs, busy, alone):
