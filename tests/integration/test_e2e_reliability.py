@@ -321,22 +321,23 @@ def _preemptions(server, offset: int) -> list[dict]:  # noqa: ANN001
 # requests. Evicting requests have the lower priority, so vLLM preempts them first.
 N_TOKENS = 31 * BLOCK  # 992: 31 blocks each at the end, 93 together (< the 95 usable)
 SENTINEL_BUDGET = 512  # 16 blocks always live once past it; admitted with 20 free
-SENTINEL_PROMPT, SENTINEL_OUTPUT = 600, 800  # 19 blocks of prompt: >= 16 live throughout
+SENTINEL_PROMPT, SENTINEL_OUTPUT = 600, 1400  # 19 blocks of prompt: >= 16 live throughout
 EVICTING_PRIORITY = 1  # vLLM: a larger value is a lower priority
 
 
-def _wait_running(server, n: int, timeout: float = 120.0) -> None:  # noqa: ANN001
-    """Wait until vLLM's scheduler has (at least) ``n`` requests in its running list."""
+def _wait_first_token(server, fut, before: float, timeout: float = 300.0) -> None:  # noqa: ANN001
+    """Wait until the one request in flight, sent as ``fut``, has produced a token:
+    vLLM's generated-token counter (monotonic, so no poll can miss it) passed ``before``.
+    Raises at once if the request failed."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if server.metrics().get("vllm:num_requests_running", 0) >= n:
+        if _series(server, "vllm:generation_tokens_total") > before:
             return
+        if fut.done():
+            fut.result()  # raises the request's error
+            raise AssertionError("the request finished before its first token was seen")
         time.sleep(0.05)
-    m = server.metrics()
-    gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting",
-              "vllm:nexus_free_blocks")
-    raise AssertionError(f"fewer than {n} requests running after {timeout}s: "
-                         f"{ {g: m.get(g) for g in gauges} }")
+    raise AssertionError(f"no token generated after {timeout}s")
 
 
 def test_preempted_requests_finish_and_replay(server) -> None:  # noqa: ANN001
@@ -357,13 +358,14 @@ def test_preempted_requests_finish_and_replay(server) -> None:  # noqa: ANN001
     93 < 95 together), so no allocation fails while no evicting request runs.
 
     Why a preemption happens. The sentinel (600-token prompt, budget 512: 16 to 20 live
-    blocks from its prefill on, 1000 generated tokens) runs first, alone. The others are
+    blocks from its prefill on, 1400 generated tokens) runs first, alone. The others are
     sent once it runs; the three non-evicting ones grow to 93 blocks within 4 prompt
     chunks + ~520 decode steps and pass 79 after ~380, and 80 + 16 > 95 blocks cannot be
     held, so an allocation fails while the sentinel runs, unless the three reach the
-    server more than ~400 of the sentinel's 800 decode steps after it started (one
-    engine step per token: the only time this assumes is the client sending three HTTP
-    requests in that many steps). The seven later evicting requests only add pressure.
+    server more than ~1000 of the sentinel's 1400 decode steps after its first token
+    (one engine step per token: the only time this assumes is the client sending three
+    HTTP requests in that many steps; the first token is read from a monotonic counter).
+    The seven later evicting requests only add pressure.
     """
     import concurrent.futures as cf
 
@@ -395,8 +397,9 @@ def test_preempted_requests_finish_and_replay(server) -> None:  # noqa: ANN001
     # At most 11 requests * 128-token chunks per step: below vLLM's 2048-token step
     # budget, so no chunk is ever cut short by other requests' tokens.
     with cf.ThreadPoolExecutor(len(reqs)) as pool:
+        generated = _series(server, "vllm:generation_tokens_total")
         futs = [pool.submit(send, sentinel, EVICTING_PRIORITY)]
-        _wait_running(server, 1)
+        _wait_first_token(server, futs[0], generated)
         futs += [pool.submit(send, r) for r in pressure]
         futs += [pool.submit(send, r, EVICTING_PRIORITY) for r in others]
         busy = [f.result() for f in futs]
