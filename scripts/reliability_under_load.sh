@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The end-to-end reliability module (tests/integration/test_e2e_reliability.py: the short
 # soak, the cancellation storm, preemption and replay) several times in a row while busy
-# loops load the CPU, to show its checks hold on a loaded machine (not in CI: about 3-6
-# minutes a run on 2 cores with one busy loop).
+# loops load the CPU, to show its checks hold on a loaded machine (not in CI: about 2
+# minutes a run on a quiet 2-core box, about 18 with one busy loop beside it, because
+# vLLM's CPU engine spins its OpenMP threads against the loop).
 #   bash scripts/reliability_under_load.sh [RUNS (5)] [BUSY_LOOPS (1)]
 # Prints one line per run; exit status 0 when every run passed.
 set -uo pipefail

@@ -70,14 +70,12 @@ class Evictor:
                 if norms_np is None:
                     continue  # dropped by the worker (a fault it counted)
                 norms = torch.from_numpy(norms_np)
+            mass = None  # the policy reads no mass
             if sreq.needs_mass:
                 scores = reply.masses.get(req_id)
                 if scores is None:
                     continue
                 mass = torch.from_numpy(scores)
-            else:  # the policy reads no mass
-                n = self.blocks.live_count(req_id, int(request.num_computed_tokens))
-                mass = Evidence.uniform(n).mass
             try:
                 if faults.fires("policy_error"):
                     raise RuntimeError("injected policy failure")
@@ -89,7 +87,7 @@ class Evictor:
                             exc=True)
 
     def evict(self, req_id: str, request: Any, st: RequestEvictionState,
-              sreq: ScoreRequest, mass: torch.Tensor,
+              sreq: ScoreRequest, mass: torch.Tensor | None,
               key_norms: torch.Tensor | None = None) -> None:
         """One eviction event: the policy keeps ``target_blocks`` of the request's live
         blocks; the others that are full and below ``sreq.evictable_below`` are nulled
@@ -97,25 +95,30 @@ class Evictor:
 
         Parameters
         ----------
-        mass : torch.Tensor
+        mass : torch.Tensor or None
             ``[rows, live blocks]``: attention mass of the window's queries over the
-            live blocks among the first ``sreq.num_logical_blocks``.
+            live blocks among the first ``sreq.num_logical_blocks``; None for a policy
+            that reads no mass (it gets one uniform row).
         key_norms : torch.Tensor, optional
             ``[live blocks]``: mean key norm of each (policies that read them).
         """
         blocks = self.blocks.of(req_id)
         live = [j for j in range(min(sreq.num_logical_blocks, len(blocks)))
                 if not BlockPoolView.is_null(blocks[j])]
-        if len(live) != mass.shape[1]:
+        if mass is None:
+            evidence = Evidence.uniform(len(live), key_norms)
+        elif len(live) != mass.shape[1]:
             self._fault("stale_scores", "scores do not match the request's live blocks; "
                         "skipping this event")
             return
+        else:
+            evidence = Evidence(mass, key_norms)
         tokens = int(request.num_computed_tokens)
         budget = int(st.cfg.target_blocks(tokens, st.prompt_tokens))
         if len(live) <= budget:
             return
         policy = st.cfg.policy(prefill=sreq.prefill, prompt_tokens=st.prompt_tokens)
-        keep = policy.select(Evidence(mass, key_norms), budget, generator=st.generator,
+        keep = policy.select(evidence, budget, generator=st.generator,
                              state=st.policy_state)
         keep_set = {int(i) for i in keep.tolist()}
         full_blocks = tokens // self.blocks.block_size
