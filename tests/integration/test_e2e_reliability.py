@@ -161,9 +161,8 @@ def server(tiny_model, serve_tmp):  # noqa: ANN001, ANN201
     # Priority scheduling: the preemption test picks its victims by priority (requests
     # without one all have priority 0, which is first come, first served).
     srv = VllmServer(tiny_model, [*SERVER_ARGS, "--scheduling-policy", "priority"], serve_tmp,
-                     env={
-        "PYTHONPATH": pythonpath, "NEXUS_TEST_PREEMPT_LOG": str(log),
-                         "NEXUS_VLLM_SELF_CHECK": "1"})
+                     env={"PYTHONPATH": pythonpath, "NEXUS_TEST_PREEMPT_LOG": str(log),
+                          "NEXUS_VLLM_SELF_CHECK": "1"})
     srv.preempt_log = log
     # The pool gauges are published with the first engine step.
     _greedy_ids(srv, [5, 6, 7, 8], 4, seed=0)
@@ -390,18 +389,18 @@ def test_preempted_requests_finish_and_replay(server) -> None:  # noqa: ANN001
     p0 = _series(server, "vllm:num_preemptions_total")
     e0 = _series(server, "vllm:nexus_evicted_blocks_total")
 
-    def send(req: tuple, priority: int = 0) -> tuple[list[int], str]:
+    def send(req: tuple) -> tuple[list[int], str]:
         seed, prompt, max_tokens, xargs = req
+        priority = EVICTING_PRIORITY if seed in evicting else 0
         return _greedy_ids(server, prompt, max_tokens, seed, xargs, priority)
 
     # At most 11 requests * 128-token chunks per step: below vLLM's 2048-token step
     # budget, so no chunk is ever cut short by other requests' tokens.
     with cf.ThreadPoolExecutor(len(reqs)) as pool:
         generated = _series(server, "vllm:generation_tokens_total")
-        futs = [pool.submit(send, sentinel, EVICTING_PRIORITY)]
+        futs = [pool.submit(send, sentinel)]
         _wait_first_token(server, futs[0], generated)
-        futs += [pool.submit(send, r) for r in pressure]
-        futs += [pool.submit(send, r, EVICTING_PRIORITY) for r in others]
+        futs += [pool.submit(send, r) for r in [*pressure, *others]]
         busy = [f.result() for f in futs]
     _wait_idle(server)
     events = _preemptions(server, offset)
