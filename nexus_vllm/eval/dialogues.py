@@ -13,6 +13,10 @@ read. These families keep a stream going and need facts now and then:
     One request: the user states four facts and asks for a long essay that ends with one
     of them; the essay (real prose) is the model's output, fed token by token with decode
     events, and the fact after it is scored.
+``chat_multiturn``
+    ``multiturn`` in the chat shape: each turn's request ends at the assistant's header,
+    with no answer prefix, and the whole answer ("The special magic number for KEY is
+    VALUE.") is scored and teacher-forced.
 
 Both are served the way vLLM serves them: a turn is a request whose prompt is the whole
 conversation so far, streamed in chunks (:func:`nexus_vllm.hf.dialogue.run_probes`); the
@@ -37,10 +41,11 @@ from nexus_vllm.hf.dialogue import Probe
 
 __all__ = ["DIALOGUE_TASKS", "Dialogue", "Turn", "make_dialogue"]
 
-DIALOGUE_TASKS = ("multiturn", "longgen")
+DIALOGUE_TASKS = ("multiturn", "longgen", "chat_multiturn")
 _FACTS = 4
 _TURNS = 6
 _ANSWER_TOKENS = 16  # greedy decode limit per answer: 7 digits and a period, with room
+_CHAT_ANSWER_TOKENS = 32  # the chat shape's answer restates the question first
 _FACT_INSTRUCTION = (
     "Some special magic numbers are hidden within the following text. Memorize them: I "
     "will ask you about them later.")
@@ -55,6 +60,9 @@ class Turn:
     answers: tuple[str, ...]
     target: str  # the reference answer text (teacher-forced)
     gap: int  # tokens from the end of the fact's last mention to the answer
+    # The request as chat messages (the conversation up to this turn's question), for a
+    # chat API; empty where the prompt is completion-shaped.
+    messages: tuple[dict[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,8 @@ class _Ask:
     request_end: int  # the request's prompt ends here (the model writes from here on)
     answer_start: int  # the scored answer starts here (after any text of the model's own)
     mentioned_end: int  # where the fact was last written before this question
+    target: str  # the scored answer's text (from answer_start)
+    messages: tuple[dict[str, str], ...] = ()  # the request, chat-shaped ones only
 
 
 def _facts_message(rng: random.Random) -> tuple[str, dict[str, str]]:
@@ -141,7 +151,7 @@ def _facts_message(rng: random.Random) -> tuple[str, dict[str, str]]:
     return _FACT_INSTRUCTION + "\n\n" + " ".join(parts), facts
 
 
-def _multiturn(rng: random.Random, tokenizer: Any, units: int
+def _multiturn(rng: random.Random, tokenizer: Any, units: int, *, chat: bool = False
                ) -> tuple[str, list[_Ask]]:
     opening, facts = _facts_message(rng)
     keys = list(facts)
@@ -157,15 +167,20 @@ def _multiturn(rng: random.Random, tokenizer: Any, units: int
         material = " ".join(prose[t * units:(t + 1) * units])
         question = f"What is the special magic number for {key}?"
         messages.append({"role": "user", "content": f"{material}\n\nQuestion: {question}"})
-        prompt = _render(tokenizer, messages, open_turn=True) + _answer_prefix(key)
+        request = tuple(dict(m) for m in messages) if chat else ()
+        # The completion shape starts the answer in the prompt; the chat shape does not.
+        prompt = _render(tokenizer, messages, open_turn=True) \
+            + ("" if chat else _answer_prefix(key))
         answer = f"{_answer_prefix(key)} {facts[key]}."
         messages.append({"role": "assistant", "content": answer})
         full = _render(tokenizer, messages, open_turn=False)
         if not full.startswith(prompt):
             raise ValueError("the chat template does not render a turn's prompt as a prefix "
                              "of the conversation; multi-turn streams need it to")
-        asks.append(_Ask(key, facts[key], len(prompt), len(prompt), last_mention[key]))
-        last_mention[key] = len(prompt) + len(f" {facts[key]}.")
+        target = answer if chat else f" {facts[key]}."
+        asks.append(_Ask(key, facts[key], len(prompt), len(prompt), last_mention[key],
+                         target, request))
+        last_mention[key] = len(prompt) + len(target)
     return _render(tokenizer, messages, open_turn=False), asks
 
 
@@ -184,15 +199,23 @@ def _longgen(rng: random.Random, tokenizer: Any, units: int) -> tuple[str, list[
         raise ValueError("the chat template does not render the request as a prefix of the "
                          "conversation; long-generation streams need it to")
     mention = full.index(_fact(key, facts[key])) + len(_fact(key, facts[key]))
-    return full, [_Ask(key, facts[key], len(prompt), len(prompt) + len(forced), mention)]
+    return full, [_Ask(key, facts[key], len(prompt), len(prompt) + len(forced), mention,
+                       f" {facts[key]}.")]
 
 
-_BUILDERS = {"multiturn": (_multiturn, 2), "longgen": (_longgen, 8)}
+def _chat_multiturn(rng: random.Random, tokenizer: Any, units: int
+                    ) -> tuple[str, list[_Ask]]:
+    return _multiturn(rng, tokenizer, units, chat=True)
+
+
+_BUILDERS = {"multiturn": (_multiturn, 2), "longgen": (_longgen, 8),
+             "chat_multiturn": (_chat_multiturn, 2)}
 
 
 def _build(task: str, seed: int, index: int, tokenizer: Any, units: int
            ) -> tuple[_Stream, list[_Ask]]:
-    rng = random.Random(f"{task}|{seed}|{index}")
+    # A chat-shaped family draws the same script as its completion-shaped one.
+    rng = random.Random(f"{task.removeprefix('chat_')}|{seed}|{index}")
     text, asks = _BUILDERS[task][0](rng, tokenizer, units)
     return _Stream(tokenizer, text), asks
 
@@ -206,7 +229,8 @@ def make_dialogue(task: str, *, seed: int, index: int, target_tokens: int,
     """
     if task not in DIALOGUE_TASKS:
         raise ValueError(f"task must be one of {DIALOGUE_TASKS}, got {task!r}")
-    limit = target_tokens - _ANSWER_TOKENS
+    answer_tokens = _CHAT_ANSWER_TOKENS if task.startswith("chat_") else _ANSWER_TOKENS
+    limit = target_tokens - answer_tokens
     lo = _BUILDERS[task][1]
 
     def size(units: int) -> int:
@@ -225,12 +249,11 @@ def make_dialogue(task: str, *, seed: int, index: int, target_tokens: int,
     for ask in asks:
         prompt_end = stream.tokens_before(ask.request_end)
         forced_end = stream.tokens_before(ask.answer_start)
-        target = f" {ask.value}."
-        answer_end = stream.tokens_before(ask.answer_start + len(target))
+        answer_end = stream.tokens_before(ask.answer_start + len(ask.target))
         probe = Probe(prompt_end=prompt_end, forced_end=forced_end, answer_end=answer_end,
-                      max_new_tokens=_ANSWER_TOKENS)
+                      max_new_tokens=answer_tokens)
         gap = forced_end - stream.tokens_before(ask.mentioned_end)
-        turns.append(Turn(probe=probe, key=ask.key, answers=(ask.value,), target=target,
-                          gap=gap))
+        turns.append(Turn(probe=probe, key=ask.key, answers=(ask.value,), target=ask.target,
+                          gap=gap, messages=ask.messages))
     return Dialogue(task=task, index=index, seed=seed, ids=tuple(stream.ids),
                     turns=tuple(turns), text=stream.text)

@@ -21,10 +21,16 @@ import torch
 from nexus_vllm.core import EvictionConfig
 from nexus_vllm.eval.dialogues import DIALOGUE_TASKS, Dialogue, make_dialogue
 from nexus_vllm.eval.records import Record, SampleId, read_records, record_key, record_writer
-from nexus_vllm.eval.tasks import Sample, make_sample
+from nexus_vllm.eval.tasks import CHAT_ONLY_TASKS, Sample, make_sample
 from nexus_vllm.hf import SampleResult, make_config
 from nexus_vllm.hf.dialogue import ProbeResult, run_probes
-from nexus_vllm.hf.generate import PromptState, eos_ids, finish_sample, prefill_sample
+from nexus_vllm.hf.generate import (
+    PromptState,
+    eos_ids,
+    finish_sample,
+    greedy_text,
+    prefill_sample,
+)
 
 __all__ = ["MethodSpec", "Run", "RunConfig", "config_dict", "iter_runs", "iter_samples",
            "kl_to_dense", "parse_method", "run_eval"]
@@ -127,11 +133,18 @@ def iter_samples(cfg: RunConfig) -> Iterator[SampleId]:
     """Every sample of ``cfg`` in execution order (contexts, tasks, indices, protocols).
 
     A multi-turn family runs once per sample, as ``question-last`` whatever ``protocols``
-    says: each of its questions follows the material it is asked after.
+    says: each of its questions follows the material it is asked after (its chat-shaped
+    variants are families of their own). A chat-only task runs in the ``chat`` protocol
+    only.
     """
     for context in cfg.contexts:
         for task in cfg.tasks:
-            protocols = ("question-last",) if task in DIALOGUE_TASKS else cfg.protocols
+            if task in DIALOGUE_TASKS:
+                protocols: tuple[str, ...] = ("question-last",)
+            elif task in CHAT_ONLY_TASKS:
+                protocols = tuple(p for p in cfg.protocols if p == "chat")
+            else:
+                protocols = cfg.protocols
             for index in range(cfg.samples):
                 for protocol in protocols:
                     yield SampleId(task, context, protocol, index)
@@ -230,6 +243,8 @@ class _SampleJob:
     dense_prompt: PromptState | None = None
 
     def _prompt(self, config: EvictionConfig | None, seed: int) -> PromptState:
+        if config is None and self.sample.needs_reference:
+            self.sample = self.sample.with_reference(self._dense_answer())
         s = self.sample
         if config is None:
             state = prefill_sample(self.model, self.tokenizer, s.context, s.question,
@@ -244,6 +259,15 @@ class _SampleJob:
         return prefill_sample(self.model, self.tokenizer, s.context, s.question, s.target,
                               config=config, chunk_size=self.cfg.chunk_size,
                               preamble=s.preamble)
+
+    def _dense_answer(self) -> str:
+        """The uncompressed model's greedy answer (the reference of a ``metric "dense"``
+        sample): one prefill without a reference, then greedy decoding."""
+        s = self.sample
+        state = prefill_sample(self.model, self.tokenizer, s.context, s.question, "",
+                               config=None, chunk_size=self.cfg.chunk_size,
+                               preamble=s.preamble)
+        return greedy_text(state, self.tokenizer, max_new_tokens=s.max_new_tokens)
 
     def run(self, spec: MethodSpec, budget: Any, seed: int,
             dense: SampleResult | None = None) -> tuple[SampleResult, Record]:

@@ -11,11 +11,25 @@ its text files), split into sentences by regex.
 Protocols: ``question-last`` puts the question only after the context (eviction during
 ingestion cannot know what matters); ``question-first`` also states it in a preamble before
 the context (the window queries know the task). Both restate the question at the end, as
-RULER's templates do, and end with RULER's answer prefix.
+RULER's templates do, and end with RULER's answer prefix inside the assistant's turn: the
+*completion shape*, whose newest tokens already start the answer.
+
+``chat`` is the shape ``/v1/chat/completions`` serves: instruction, document and question
+in one user message, rendered by the model's chat template up to the assistant's header,
+with no answer prefix. The model writes its answer from scratch; the reference it is
+teacher-forced with is the answer prefix followed by the answer (what a model that
+restates the question says). Decide on this shape (docs/results.md); keep the completion
+shape as a check that nothing regresses.
+
+Two tasks are scored against dense's own answer rather than a reference (``metric
+"dense"``: ROUGE-L F1 against the uncompressed model's greedy answer, 1 for dense by
+definition): ``summary`` asks for a summary of an essay, whose right answer is whatever
+the uncompressed model writes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import pathlib
@@ -28,16 +42,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "CHAT_ONLY_TASKS",
     "PROTOCOLS",
     "TASKS",
     "Sample",
     "essay_sentences",
     "make_sample",
+    "rouge_l",
     "string_match_all",
     "string_match_part",
 ]
 
-PROTOCOLS = ("question-last", "question-first")
+PROTOCOLS = ("question-last", "question-first", "chat")
 NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
          "There and back again. ")
 
@@ -70,7 +86,10 @@ class Sample:
     """One generated sample.
 
     ``preamble + context + question`` is the prompt; ``answers`` are the references for the
-    string-match metric; ``target`` is the text teacher-forced for the likelihood metrics.
+    string-match metric (``metric`` ``"all"`` or ``"part"``); ``target`` is the text
+    teacher-forced for the likelihood metrics. With ``metric == "dense"`` the reference is
+    the uncompressed model's answer, known only once dense has run: ``answers`` and
+    ``target`` are empty until :meth:`with_reference` fills them.
     """
 
     task: str
@@ -82,13 +101,31 @@ class Sample:
     question: str
     answers: tuple[str, ...]
     target: str
-    metric: str  # "all" or "part"
+    metric: str  # "all", "part" or "dense"
     max_new_tokens: int
     num_tokens: int  # prompt tokens (preamble + context + question)
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the reference is dense's answer, not set yet."""
+        return self.metric == "dense" and not self.answers
+
+    def with_reference(self, dense_answer: str) -> Sample:
+        """This sample scored against ``dense_answer`` (a ``metric "dense"`` task)."""
+        if self.metric != "dense":
+            raise ValueError(f"task {self.task!r} has its own reference")
+        text = dense_answer.strip() or "."
+        return dataclasses.replace(self, answers=(text,), target=text)
+
     def score(self, prediction: str) -> float:
-        """RULER string-match score of ``prediction`` against ``answers`` (0..1)."""
+        """RULER string-match score of ``prediction`` against ``answers`` (0..1); for
+        ``metric "dense"``, ROUGE-L F1 against dense's answer."""
+        if self.metric == "dense":
+            if not self.answers:
+                raise ValueError("a dense-referenced sample is scored after dense has run "
+                                 "(Sample.with_reference)")
+            return rouge_l(prediction, self.answers[0])
         fn = string_match_all if self.metric == "all" else string_match_part
         return fn(prediction, self.answers)
 
@@ -103,6 +140,27 @@ def string_match_part(prediction: str, references: tuple[str, ...] | list[str]) 
     """1 if any reference is found in the prediction (case-insensitive), else 0."""
     pred = prediction.lower()
     return float(max(r.lower() in pred for r in references))
+
+
+def rouge_l(prediction: str, reference: str) -> float:
+    """ROUGE-L F1 of ``prediction`` against ``reference``: the longest common subsequence
+    of their lower-cased words, as a harmonic mean of precision and recall (0..1; 1 for
+    equal texts, also two empty ones)."""
+    a = re.findall(r"\w+", prediction.lower())
+    b = re.findall(r"\w+", reference.lower())
+    if not a or not b:
+        return float(a == b)
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    lcs = prev[-1]
+    if lcs == 0:
+        return 0.0
+    precision, recall = lcs / len(a), lcs / len(b)
+    return 2 * precision * recall / (precision + recall)
 
 
 # ---------------------------------------------------------------------------- haystacks
@@ -343,6 +401,60 @@ def _frequent_words(rng: random.Random, alpha: float = 2.0, vocab_size: int = 80
                  answers=top, metric="all", max_new_tokens=20, target=" " + ", ".join(top) + ".")
 
 
+_FIRST_NAME_TEXT = ("Amara Bruno Celia Dmitri Elena Farid Greta Hugo Ines Jonas Keiko Lars "
+                    "Mira Nadia Omar Petra Quentin Rosa Stefan Tamsin Umar Vera Willem Yara")
+_LAST_NAME_TEXT = ("Abbott Brennan Castillo Dorsey Eriksen Falk Garrido Holt Ivanova Jansen "
+                   "Kowalski Lindqvist Moreau Novak Okafor Pereira Quist Rahman Sato Tanaka "
+                   "Ulrich Varga Weber Yilmaz")
+_CITY_TEXT = ("Lisbon Oslo Valencia Krakow Tbilisi Montreal Osaka Nairobi Lima Hanoi Porto "
+              "Zagreb Tallinn Seville Lyon Dublin Bergen Ghent Malmo Bologna Cusco Quito "
+              "Hobart Tromso")
+_JOB_TEXT = ("baker pilot violinist surveyor beekeeper librarian glassblower surgeon "
+             "locksmith cartographer")
+_FIRST_NAMES = tuple(_FIRST_NAME_TEXT.split())
+_LAST_NAMES = tuple(_LAST_NAME_TEXT.split())
+_CITIES = tuple(_CITY_TEXT.split())
+_JOBS = tuple(_JOB_TEXT.split())
+
+
+def _facts(rng: random.Random, n_people: int = 6) -> _Body:
+    """Prose facts: where each of several people works, one asked (real prose haystack)."""
+    names: list[str] = []
+    while len(names) < n_people:
+        name = f"{rng.choice(_FIRST_NAMES)} {rng.choice(_LAST_NAMES)}"
+        if name not in names:
+            names.append(name)
+    cities = rng.sample(_CITIES, n_people)
+    facts = [f"{name} works as a {rng.choice(_JOBS)} in {city}."
+             for name, city in zip(names, cities)]
+    depths = _depths(rng, n_people)
+    asked = rng.randrange(n_people)
+    prose_start = rng.getrandbits(64)
+
+    def build(units: int) -> str:
+        return " ".join(_insert(_prose(random.Random(prose_start), units), facts, depths))
+
+    return _Body(build=build,
+                 instruction=("The following text mentions several people and where they "
+                              "work. Read it carefully: I will ask you about one of them."),
+                 question=f"In which city does {names[asked]} work?",
+                 answer_prefix=f"{names[asked]} works in", answers=(cities[asked],),
+                 metric="all", max_new_tokens=12, target=f" {cities[asked]}.")
+
+
+def _summary(rng: random.Random) -> _Body:
+    """A summary of an essay excerpt, scored against dense's own summary."""
+    prose_start = rng.getrandbits(64)
+
+    def build(units: int) -> str:
+        return " ".join(_prose(random.Random(prose_start), units))
+
+    return _Body(build=build,
+                 instruction="Below is an excerpt of an essay.",
+                 question="Summarize the excerpt above in three sentences.",
+                 answer_prefix="", answers=(), metric="dense", max_new_tokens=96, target="")
+
+
 TASKS: dict[str, Callable[[random.Random], _Body]] = {
     "niah_single_noise": lambda r: _niah(r, haystack="noise", value_kind="numbers"),
     "niah_single_prose": lambda r: _niah(r, haystack="prose", value_kind="numbers"),
@@ -355,7 +467,11 @@ TASKS: dict[str, Callable[[random.Random], _Body]] = {
     "cwe": _common_words,
     "fwe": _frequent_words,
     "passkey": _passkey,
+    "facts": _facts,
+    "summary": _summary,
 }
+# Tasks with no answer prefix to end a completion-shaped prompt with: chat shape only.
+CHAT_ONLY_TASKS = ("summary",)
 
 
 # ---------------------------------------------------------------------------- assembly
@@ -379,8 +495,15 @@ def _assemble(body: _Body, units: int, protocol: str, wrap: tuple[str, str]
         preamble += f"Question: {body.question}\n"
     preamble += "\n"
     context = body.build(units)
-    question = f"\n\nQuestion: {body.question}{tail}{body.answer_prefix}"
+    # The chat shape ends at the assistant's header: the model writes the answer's start.
+    prefix = "" if protocol == "chat" else body.answer_prefix
+    question = f"\n\nQuestion: {body.question}{tail}{prefix}"
     return preamble, context, question
+
+
+def _user_message(body: _Body, context: str) -> str:
+    """The chat shape's one user message (what a ``/v1/chat/completions`` client sends)."""
+    return f"{body.instruction}\n\n{context}\n\nQuestion: {body.question}"
 
 
 def _count(tokenizer: Any, text: str) -> int:
@@ -398,13 +521,21 @@ def make_sample(task: str, *, seed: int, index: int, target_tokens: int, tokeniz
         raise ValueError(f"task must be one of {sorted(TASKS)}, got {task!r}")
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    if task in CHAT_ONLY_TASKS and protocol != "chat":
+        raise ValueError(f"task {task!r} has no answer prefix: it runs in the 'chat' "
+                         f"protocol only, not {protocol!r}")
     if target_tokens < 256:
         raise ValueError(f"target_tokens must be >= 256, got {target_tokens}")
     # One RNG per (task, seed, index): protocols share the same facts and haystack.
     rng = random.Random(f"{task}|{seed}|{index}")
     body = TASKS[task](rng)
     wrap = _chat_wrap(tokenizer)
-    limit = target_tokens - body.max_new_tokens
+    max_new_tokens, target = body.max_new_tokens, body.target
+    if protocol == "chat" and body.metric != "dense":
+        # The answer restates the question first (as the answer prefix does).
+        target = body.answer_prefix + body.target
+        max_new_tokens += _count(tokenizer, body.answer_prefix)
+    limit = target_tokens - max_new_tokens
 
     def size(units: int) -> int:
         return _count(tokenizer, "".join(_assemble(body, units, protocol, wrap)))
@@ -422,9 +553,10 @@ def make_sample(task: str, *, seed: int, index: int, target_tokens: int, tokeniz
         else:
             hi = mid - 1
     preamble, context, question = _assemble(body, lo, protocol, wrap)
+    meta: dict[str, Any] = {"units": lo}
+    if protocol == "chat":
+        meta["messages"] = [{"role": "user", "content": _user_message(body, context)}]
     return Sample(task=task, index=index, seed=seed, protocol=protocol, preamble=preamble,
                   context=context, question=question, answers=body.answers,
-                  target=body.target, metric=body.metric,
-                  max_new_tokens=body.max_new_tokens,
-                  num_tokens=_count(tokenizer, preamble + context + question),
-                  meta={"units": lo})
+                  target=target, metric=body.metric, max_new_tokens=max_new_tokens,
+                  num_tokens=_count(tokenizer, preamble + context + question), meta=meta)

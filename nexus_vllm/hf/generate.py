@@ -23,8 +23,8 @@ from nexus_vllm.core import EvictionConfig
 from nexus_vllm.hf.streaming import StreamingSession, make_config
 
 __all__ = ["PromptSplit", "PromptState", "SampleResult", "encode_prompt", "eos_ids",
-           "finish_sample", "generate", "generate_ids", "greedy_ids", "prefill_sample",
-           "run_sample", "teacher_force"]
+           "finish_sample", "generate", "generate_ids", "greedy_ids", "greedy_text",
+           "prefill_sample", "run_sample", "teacher_force"]
 
 
 @dataclass(frozen=True)
@@ -266,6 +266,14 @@ def prefill_sample(model: Any, tokenizer: Any, context: str, question: str, answ
     last_ctx = _prefill(session, ids[: split.n_context], chunk_size)
     q_logits = session.forward(ids[split.n_context: split.n_prompt], logits_to_keep=0)
     return PromptState(session, split, ids, last_ctx, q_logits)
+
+
+@torch.no_grad()
+def greedy_text(state: PromptState, tokenizer: Any, *, max_new_tokens: int) -> str:
+    """The prompt-end event (``end`` mode), then greedy generation only (no reference to
+    teacher-force). ``state``'s session is consumed."""
+    _prompt_end(state.session)
+    return _decode_greedy(state.session, tokenizer, state.q_logits[-1], max_new_tokens)
 
 
 @torch.no_grad()

@@ -54,9 +54,14 @@ def test_every_turn_reads_its_answer_where_it_sits(tok_target, task: str) -> Non
         p = t.probe
         answer = tok.decode(list(d.ids[p.forced_end:p.answer_end]))
         assert answer.strip() == t.target.strip() and t.answers[0] in answer
-        # The answer follows its question (or the model's own text naming the key).
+        # The answer follows its question (or the model's own text naming the key); in
+        # the chat shape it starts by restating the key itself.
         before = tok.decode(list(d.ids[:p.forced_end]))
-        assert before.endswith(f"The special magic number for {t.key} is")
+        start = f"The special magic number for {t.key} is"
+        if task.startswith("chat_"):
+            assert answer.strip().startswith(start) and not before.endswith(start)
+        else:
+            assert before.endswith(start)
         # The fact was stated earlier, far enough back to need keeping.
         assert f"The special magic number for {t.key} is: {t.answers[0]}." in before
         assert d.score(d.turns.index(t), f"It is {t.answers[0]}.") == 1.0
@@ -77,6 +82,23 @@ def test_multiturn_asks_every_fact_then_repeats_the_oldest(chat_tok) -> None:
     # A fact asked again was last written by the first answer about it: the gap spans
     # the turns between (several hundred tokens), more than any first ask's.
     assert min(t.gap for t in d.turns[4:]) > 500
+
+
+def test_chat_multiturn_turns_are_chat_requests_ending_at_the_assistant_header(
+        chat_tok) -> None:
+    chat = make_dialogue("chat_multiturn", seed=1, index=0, target_tokens=2048,
+                         tokenizer=chat_tok)
+    plain = make_dialogue("multiturn", seed=1, index=0, target_tokens=2048,
+                          tokenizer=chat_tok)
+    assert [t.key for t in chat.turns] == [t.key for t in plain.turns]  # the same script
+    for i, t in enumerate(chat.turns):
+        # What a chat client sends for this turn renders to exactly the turn's prompt.
+        text = chat_tok.apply_chat_template(list(t.messages), tokenize=False,
+                                            add_generation_prompt=True)
+        assert list(chat_tok(text)["input_ids"]) == list(chat.ids[:t.probe.prompt_end])
+        assert text.endswith("<|im_start|>assistant\n")
+        assert t.messages[-1]["role"] == "user" and len(t.messages) == 2 * i + 2
+    assert all(not t.messages for t in plain.turns)  # completion-shaped: no chat request
 
 
 def test_longgen_forces_a_long_answer_before_the_fact(chat_tok) -> None:

