@@ -19,22 +19,27 @@ from .policies import (
     SnapKVPolicy,
     StreamingPolicy,
     TOVAPolicy,
+    carry_forward,
     forced_blocks,
     get_policy,
     register_policy,
 )
 from .sampling import SAMPLERS, inclusion_probabilities, sample_blocks
 from .scoring import (
+    HEAD_REDUCES,
     block_attention_mass,
     block_attention_mass_paged,
     cdiv,
+    combine_layer_masses,
     gather_paged_keys,
+    normalize_rows,
     num_blocks_for,
 )
 from .trigger import EvictionTrigger
 from .weights import INDIRECT_MODES, WALK_ROWS, direct_scores, indirect_scores, nexus_weights
 
 __all__ = [
+    "HEAD_REDUCES",
     "INDIRECT_MODES",
     "METHODS",
     "POLICIES",
@@ -55,7 +60,9 @@ __all__ = [
     "TOVAPolicy",
     "block_attention_mass",
     "block_attention_mass_paged",
+    "carry_forward",
     "cdiv",
+    "combine_layer_masses",
     "direct_scores",
     "forced_blocks",
     "gather_paged_keys",
@@ -63,6 +70,7 @@ __all__ = [
     "inclusion_probabilities",
     "indirect_scores",
     "nexus_weights",
+    "normalize_rows",
     "num_blocks_for",
     "register_policy",
     "sample_blocks",

@@ -17,7 +17,7 @@ import torch
 
 from ._validate import ConfigError, check_choice, check_float, check_int
 from .policies import METHODS, POLICIES, EvictionPolicy
-from .scoring import cdiv
+from .scoring import HEAD_REDUCES, cdiv
 
 __all__ = ["METHODS", "PROMPT_MODES", "EvictionConfig"]
 
@@ -57,6 +57,13 @@ class EvictionConfig:
     sink_blocks, recent_blocks : int
         Forced set: oldest blocks (>= 1) and newest full blocks (>= 0) always kept, plus the
         current block.
+    carry : int
+        Policies that read attention mass raise each block's weight to that of the
+        ``carry`` blocks before it (a fact found in one block often ends in the next;
+        :func:`~nexus_vllm.core.policies.carry_forward`). 0: off.
+    head_reduce : {"mean", "max"}
+        How the scored heads' and layers' attention becomes the evidence: their mean, or
+        their maximum with rows renormalised (:data:`~nexus_vllm.core.scoring.HEAD_REDUCES`).
     interval : int
         Decode tokens between eviction events once over budget.
     window, prefill_window : int
@@ -92,6 +99,8 @@ class EvictionConfig:
     block_size: int = 32
     sink_blocks: int = 1
     recent_blocks: int = 4
+    carry: int = 0
+    head_reduce: str = "mean"
     interval: int = 16
     window: int = 16
     prefill_window: int = 32
@@ -111,6 +120,8 @@ class EvictionConfig:
         check_int("block_size", self.block_size, low=1)
         check_int("sink_blocks", self.sink_blocks, low=1)
         check_int("recent_blocks", self.recent_blocks, low=0)
+        check_int("carry", self.carry, low=0, high=4)
+        check_choice("head_reduce", self.head_reduce, HEAD_REDUCES)
         if self.max_tokens is not None:
             check_int("max_tokens", self.max_tokens, low=1)
             floor = self.num_forced * self.block_size
@@ -338,38 +349,58 @@ class EvictionConfig:
 
     @property
     def chunk_blocks(self) -> int:
+        """Blocks one prefill chunk may add before the event that follows it."""
         return cdiv(self.chunk_size, self.block_size)
+
+    @property
+    def decode_blocks(self) -> int:
+        """Blocks decoding may add before the event that follows: ``interval`` tokens
+        cross at most this many block boundaries."""
+        return cdiv(self.interval, self.block_size)
 
     def hard_limit(self, tokens: int, prompt_tokens: int) -> int:
         """Most blocks a sequence may hold once ``tokens`` are computed, before the event
-        that may follow: the target it was computed under plus one prefill chunk (an event
-        follows every chunk; decoding fires one at once on reaching this). In ``end`` mode
-        the prompt's last chunk is computed under the prefill target, so at the prompt's
-        end this is the prompt's peak, not the budget's."""
-        if self.prompt_mode == "end" and tokens <= prompt_tokens:
+        that may follow.
+
+        While the prompt is computed (``tokens <= prompt_tokens``): the target it was
+        computed under plus one prefill chunk (an event follows every chunk); in ``end``
+        mode the prompt's last chunk is computed under the prefill target, so at the
+        prompt's end this is the prompt's peak, not the budget's. Once decoding: the
+        target plus :attr:`decode_blocks` (an event follows every ``interval`` tokens, and
+        fires at once on reaching this).
+        """
+        if tokens > prompt_tokens:
+            return self.target_blocks(tokens, prompt_tokens) + self.decode_blocks
+        if self.prompt_mode == "end":
             return self.target_blocks(min(tokens, prompt_tokens - 1), prompt_tokens) \
                 + self.chunk_blocks
         return self.target_blocks(tokens, prompt_tokens) + self.chunk_blocks
 
     def bound_blocks(self, prompt_tokens: int, total_tokens: int) -> int:
         """Most blocks a request of ``prompt_tokens`` growing to ``total_tokens`` ever holds
-        (what admission reserves): the larger of its prompt's peak and its final hard
-        limit, never more than the whole sequence."""
-        seq_blocks = cdiv(total_tokens, self.block_size)
+        (what admission reserves for a new request): the larger of its prompt's peak and
+        its decode peak (:meth:`peak_from` once the prompt is done), never more than the
+        whole sequence."""
         prompt_peak = min(cdiv(prompt_tokens, self.block_size),
                           self.hard_limit(prompt_tokens, prompt_tokens))
-        last = max(total_tokens, prompt_tokens + 1)
-        return min(seq_blocks, max(prompt_peak, self.hard_limit(last, prompt_tokens)))
+        return min(cdiv(total_tokens, self.block_size),
+                   max(prompt_peak, self._decode_peak(prompt_tokens, total_tokens)))
 
     def peak_from(self, tokens: int, prompt_tokens: int, total_tokens: int) -> int:
         """Most blocks a request may still come to hold once ``tokens`` are computed (what
         admission keeps reserved for it). Before the prompt's end, :meth:`bound_blocks`;
-        after it, the decode hard limit: an ``end`` request that has shed its prompt no
-        longer needs the prompt's peak."""
+        after it, the decode peak (the target plus :attr:`decode_blocks`): a request
+        that has shed its prompt, or its last prefill chunk, no longer needs their
+        room."""
         if tokens < prompt_tokens:
             return self.bound_blocks(prompt_tokens, total_tokens)
-        last = max(total_tokens, prompt_tokens + 1)
-        return min(cdiv(total_tokens, self.block_size), self.hard_limit(last, prompt_tokens))
+        return min(cdiv(total_tokens, self.block_size),
+                   self._decode_peak(prompt_tokens, total_tokens))
+
+    def _decode_peak(self, prompt_tokens: int, total_tokens: int) -> int:
+        """The decode hard limit at the request's longest sequence (targets never shrink
+        as tokens grow, so this is the most it holds while decoding)."""
+        return self.hard_limit(max(total_tokens, prompt_tokens + 1), prompt_tokens)
 
     def policy_knobs(self, *, prefill: bool = False) -> dict[str, Any]:
         """The knobs the policy runs with: ``policy_args`` at decode events; at prefill
@@ -394,7 +425,7 @@ class EvictionConfig:
         knobs = self.policy_knobs(prefill=prefill)
         sinks = max(self.sink_blocks, self.prompt_blocks(prompt_tokens))
         return POLICIES[self.method](sink_blocks=sinks, recent_blocks=self.recent_blocks,
-                                     **knobs)
+                                     carry=self.carry, **knobs)
 
     def generator(self, request_seed: int | str = 0) -> torch.Generator:
         """CPU generator seeded from (global seed, request seed): a recomputed (preempted)

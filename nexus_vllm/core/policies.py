@@ -45,6 +45,7 @@ __all__ = [
     "SnapKVPolicy",
     "StreamingPolicy",
     "TOVAPolicy",
+    "carry_forward",
     "forced_blocks",
     "get_policy",
     "register_policy",
@@ -67,6 +68,28 @@ def forced_blocks(num_blocks: int, sink_blocks: int, recent_blocks: int) -> torc
     mask[: min(sink_blocks, num_blocks)] = True
     mask[max(0, num_blocks - recent_blocks - 1) :] = True
     return torch.nonzero(mask).flatten()
+
+
+def carry_forward(weights: torch.Tensor, carry: int) -> torch.Tensor:
+    """Each block's weight raised to the largest of the ``carry`` blocks before it:
+    ``w'_j = max(w_j, w_{j-1}, ..., w_{j-carry})``.
+
+    Attention that finds a fact lands on the tokens that match the question (a needle's
+    key), and the fact often ends in the next block (its value): a 25-token sentence
+    straddles a 32-token block boundary three times in four. Carrying weight forward
+    keeps that continuation (docs/algorithm.md, "Continuation").
+
+    Parameters
+    ----------
+    weights : Tensor[N]
+    carry : int
+        Blocks to look back (0: unchanged).
+    """
+    out = weights
+    for shift in range(1, min(int(carry), weights.numel() - 1) + 1):
+        prev = torch.cat([weights[:shift], weights[:-shift]])
+        out = torch.maximum(out, prev)
+    return out
 
 
 @dataclass(frozen=True)
@@ -131,10 +154,14 @@ class EvictionPolicy:
         Oldest blocks always kept (>= 1: the attention sink).
     recent_blocks : int
         Newest full blocks always kept besides the current block (>= 0).
+    carry : int
+        Policies that read attention mass: each block's weight is raised to that of the
+        ``carry`` blocks before it (:func:`carry_forward`; 0: off, at most 4).
     """
 
     sink_blocks: int = 1
     recent_blocks: int = 4
+    carry: int = 0
 
     name: ClassVar[str] = "base"
     # Knob overrides at prefill events (after a prompt chunk, and the prompt-end event):
@@ -151,6 +178,7 @@ class EvictionPolicy:
     def __post_init__(self) -> None:
         check_int("sink_blocks", self.sink_blocks, low=1)
         check_int("recent_blocks", self.recent_blocks, low=0)
+        check_int("carry", self.carry, low=0, high=4)
 
     @classmethod
     def knobs(cls) -> tuple[str, ...]:
@@ -239,6 +267,8 @@ class EvictionPolicy:
             raise ValueError(
                 f"{self.name}.score returned shape {tuple(weights.shape)}, want ({n},)"
             )
+        if self.carry and "mass" in self.needs:
+            weights = carry_forward(weights, self.carry)
         if n <= budget_blocks:
             keep = torch.arange(n, dtype=torch.long)
         else:

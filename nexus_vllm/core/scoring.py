@@ -12,14 +12,23 @@ import math
 import torch
 
 __all__ = [
+    "HEAD_REDUCES",
     "block_attention_mass",
     "block_attention_mass_paged",
     "cdiv",
+    "combine_layer_masses",
     "gather_paged_keys",
+    "normalize_rows",
     "num_blocks_for",
 ]
 
 KV_LAYOUTS = ("NHD", "HND")
+# How the mass of the query heads (and then of the scored layers) becomes one row per
+# query: their mean, or their maximum with each row renormalised to sum to 1. A block is
+# shared by every head and layer, so the choice stays per block; ``max`` lets one head
+# that attends to a block sharply (a retrieval head) keep it, where the mean over heads
+# that look elsewhere dilutes it (docs/algorithm.md, "Head-aware evidence").
+HEAD_REDUCES = ("mean", "max")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -37,8 +46,43 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
 
 
+def _check_head_reduce(head_reduce: str) -> None:
+    if head_reduce not in HEAD_REDUCES:
+        raise ValueError(f"head_reduce must be one of {HEAD_REDUCES}, got {head_reduce!r}")
+
+
+def normalize_rows(mass: torch.Tensor) -> torch.Tensor:
+    """``mass [W, N]`` with each row divided by its sum (a row of zeros stays zeros)."""
+    sums = mass.sum(dim=-1, keepdim=True)
+    return mass / torch.where(sums > 0, sums, torch.ones_like(sums))
+
+
+def combine_layer_masses(masses: list[torch.Tensor], head_reduce: str = "mean") -> torch.Tensor:
+    """One evidence matrix from the per-layer results of :func:`block_attention_mass`.
+
+    Parameters
+    ----------
+    masses : list of Tensor[W, N]
+        One per scored layer, each reduced over its heads by ``head_reduce``.
+    head_reduce : {"mean", "max"}
+        ``mean``: the mean over layers (rows sum to 1). ``max``: the elementwise maximum
+        over layers, each row then renormalised to sum to 1.
+
+    Returns
+    -------
+    Tensor[W, N] (float32), rows summing to 1 (or 0 for a query that saw nothing).
+    """
+    _check_head_reduce(head_reduce)
+    if not masses:
+        raise ValueError("combine_layer_masses needs at least one layer")
+    stacked = torch.stack([m.float() for m in masses])
+    if head_reduce == "mean":
+        return stacked.mean(dim=0)
+    return normalize_rows(stacked.amax(dim=0))
+
+
 def block_attention_mass(
-    queries: torch.Tensor, keys: torch.Tensor, block_size: int
+    queries: torch.Tensor, keys: torch.Tensor, block_size: int, *, head_reduce: str = "mean"
 ) -> torch.Tensor:
     """Attention mass that each window query puts on each block of keys.
 
@@ -53,15 +97,19 @@ def block_attention_mass(
     block_size : int
         Tokens per block; block ``j`` covers tokens ``j*b .. j*b+b-1`` (the last block may
         be partial).
+    head_reduce : {"mean", "max"}
+        How the query heads' masses combine (:data:`HEAD_REDUCES`).
 
     Returns
     -------
     Tensor[W, N] (float32)
         ``N = ceil(T / block_size)``. Entry ``[i, j]`` is the softmax mass (scale
-        ``1/sqrt(D)``) query ``i`` puts on block ``j``, averaged over query heads; each row
-        sums to 1.
+        ``1/sqrt(D)``) query ``i`` puts on block ``j``, averaged over query heads (each
+        row sums to 1), or with ``max`` the largest over query heads (not renormalised:
+        :func:`combine_layer_masses` renormalises after the layers' maximum).
     """
     _check_block_size(block_size)
+    _check_head_reduce(head_reduce)
     if queries.dim() != 3 or keys.dim() != 3:
         raise ValueError(
             f"queries must be [W, Hq, D] and keys [T, Hkv, D], got {tuple(queries.shape)} "
@@ -87,9 +135,10 @@ def block_attention_mass(
     key_pos = torch.arange(t, device=queries.device)
     future = key_pos[None, :] > query_pos[:, None]  # [W, T]
     logits = logits.masked_fill(future, float("-inf"))
-    probs = torch.softmax(logits, dim=-1).mean(dim=0)  # [W, T]
+    probs = torch.softmax(logits, dim=-1)  # [Hq, W, T]
     padded = torch.nn.functional.pad(probs, (0, n * block_size - t))
-    return padded.view(w, n, block_size).sum(dim=-1)
+    per_head = padded.view(hq, w, n, block_size).sum(dim=-1)  # [Hq, W, N]
+    return per_head.mean(dim=0) if head_reduce == "mean" else per_head.amax(dim=0)
 
 
 def gather_paged_keys(
@@ -135,6 +184,7 @@ def block_attention_mass_paged(
     seq_len: int,
     *,
     kv_layout: str = "NHD",
+    head_reduce: str = "mean",
 ) -> torch.Tensor:
     """:func:`block_attention_mass` read from a paged key cache.
 
@@ -147,6 +197,7 @@ def block_attention_mass_paged(
         The sequence's physical blocks in logical order.
     seq_len : int
         Live tokens of the sequence.
+    head_reduce : {"mean", "max"}
 
     Returns
     -------
@@ -155,4 +206,4 @@ def block_attention_mass_paged(
     """
     keys = gather_paged_keys(key_cache, block_table, seq_len, kv_layout=kv_layout)
     block_size = key_cache.shape[1] if kv_layout == "NHD" else key_cache.shape[2]
-    return block_attention_mass(queries, keys, block_size)
+    return block_attention_mass(queries, keys, block_size, head_reduce=head_reduce)

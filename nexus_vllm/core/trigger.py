@@ -9,8 +9,8 @@ config's ``prompt_mode``), the most a sequence may hold :meth:`EvictionConfig.ha
   ``prefill_budget`` it is exactly one event, after the prompt's last chunk (the
   prompt-end event, its window ending with the question); in ``keep`` mode none.
 * While decoding, once the sequence is over its target and ``interval`` decode tokens have
-  passed since the last event, or at once when it reaches the hard limit (target plus one
-  prefill chunk).
+  passed since the last event, or at once when it reaches the hard limit (the target plus
+  the blocks ``interval`` tokens can add, :attr:`EvictionConfig.decode_blocks`).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from nexus_vllm.core import (
     EvictionTrigger,
     Evidence,
     block_attention_mass,
+    combine_layer_masses,
     num_blocks_for,
 )
 
@@ -216,20 +217,20 @@ class StreamingSession:
         return layers if len(layers) else range(self.num_layers - 1, self.num_layers)
 
     def block_mass(self, window: int) -> torch.Tensor:
-        """Attention mass ``[W, N]`` of the newest ``window`` queries, averaged over layers."""
-        assert self.config is not None
-        total: torch.Tensor | None = None
-        layers = self._scored_layers()
-        for li in layers:
+        """Attention mass ``[W, N]`` of the newest ``window`` queries over the scored layers
+        and heads, combined by the config's ``head_reduce``."""
+        cfg = self.config
+        assert cfg is not None
+        masses = []
+        for li in self._scored_layers():
             q = self._queries[li]
             if q is None:
                 raise RuntimeError("no queries recorded yet: feed tokens before evicting")
             q = q[:, -window:].transpose(0, 1)  # [W, Hq, D]
             k = self.cache.layers[li].keys[0].transpose(0, 1)  # [T, Hkv, D]
-            m = block_attention_mass(q, k, self.config.block_size)
-            total = m if total is None else total + m
-        assert total is not None
-        return total / len(layers)
+            masses.append(block_attention_mass(q, k, cfg.block_size,
+                                               head_reduce=cfg.head_reduce))
+        return combine_layer_masses(masses, cfg.head_reduce)
 
     def key_norms(self) -> torch.Tensor:
         """Mean key L2 norm per block ``[N]`` over scored layers and KV heads (for knorm)."""

@@ -295,6 +295,9 @@ def test_eviction_config():
         ({"method": "tova", "policy_args": {"lam": 1}}, "policy_args.lam: a knob of policy"),
         ({"method": "none", "policy_args": {"lam": 1}}, "method 'none' runs no policy"),
         ({"policy_args": ["steps"]}, "policy_args must be a mapping"),
+        ({"carry": -1}, "^carry must be >= 0"),
+        ({"carry": 5}, "^carry must be <= 4"),
+        ({"head_reduce": "sum"}, "^head_reduce must be one of"),
     ],
 )
 def test_bad_eviction_config(kwargs, match):
@@ -338,6 +341,35 @@ def test_knobs_live_with_the_policy():
     given["steps"] = 9
     assert cfg.policy_args == {"steps": 3}
     assert EvictionConfig.from_dict(json.loads(json.dumps(end.to_dict()))) == end
+
+
+def test_carry_forward_keeps_the_block_after_a_found_one():
+    """A fact the window attends to in block j often ends in block j + 1: with ``carry``
+    that block's weight is raised to block j's, so top-K keeps both."""
+    from nexus_vllm.core import carry_forward
+
+    w = torch.tensor([0.1, 0.9, 0.0, 0.2, 0.05])
+    assert carry_forward(w, 0).tolist() == w.tolist()
+    assert carry_forward(w, 1).tolist() == pytest.approx([0.1, 0.9, 0.9, 0.2, 0.2])
+    assert carry_forward(w, 2).tolist() == pytest.approx([0.1, 0.9, 0.9, 0.9, 0.2])
+    assert carry_forward(torch.tensor([0.5]), 3).tolist() == [0.5]
+    # 12 blocks: sink 0, needle key in block 5 (its value spills into block 6), forced
+    # recents and current 7..11; budget 8 leaves 2 choices. Without carry the runner-up
+    # (block 2) takes the second slot; with carry block 6 does.
+    mass = torch.full((1, 12), 0.01)
+    mass[0, 5], mass[0, 2] = 0.6, 0.2
+    mass = mass / mass.sum()
+    plain = get_policy("snapkv").select(Evidence(mass), 8)
+    carried = get_policy("snapkv", carry=1).select(Evidence(mass), 8)
+    assert 5 in plain and 6 not in plain and 2 in plain
+    assert {5, 6} <= set(carried.tolist()) and 2 not in carried
+    # Policies that read no mass ignore it (their scores are not attention).
+    norms = torch.linspace(1.0, 2.0, 12)
+    assert torch.equal(get_policy("knorm", carry=1).select(Evidence.uniform(12, norms), 8),
+                       get_policy("knorm").select(Evidence.uniform(12, norms), 8))
+    # The config carries it to every policy it builds.
+    cfg = EvictionConfig(method="tova", carry=1, head_reduce="max")
+    assert cfg.policy().carry == 1 and cfg.policy(prefill=True).carry == 1
 
 
 def test_eviction_config_rejects_unknown_keys():

@@ -3,7 +3,14 @@ import math
 import pytest
 import torch
 
-from nexus_vllm.core import block_attention_mass, block_attention_mass_paged, num_blocks_for
+from nexus_vllm.core import (
+    HEAD_REDUCES,
+    block_attention_mass,
+    block_attention_mass_paged,
+    combine_layer_masses,
+    normalize_rows,
+    num_blocks_for,
+)
 
 # (W, Hq, Hkv, D, T, block_size)
 SHAPES = [
@@ -15,21 +22,22 @@ SHAPES = [
 ]
 
 
-def naive_mass(q: torch.Tensor, k: torch.Tensor, block_size: int) -> torch.Tensor:
+def naive_mass(q: torch.Tensor, k: torch.Tensor, block_size: int,
+               head_reduce: str = "mean") -> torch.Tensor:
     """Loop-per-query/head version of the definition, in float64."""
     w, hq, d = q.shape
     t, hkv, _ = k.shape
     group = hq // hkv
     n = math.ceil(t / block_size)
-    out = torch.zeros(w, n, dtype=torch.float64)
+    per_head = torch.zeros(hq, w, n, dtype=torch.float64)
     for i in range(w):
         pos = t - w + i
         for h in range(hq):
             logits = k[: pos + 1, h // group].double() @ q[i, h].double() / math.sqrt(d)
             p = torch.softmax(logits, dim=0)
             for j in range(n):
-                out[i, j] += p[j * block_size : (j + 1) * block_size].sum() / hq
-    return out
+                per_head[h, i, j] = p[j * block_size : (j + 1) * block_size].sum()
+    return per_head.mean(0) if head_reduce == "mean" else per_head.max(0).values
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -43,6 +51,43 @@ def test_mass_matches_definition(shape):
     assert got.shape == (w, num_blocks_for(t, b))
     torch.testing.assert_close(got.double(), naive_mass(q, k, b), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.sum(dim=1), torch.ones(w), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_max_over_heads_matches_definition(shape):
+    w, hq, hkv, d, t, b = shape
+    g = torch.Generator().manual_seed(sum(shape) + 1)
+    q = torch.randn(w, hq, d, generator=g)
+    k = torch.randn(t, hkv, d, generator=g)
+    got = block_attention_mass(q, k, b, head_reduce="max")
+    torch.testing.assert_close(got.double(), naive_mass(q, k, b, "max"), atol=1e-5, rtol=1e-5)
+    mean = block_attention_mass(q, k, b)
+    assert bool((got >= mean - 1e-6).all())  # the max of the heads is at least their mean
+    if hq == 1:
+        torch.testing.assert_close(got, mean)
+
+
+def test_combined_layers_rows_sum_to_one_and_max_keeps_one_heads_focus():
+    g = torch.Generator().manual_seed(3)
+    layers = [torch.rand(4, 6, generator=g) for _ in range(3)]
+    layers = [normalize_rows(m) for m in layers]
+    mean = combine_layer_masses(layers, "mean")
+    torch.testing.assert_close(mean, torch.stack(layers).mean(0))
+    for reduce in HEAD_REDUCES:
+        torch.testing.assert_close(combine_layer_masses(layers, reduce).sum(1), torch.ones(4))
+    # One layer's sharp focus on block 2 survives the max, and is diluted by the mean.
+    sharp = torch.full((1, 6), 0.01)
+    sharp[0, 2] = 0.95
+    flat = [torch.full((1, 6), 1 / 6) for _ in range(5)]
+    assert combine_layer_masses([sharp, *flat], "max")[0, 2] > 0.5 > \
+        combine_layer_masses([sharp, *flat], "mean")[0, 2]
+    # A query that saw nothing stays all zeros.
+    zero = combine_layer_masses([torch.zeros(1, 3)], "max")
+    assert torch.equal(zero, torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="head_reduce"):
+        combine_layer_masses(layers, "sum")
+    with pytest.raises(ValueError, match="at least one layer"):
+        combine_layer_masses([], "max")
 
 
 def test_mass_is_causal():
@@ -81,6 +126,7 @@ def test_paged_equals_contiguous(shape, layout):
         ({"keys": torch.randn(10, 3, 8)}, "multiple of KV heads"),
         ({"queries": torch.randn(20, 4, 8)}, "window"),
         ({"keys": torch.randn(10, 2, 4)}, "head size"),
+        ({"head_reduce": "sum"}, "head_reduce"),
     ],
 )
 def test_mass_rejects_bad_input(kwargs, match):

@@ -111,9 +111,10 @@ def test_bound_is_the_prompt_peak_in_end_mode_and_prompt_plus_budget_in_keep() -
     capped = _config("end", 64, prefill_budget=256)
     assert capped.bound_blocks(1000, 1100) == 256 // BLOCK + 4  # cap + one 32-token chunk
     keep = _config("keep", 64)
-    assert keep.bound_blocks(1000, 1100) == 125 + 64 // BLOCK + 4
+    # the prompt + the budget + what one decode interval (4 tokens) adds
+    assert keep.bound_blocks(1000, 1100) == 125 + 64 // BLOCK + 1
     stream = _config("stream", 64)
-    assert stream.bound_blocks(1000, 1100) == 64 // BLOCK + 4
+    assert stream.bound_blocks(1000, 1100) == 64 // BLOCK + 4  # the prompt's chunk peak
     # Never more than the sequence needs.
     assert keep.bound_blocks(40, 50) == cdiv(50, BLOCK)
 
@@ -121,6 +122,31 @@ def test_bound_is_the_prompt_peak_in_end_mode_and_prompt_plus_budget_in_keep() -
 def test_peak_from_drops_to_the_decode_bound_after_the_prompt_end() -> None:
     end = _config("end", 64)
     assert end.peak_from(500, 1000, 1100) == end.bound_blocks(1000, 1100) == 125
-    assert end.peak_from(1000, 1000, 1100) == 64 // BLOCK + 4
+    # Decoding: the budget plus the blocks one decode interval adds, not a prefill chunk.
+    assert end.peak_from(1000, 1000, 1100) == 64 // BLOCK + 1
     stream = _config("stream", 64)
-    assert stream.peak_from(0, 1000, 1100) == stream.peak_from(1050, 1000, 1100) == 12
+    assert stream.peak_from(0, 1000, 1100) == 64 // BLOCK + 4
+    assert stream.peak_from(1000, 1000, 1100) == stream.peak_from(1050, 1000, 1100) == 9
+    # An interval longer than a block: the blocks it can cross.
+    wide = _config("stream", 64, interval=20)
+    assert wide.decode_blocks == 3 and wide.peak_from(1050, 1000, 1100) == 64 // BLOCK + 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(decode=st.integers(40, 200), interval=st.sampled_from([1, 4, 8, 13, 20]),
+       budget=st.sampled_from([64, 96]))
+def test_the_decode_hard_limit_is_reached(decode, interval, budget) -> None:
+    """The decode bound is not loose: some step holds exactly the target plus the blocks
+    one interval adds (with a fixed budget, once decoding has run a few intervals)."""
+    cfg = _config("stream", budget, interval=interval)
+    prompt = 300
+    trigger = EvictionTrigger(cfg, prompt)
+    tokens, evicted, peak = prompt, cdiv(prompt, BLOCK) - cfg.budget_blocks(prompt), 0
+    for _ in range(decode):
+        tokens += 1
+        live = cdiv(tokens, BLOCK) - evicted
+        peak = max(peak, live)
+        assert live <= cfg.hard_limit(tokens, prompt)
+        if trigger.decode(1, tokens, live):
+            evicted += live - cfg.target_blocks(tokens, prompt)
+    assert peak == cfg.peak_from(prompt, prompt, tokens)
