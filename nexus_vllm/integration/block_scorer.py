@@ -216,7 +216,9 @@ class BlockScorer:
         self.pending: _Pending | None = None
         tokens = int(max_requests) * ring.window
         self._qidx = Staging(tokens, device)
-        self._rows = Staging(int(max_requests), device)
+        # The batch rows of the mass requests, then those of the key-norm requests: a
+        # request whose policy reads both (Nexus with knorm_prior > 0) is in each list.
+        self._rows = Staging(2 * int(max_requests), device)
 
     # -- after the forward ---------------------------------------------------------------
     def score(self, step: Step | None) -> None:

@@ -328,3 +328,38 @@ def test_two_block_tables_in_one_step_are_refused() -> None:
     with pytest.raises(RuntimeError, match="one KV cache group"):
         state.compact(common_metadata(runner, [4 * BS + 5, 2 * BS, 4 * BS], [1, 1, 1]))
     state.end_step()
+
+
+def test_scoring_every_request_with_mass_and_key_norms_in_one_step() -> None:
+    """A Nexus config with ``knorm_prior > 0`` reads mass and key norms, so each request
+    due takes a row in both; with every one of ``max_num_seqs`` requests due in one step
+    (more than half is enough), the scorer's row staging must still hold them all, or
+    the whole step's events are dropped as ``score_error``."""
+    from nexus_vllm.core import EvictionConfig
+    from nexus_vllm.integration.attention import key_view
+    from nexus_vllm.integration.step_plan import ScoreRequest
+
+    policy = EvictionConfig(method="nexus", max_tokens=192,
+                            policy_args={"knorm_prior": 1.0}).policy()
+    assert policy.needs == {"mass", "key_norms"}
+    torch.manual_seed(3)
+    runner = FakeRunner({"a": PHYS["a"], "b": PHYS["c"]})
+    kv = torch.zeros(16, HKV, BS, 2 * D)
+    write_keys(kv, torch.randn(5 * BS, HKV, D), torch.randn(5 * BS, HKV, D), PHYS["a"])
+    write_keys(kv, torch.randn(4 * BS, HKV, D), torch.randn(4 * BS, HKV, D), PHYS["c"])
+    state = make_state(runner, window=4, max_requests=2,
+                       layers={0: key_view("CPU_ATTN", kv, D, "vec")})
+    lens = {"a": 5 * BS, "b": 4 * BS}
+    score = {r: ScoreRequest(window=4, num_logical_blocks=n // BS, evictable_below=1,
+                             needs_mass=True, needs_key_norms=True)
+             for r, n in lens.items()}
+    state.begin_step(scheduler_output(new=("a", "b")),
+                     _plan(1, track=("a", "b"), score=score))
+    state.compact(common_metadata(runner, list(lens.values()), list(lens.values())))
+    state.capture(0, torch.randn(sum(lens.values()), HQ, D))
+    state.finish_forward()
+    reply = state.reply()
+    state.end_step()
+    assert reply.faults == {}
+    assert {r: m.shape for r, m in reply.masses.items()} == {"a": (4, 5), "b": (4, 4)}
+    assert {r: n.shape for r, n in reply.key_norms.items()} == {"a": (5,), "b": (4,)}
