@@ -27,8 +27,8 @@ import types
 
 import pytest
 
-from nexus_vllm.integration.request_config import RequestArgError, validate_request_args
-from nexus_vllm.integration.server_config import METHODS, add_cli_flags, resolve_config
+from nexus_vllm.integration.frontend.request_args import RequestArgError, validate_request_args
+from nexus_vllm.integration.frontend.server_config import METHODS, add_cli_flags, resolve_config
 from tests.integration.conftest import HAS_VLLM
 
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
@@ -403,7 +403,7 @@ def _fake_input_processor(nexus: dict | None) -> types.SimpleNamespace:
 def test_serving_hook_returns_400_error_response() -> None:
     from vllm.entrypoints.serve.engine.serving import BaseServing
 
-    from nexus_vllm.integration.patches.openai_serving import check_xargs
+    from nexus_vllm.integration.frontend.patches.openai_serving import check_xargs
 
     serving = types.SimpleNamespace(
         input_processor=_fake_input_processor(_server_cfg().to_dict()),
@@ -424,7 +424,7 @@ def test_engine_side_backstop() -> None:
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
-    from nexus_vllm.integration.patches.input_processor import _wrap
+    from nexus_vllm.integration.frontend.patches.input_processor import _wrap
 
     validate = _wrap(lambda self, params, *args: "vllm-checked")
     on, off = _fake_input_processor(_server_cfg().to_dict()), _fake_input_processor(None)

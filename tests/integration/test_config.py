@@ -7,12 +7,9 @@ import pathlib
 
 import pytest
 
-from nexus_vllm.integration.request_config import request_config, validate_request_args
-from nexus_vllm.integration.server_config import (
-    config_from_additional,
-    load_config_file,
-    resolve_config,
-)
+from nexus_vllm.integration.config import config_from_additional, request_config
+from nexus_vllm.integration.frontend.request_args import validate_request_args
+from nexus_vllm.integration.frontend.server_config import load_config_file, resolve_config
 from tests.integration.conftest import HAS_VLLM
 
 # An existing directory: vLLM resolves a hub name even offline; a local path it takes as is.
@@ -194,7 +191,7 @@ class TestServeParser:
     def test_from_cli_args_and_translation(self, tmp_path) -> None:  # noqa: ANN001
         from vllm.engine.arg_utils import AsyncEngineArgs
 
-        from nexus_vllm.integration.patches.engine_args import translate_engine_args
+        from nexus_vllm.integration.frontend.patches.engine_args import translate_engine_args
 
         preset = tmp_path / "p.yaml"
         preset.write_text("window: 8\nmethod: h2o\n")
@@ -208,8 +205,8 @@ class TestServeParser:
             "h2o", 4, 8, 1024)
         cfg = translate_engine_args(ea)
         assert cfg is not None
-        assert ea.scheduler_cls == "nexus_vllm.integration.scheduler.NexusScheduler"
-        assert ea.worker_cls == "nexus_vllm.integration.worker.NexusWorker"
+        assert ea.scheduler_cls == "nexus_vllm.integration.scheduler.scheduler.NexusScheduler"
+        assert ea.worker_cls == "nexus_vllm.integration.worker.worker.NexusWorker"
         assert ea.enable_prefix_caching is None and ea.block_size == 32  # left to vLLM
         assert ea.long_prefill_token_threshold == 512 and ea.async_scheduling is False
 
@@ -251,7 +248,7 @@ class TestServeParser:
     def test_off_changes_nothing(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
-        from nexus_vllm.integration.patches.engine_args import translate_engine_args
+        from nexus_vllm.integration.frontend.patches.engine_args import translate_engine_args
 
         for argv in ([], ["--kv-eviction", "none"]):
             ea = AsyncEngineArgs.from_cli_args(self._parser().parse_args(["--model", LOCAL_MODEL,
@@ -295,7 +292,7 @@ def test_keep_ratio_preset() -> None:
 
 
 def test_serve_command_defaults(monkeypatch) -> None:  # noqa: ANN001
-    from nexus_vllm.integration.serve import build_command
+    from nexus_vllm.integration.frontend.serve import build_command
 
     for var in ("NEXUS_VLLM_HOST", "NEXUS_VLLM_PORT", "NEXUS_VLLM_KV_BUDGET",
                 "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE"):

@@ -44,7 +44,7 @@ def _step(mgr, single, requests, sched, new=()):  # noqa: ANN001, ANN202
 
 def _reply(plan, mgr, req_ids=None, seed: int = 0, ack: int | None = -1):  # noqa: ANN001, ANN202
     """The worker's reply to ``plan``: random row-normalised masses over live blocks."""
-    from nexus_vllm.integration.step_plan import WorkerReply
+    from nexus_vllm.integration.protocol import WorkerReply
 
     masses = {}
     for req_id in req_ids if req_ids is not None else plan.score:
@@ -216,7 +216,7 @@ def test_prefix_hits_stop_before_the_first_eviction(prompt, budget, chunk, hit,
 def test_caching_is_capped_at_the_clean_watermark() -> None:
     """After its first eviction a request publishes no more blocks to the prefix cache."""
     mgr, single, pool = _setup()
-    from nexus_vllm.integration.vllm_compat import cap_prefix_caching
+    from nexus_vllm.integration.compat.vllm_compat import cap_prefix_caching
 
     assert hasattr(single.cache_blocks, "__wrapped__")  # the manager capped vLLM's
     seen: list[int] = []

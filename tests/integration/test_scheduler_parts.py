@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 
 
 def _cfg(**flags):  # noqa: ANN003, ANN202
-    from nexus_vllm.integration.server_config import resolve_config
+    from nexus_vllm.integration.frontend.server_config import resolve_config
 
     return resolve_config(flags={"method": "nexus", "seed": 3, "max_tokens": 256,
                                  "chunk_size": 128, **flags})
@@ -30,7 +30,7 @@ def _request(req_id: str, prompt: int, **extra):  # noqa: ANN003, ANN202
 
 # -- plan channel ------------------------------------------------------------------------
 def _channel():  # noqa: ANN202
-    from nexus_vllm.integration.plan_channel import PlanChannel
+    from nexus_vllm.integration.scheduler.plan_channel import PlanChannel
 
     seen: list[str] = []
     return PlanChannel(lambda kind, message, **kw: seen.append(kind)), seen
@@ -38,7 +38,7 @@ def _channel():  # noqa: ANN202
 
 def test_channel_resends_nulls_until_a_reply_acknowledges_the_plan_that_carried_them(
 ) -> None:
-    from nexus_vllm.integration.step_plan import StepPlan, WorkerReply
+    from nexus_vllm.integration.protocol import StepPlan, WorkerReply
 
     channel, faults = _channel()
     channel.record("r", [5, 2])
@@ -83,7 +83,7 @@ def test_channel_forgets_a_request_whose_block_list_went() -> None:
 ])
 def test_prefix_hit_cap_ends_before_the_first_event(flags, prompt, want) -> None:  # noqa: ANN001
     from nexus_vllm.core import cdiv
-    from nexus_vllm.integration.prefix_cache import prefix_hit_cap
+    from nexus_vllm.integration.scheduler.prefix_cache import prefix_hit_cap
 
     cfg = _cfg(**flags)
     rule = prefix_hit_cap(cfg, prompt, BS)
@@ -97,7 +97,7 @@ def test_prefix_hit_cap_ends_before_the_first_event(flags, prompt, want) -> None
 
 
 def test_clean_watermark_is_the_first_eviction_until_forgotten() -> None:
-    from nexus_vllm.integration.prefix_cache import CleanWatermarks
+    from nexus_vllm.integration.scheduler.prefix_cache import CleanWatermarks
 
     marks = CleanWatermarks()
     assert marks.limit("r") is None
@@ -110,7 +110,7 @@ def test_clean_watermark_is_the_first_eviction_until_forgotten() -> None:
 
 # -- request state -----------------------------------------------------------------------
 def test_request_states_resolve_once_with_overrides_opt_out_and_fallback() -> None:
-    from nexus_vllm.integration.request_state import RequestStates
+    from nexus_vllm.integration.scheduler.request_state import RequestStates
 
     states = RequestStates(_cfg())
     assert states.get("a") is None  # never seen
@@ -127,7 +127,7 @@ def test_request_states_resolve_once_with_overrides_opt_out_and_fallback() -> No
 
 
 def test_request_peaks_are_taken_once_and_survive_a_restart() -> None:
-    from nexus_vllm.integration.request_state import RequestStates
+    from nexus_vllm.integration.scheduler.request_state import RequestStates
 
     states = RequestStates(_cfg())
     st = states.resolve(_request("r", 1000, kv_prompt_mode="end"))
@@ -144,7 +144,7 @@ def test_trigger_fires_after_the_chunk_that_goes_over_budget() -> None:
     """Stream mode, budget 8 blocks, chunk 128: the event follows the chunk ending at 384
     (12 live blocks); it scores the newest prefill window and may evict up to the newest
     ``recent_blocks + 1`` live blocks."""
-    from nexus_vllm.integration.request_state import RequestEvictionState
+    from nexus_vllm.integration.scheduler.request_state import RequestEvictionState
 
     cfg = _cfg()
     st = RequestEvictionState(cfg=cfg, seed=0, prompt_tokens=1000)
@@ -162,7 +162,7 @@ def test_trigger_fires_after_the_chunk_that_goes_over_budget() -> None:
 def test_a_recompute_chunk_past_the_prompt_is_bounded_and_counted_as_decode() -> None:
     """A resumed request's chunk that runs past its prompt's end: its hard limit is the
     prompt's, and the generated tokens in it count toward the decode interval."""
-    from nexus_vllm.integration.request_state import RequestEvictionState
+    from nexus_vllm.integration.scheduler.request_state import RequestEvictionState
 
     cfg = _cfg(prompt_mode="end")
     st = RequestEvictionState(cfg=cfg, seed=0, prompt_tokens=1000)
@@ -193,9 +193,9 @@ class _Blocks:
 @pytest.mark.parametrize("spare, admitted", [(0, True), (-1, False)])
 def test_admission_reserves_what_admitted_requests_may_still_grow_to(spare, admitted
                                                                      ) -> None:  # noqa: ANN001
-    from nexus_vllm.integration.admission import AdmissionGate
     from nexus_vllm.integration.metrics import SchedulerCounters
-    from nexus_vllm.integration.request_state import RequestStates
+    from nexus_vllm.integration.scheduler.admission import AdmissionGate
+    from nexus_vllm.integration.scheduler.request_state import RequestStates
 
     states, counters = RequestStates(_cfg()), SchedulerCounters()
     first, second = _request("a", 1000), _request("b", 1000)
@@ -217,9 +217,9 @@ def test_admission_reserves_what_admitted_requests_may_still_grow_to(spare, admi
 
 
 def test_admission_bound_stops_at_max_model_len() -> None:
-    from nexus_vllm.integration.admission import AdmissionGate
     from nexus_vllm.integration.metrics import SchedulerCounters
-    from nexus_vllm.integration.request_state import RequestStates
+    from nexus_vllm.integration.scheduler.admission import AdmissionGate
+    from nexus_vllm.integration.scheduler.request_state import RequestStates
 
     states = RequestStates(_cfg(prompt_mode="keep"))
     gate = AdmissionGate(states, _Blocks({}, free=0), SchedulerCounters(), max_model_len=1010)
@@ -248,7 +248,7 @@ def _scored(method: str):  # noqa: ANN202
 def test_evictor_runs_a_scoreless_policy_without_masses() -> None:
     """Streaming reads no mass: the worker sends none and the policy still evicts down to
     the budget, the nulls going to the channel and the watermark set."""
-    from nexus_vllm.integration.step_plan import WorkerReply
+    from nexus_vllm.integration.protocol import WorkerReply
 
     mgr, pool, plan, reqs = _scored("streaming")
     assert not plan.score["r"].needs_mass
@@ -266,7 +266,7 @@ def test_evictor_runs_a_scoreless_policy_without_masses() -> None:
 
 def test_evictor_frees_nothing_when_the_policy_fails(monkeypatch) -> None:  # noqa: ANN001
     from nexus_vllm.core.policies import StreamingPolicy
-    from nexus_vllm.integration.step_plan import WorkerReply
+    from nexus_vllm.integration.protocol import WorkerReply
 
     def fail(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise RuntimeError("policy bug")
@@ -281,7 +281,7 @@ def test_evictor_frees_nothing_when_the_policy_fails(monkeypatch) -> None:  # no
 
 
 def test_evictor_skips_a_request_whose_evidence_the_worker_dropped() -> None:
-    from nexus_vllm.integration.step_plan import WorkerReply
+    from nexus_vllm.integration.protocol import WorkerReply
 
     mgr, pool, plan, reqs = _scored("knorm")
     assert plan.score["r"].needs_key_norms

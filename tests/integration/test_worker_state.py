@@ -25,7 +25,7 @@ PHYS = {"a": [3, 7, 8, 2, 5], "b": [9, 10], "c": [11, 12, 13, 14]}
 
 
 def _plan(step_id: int, **kw):  # noqa: ANN003, ANN202
-    from nexus_vllm.integration.step_plan import StepPlan
+    from nexus_vllm.integration.protocol import StepPlan
 
     return StepPlan(step_id=step_id, **kw)
 
@@ -166,8 +166,8 @@ def test_capture_and_scoring_equal_the_oracle() -> None:
     """Plan -> capture over several steps -> one batched score per layer == the core
     oracle on the live keys, averaged over scored layers, for two requests at once."""
     from nexus_vllm.core import block_attention_mass
-    from nexus_vllm.integration.attention import key_view
-    from nexus_vllm.integration.step_plan import ScoreRequest
+    from nexus_vllm.integration.protocol import ScoreRequest
+    from nexus_vllm.integration.worker.attention import key_view
 
     torch.manual_seed(2)
     runner = FakeRunner({"a": PHYS["a"], "b": PHYS["c"]})
@@ -221,7 +221,7 @@ def test_capture_and_scoring_equal_the_oracle() -> None:
 def test_missing_plan_masks_what_may_have_been_freed() -> None:
     """Without a usable plan the worker hides every block the scheduler may have freed
     since its last applied plan, for that step only, and never acknowledges."""
-    from nexus_vllm.integration.step_plan import ScoreRequest
+    from nexus_vllm.integration.protocol import ScoreRequest
 
     runner = FakeRunner({"a": [3, 7, 8, 2, 5, 6, 4], "b": [9, 10]})
     state = make_state(runner)
@@ -272,12 +272,12 @@ def test_reset_requests_ignore_old_nulls() -> None:
 
 def test_scoring_failure_drops_the_event(monkeypatch) -> None:  # noqa: ANN001
     from nexus_vllm.integration import faults
-    from nexus_vllm.integration.step_plan import ScoreRequest
+    from nexus_vllm.integration.protocol import ScoreRequest
 
     monkeypatch.setattr(faults, "_SPECS", faults.parse("score_error"))
     runner = FakeRunner({"a": [3, 7, 8, 2, 5]})
     kv = torch.zeros(16, HKV, BS, 2 * D)
-    from nexus_vllm.integration.attention import key_view
+    from nexus_vllm.integration.worker.attention import key_view
 
     state = make_state(runner, layers={0: key_view("CPU_ATTN", kv, D, "vec")})
     sreq = ScoreRequest(window=2, num_logical_blocks=5, evictable_below=1)
@@ -293,8 +293,8 @@ def test_scoring_failure_drops_the_event(monkeypatch) -> None:  # noqa: ANN001
 
 def test_self_check_catches_a_wrong_key_view(monkeypatch) -> None:  # noqa: ANN001
     """With NEXUS_VLLM_SELF_CHECK=1 a key view that does not hold what vLLM wrote raises."""
-    from nexus_vllm.integration.attention import key_view
-    from nexus_vllm.integration.worker_state import SelfCheckError
+    from nexus_vllm.integration.worker.attention import key_view
+    from nexus_vllm.integration.worker.worker_state import SelfCheckError
 
     monkeypatch.setenv("NEXUS_VLLM_SELF_CHECK", "1")
     runner = FakeRunner({"a": [3, 7]})
@@ -336,8 +336,8 @@ def test_scoring_every_request_with_mass_and_key_norms_in_one_step() -> None:
     (more than half is enough), the scorer's row staging must still hold them all, or
     the whole step's events are dropped as ``score_error``."""
     from nexus_vllm.core import EvictionConfig
-    from nexus_vllm.integration.attention import key_view
-    from nexus_vllm.integration.step_plan import ScoreRequest
+    from nexus_vllm.integration.protocol import ScoreRequest
+    from nexus_vllm.integration.worker.attention import key_view
 
     policy = EvictionConfig(method="nexus", max_tokens=192,
                             policy_args={"knorm_prior": 1.0}).policy()

@@ -19,7 +19,7 @@ How
     ``vllm_xargs`` into ``SamplingParams.extra_args`` the same way, through
     ``ResponsesRequest.to_sampling_params``, called after the render and before
     ``request.stream`` picks the stream generator). After vLLM's checks pass, run
-    :func:`nexus_vllm.integration.request_config.validate_request_args` on
+    :func:`nexus_vllm.integration.frontend.request_args.validate_request_args` on
     ``request.vllm_xargs``; a bad field returns vLLM's ``ErrorResponse`` (HTTP 400,
     ``param`` = ``vllm_xargs.<field>``). It is returned, not raised, so vLLM logs nothing
     for it.
@@ -37,9 +37,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from nexus_vllm.integration.patches.catalogue import swap
-from nexus_vllm.integration.patches.input_processor import server_limits
-from nexus_vllm.integration.request_config import RequestArgError, validate_request_args
+from nexus_vllm.integration.compat.catalogue import swap
+from nexus_vllm.integration.frontend.patches.input_processor import server_limits
+from nexus_vllm.integration.frontend.request_args import RequestArgError, validate_request_args
 
 __all__ = ["apply", "check_xargs"]
 

@@ -19,7 +19,7 @@ one declared per-backend fact is where keys live in the KV cache (:func:`key_vie
 like vLLM's own ``get_kv_cache_stride_order``.
 
 Classes are created on first use and are importable by name
-(``nexus_vllm.integration.attention.Nexus_FLASH_ATTN``), which is how vLLM's registry
+(``nexus_vllm.integration.worker.attention.Nexus_FLASH_ATTN``), which is how vLLM's registry
 resolves them.
 """
 
@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from nexus_vllm.integration.compaction import Compactor
-    from nexus_vllm.integration.query_ring import QueryRing
+    from nexus_vllm.integration.worker.compaction import Compactor
+    from nexus_vllm.integration.worker.query_ring import QueryRing
 
 __all__ = [
     "CPU_BACKENDS",
@@ -110,7 +110,7 @@ def cpu_key_layout(isa: str, head_size: int, block_size: int, dtype: torch.dtype
     per configuration by writing known keys with vLLM's CPU cache writer and reading them
     back, so a layout change in a new vLLM release fails loudly instead of scoring
     garbage."""
-    from nexus_vllm.integration.vllm_compat import cpu_key_layout_probe
+    from nexus_vllm.integration.compat.vllm_compat import cpu_key_layout_probe
 
     cache_key = (isa, head_size, block_size, dtype)
     if cache_key not in _CPU_KEY_LAYOUTS:

@@ -24,9 +24,9 @@ import torch
 
 from nexus_vllm.core import cdiv
 from nexus_vllm.integration import faults
-from nexus_vllm.integration.query_ring import QueryRing
-from nexus_vllm.integration.vllm_compat import pp_all_reduce, tp_all_reduce
-from nexus_vllm.integration.worker_step import Batch, SelfCheckError, Staging, Step
+from nexus_vllm.integration.compat.vllm_compat import pp_all_reduce, tp_all_reduce
+from nexus_vllm.integration.worker.query_ring import QueryRing
+from nexus_vllm.integration.worker.worker_step import Batch, SelfCheckError, Staging, Step
 
 __all__ = ["BlockScorer", "Evidence", "RankLayout", "reduce_over_ranks"]
 

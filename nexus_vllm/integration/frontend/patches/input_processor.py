@@ -9,7 +9,7 @@ Why
 How
     Wrap ``InputProcessor._validate_params`` (the API server's request validation, whose
     ``ValueError``/``VLLMValidationError`` become HTTP 400): after vLLM's own checks, run
-    :func:`nexus_vllm.integration.request_config.validate_request_args` against the
+    :func:`nexus_vllm.integration.frontend.request_args.validate_request_args` against the
     server's config and ``max_model_len``, read once from ``vllm_config``
     (:func:`server_limits`).
 vLLM version
@@ -25,9 +25,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from nexus_vllm.integration.patches.catalogue import swap
-from nexus_vllm.integration.request_config import RequestArgError, validate_request_args
-from nexus_vllm.integration.server_config import config_from_additional
+from nexus_vllm.integration.compat.catalogue import swap
+from nexus_vllm.integration.config import config_from_additional
+from nexus_vllm.integration.frontend.request_args import RequestArgError, validate_request_args
 
 __all__ = ["apply", "server_limits"]
 

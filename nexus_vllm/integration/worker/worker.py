@@ -4,17 +4,17 @@ The base class is the platform's worker (``CPUWorker`` on CPU, ``Worker`` on CUD
 eviction path on top of it is the same on both:
 
 * ``__init__``: point vLLM's attention-backend registry entries for this platform at
-  their nexus subclasses (``integration/attention.py``) before the model is built;
+  their nexus subclasses (``integration/worker/attention.py``) before the model is built;
 * ``load_model``: check every attention layer can be evicted from, and allocate the
   query ring before vLLM profiles memory for the KV cache;
 * ``initialize_from_config``: pick the adapter of vLLM's model runner
-  (``integration/runners.py``), bind the eviction state to every metadata builder and
+  (``integration/compat/runners.py``), bind the eviction state to every metadata builder and
   attention impl, and to each scored layer's key cache; ``extend_kv_cache`` (vLLM 0.34
   re-binds every layer's KV tensors after warm-up) binds the key views again;
 * ``execute_model``: apply the step's plan, run vLLM's step, score the requests due
   (with pipeline parallelism each stage scores the layers it holds; the sums meet in
   ``block_scorer.reduce_over_ranks``);
-* ``sample_tokens``: attach the step's :class:`~nexus_vllm.integration.step_plan.WorkerReply`.
+* ``sample_tokens``: attach the step's :class:`~nexus_vllm.integration.protocol.WorkerReply`.
 """
 
 from __future__ import annotations
@@ -25,19 +25,8 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
-from nexus_vllm.integration.attention import (
-    CPU_BACKENDS,
-    CUDA_BACKENDS,
-    NexusAttentionImplMixin,
-    NexusMetadataBuilderMixin,
-    key_view,
-    register_backends,
-)
-from nexus_vllm.integration.block_scorer import RankLayout
-from nexus_vllm.integration.runners import RunnerAdapter, runner_adapter
-from nexus_vllm.integration.server_config import config_from_additional
-from nexus_vllm.integration.step_plan import attach_reply, read_plan
-from nexus_vllm.integration.vllm_compat import (
+from nexus_vllm.integration.compat.runners import RunnerAdapter, runner_adapter
+from nexus_vllm.integration.compat.vllm_compat import (
     attention_groups,
     attention_layers,
     check_vllm_version,
@@ -46,7 +35,18 @@ from nexus_vllm.integration.vllm_compat import (
     pp_rank_and_size,
     tp_rank_and_size,
 )
-from nexus_vllm.integration.worker_state import LayerKeys, WorkerEvictionState, layer_index
+from nexus_vllm.integration.config import config_from_additional
+from nexus_vllm.integration.protocol import attach_reply, read_plan
+from nexus_vllm.integration.worker.attention import (
+    CPU_BACKENDS,
+    CUDA_BACKENDS,
+    NexusAttentionImplMixin,
+    NexusMetadataBuilderMixin,
+    key_view,
+    register_backends,
+)
+from nexus_vllm.integration.worker.block_scorer import RankLayout
+from nexus_vllm.integration.worker.worker_state import LayerKeys, WorkerEvictionState, layer_index
 
 logger = init_logger(__name__)
 

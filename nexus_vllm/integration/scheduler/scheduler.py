@@ -1,8 +1,8 @@
 """Scheduler subclass selected by ``scheduler_cls`` for evicting configurations.
 
-``schedule()`` attaches the step's :class:`~nexus_vllm.integration.step_plan.StepPlan` to
+``schedule()`` attaches the step's :class:`~nexus_vllm.integration.protocol.StepPlan` to
 the ``SchedulerOutput``; ``update_from_output()`` reads the worker's
-:class:`~nexus_vllm.integration.step_plan.WorkerReply`, runs each scored request's policy
+:class:`~nexus_vllm.integration.protocol.WorkerReply`, runs each scored request's policy
 and frees the evicted blocks *before* vLLM frees finished requests and schedules the next
 step; ``make_stats()`` adds the ``nexus:*`` metrics.
 """
@@ -16,10 +16,10 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from nexus_vllm.integration import faults
-from nexus_vllm.integration.manager import EvictionManager
-from nexus_vllm.integration.server_config import config_from_additional
-from nexus_vllm.integration.step_plan import StepPlan, attach_plan, read_reply
-from nexus_vllm.integration.vllm_compat import check_vllm_version
+from nexus_vllm.integration.compat.vllm_compat import check_vllm_version
+from nexus_vllm.integration.config import config_from_additional
+from nexus_vllm.integration.protocol import StepPlan, attach_plan, read_reply
+from nexus_vllm.integration.scheduler.manager import EvictionManager
 
 logger = init_logger(__name__)
 

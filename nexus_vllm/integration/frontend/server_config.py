@@ -21,21 +21,18 @@ from typing import Any
 from nexus_vllm.argtypes import int_at_least
 from nexus_vllm.core.config import PROMPT_MODES
 from nexus_vllm.core.policies import SERVABLE_METHODS
+from nexus_vllm.integration.config import ADDITIONAL_CONFIG_KEY
 
 __all__ = [
-    "ADDITIONAL_CONFIG_KEY",
     "CLI_FLAGS",
     "METHODS",
     "SERVER_FLAGS",
     "add_cli_flags",
     "additional_config_from_cli",
-    "config_from_additional",
-    "describe_value",
     "load_config_file",
     "resolve_config",
 ]
 
-ADDITIONAL_CONFIG_KEY = "nexus"
 # Methods a server can be started with: the policies whose evidence the plugin gathers.
 METHODS = SERVABLE_METHODS
 # CLI flag -> EvictionConfig field.
@@ -61,16 +58,6 @@ _RULE_READS = {
     "max_tokens": ("block_size",),
     "prefill_budget": ("prompt_mode", "max_tokens", "block_size"),
 }
-
-
-def describe_value(value: Any) -> str:
-    """``value`` as the user gave it, with its JSON type when that is the problem."""
-    text = repr(value)
-    if len(text) > 40:  # a huge number or string: enough to recognise it
-        text = f"{text[:30]}... ({len(text)} characters)"
-    kind = {bool: "a boolean", str: "a string", list: "a list", dict: "an object",
-            type(None): "null"}.get(type(value))
-    return f"{text} ({kind})" if kind else text
 
 
 # -- the --kv-* flags ----------------------------------------------------------------------
@@ -289,22 +276,3 @@ def resolve_config(
             "or --kv-keep-ratio R"
         )
     return cfg
-
-
-def config_from_additional(additional_config: Any) -> Any | None:
-    """The server's ``EvictionConfig`` from ``VllmConfig.additional_config``.
-
-    Returns None when the plugin is off (no ``nexus`` entry, or method ``none``).
-    """
-    if not isinstance(additional_config, dict):
-        return None
-    knobs = additional_config.get(ADDITIONAL_CONFIG_KEY)
-    if knobs is None or knobs == {}:
-        return None
-    if not isinstance(knobs, dict):
-        # A falsy non-mapping (0, "", []) must not turn eviction off silently.
-        raise ValueError(f"'nexus' must be a mapping of eviction knobs; got {knobs!r}")
-    from nexus_vllm.core import EvictionConfig
-
-    cfg = EvictionConfig.from_dict(dict(knobs))
-    return None if cfg.method == "none" else cfg

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from nexus_vllm.integration.step_plan import StepPlan, WorkerReply
+from nexus_vllm.integration.protocol import StepPlan, WorkerReply
 
 __all__ = ["PlanChannel"]
 

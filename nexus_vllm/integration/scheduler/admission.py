@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from nexus_vllm.integration.live_blocks import LiveBlocks
 from nexus_vllm.integration.metrics import SchedulerCounters
-from nexus_vllm.integration.request_state import RequestEvictionState, RequestStates
+from nexus_vllm.integration.scheduler.live_blocks import LiveBlocks
+from nexus_vllm.integration.scheduler.request_state import RequestEvictionState, RequestStates
 
 __all__ = ["AdmissionGate"]
 

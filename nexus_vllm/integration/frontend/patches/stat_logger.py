@@ -22,8 +22,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from nexus_vllm.integration.compat.catalogue import swap
 from nexus_vllm.integration.metrics import export, pop_nexus_stats
-from nexus_vllm.integration.patches.catalogue import swap
 
 __all__ = ["apply"]
 

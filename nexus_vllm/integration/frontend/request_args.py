@@ -16,19 +16,16 @@ import difflib
 import math
 from typing import Any
 
-from nexus_vllm.integration.server_config import METHODS, SERVER_FLAGS, describe_value
+from nexus_vllm.argtypes import describe_value
+from nexus_vllm.integration.config import CONFIG_FIELD_OF, REQUEST_FIELDS, request_config
+from nexus_vllm.integration.frontend.server_config import METHODS, SERVER_FLAGS
 
 __all__ = [
-    "REQUEST_FIELDS",
     "RequestArgError",
-    "request_config",
     "validate_request_args",
 ]
 
-# The per-request fields of ``vllm_xargs`` (-> EvictionConfig field).
-REQUEST_FIELDS = ("kv_budget", "kv_eviction", "kv_prompt_mode", "kv_prefill_budget")
-_REQUEST_FIELD_OF = {"max_tokens": "kv_budget", "method": "kv_eviction",
-                     "prompt_mode": "kv_prompt_mode", "prefill_budget": "kv_prefill_budget"}
+_REQUEST_FIELD_OF = {field: key for key, field in CONFIG_FIELD_OF.items()}
 # ``vllm_xargs`` keys that start with these (after lower-casing, ``-`` -> ``_``) are ours:
 # one that is not a field is a typo and is refused; every other key passes untouched.
 RESERVED_PREFIXES = ("kv_", "nexus")
@@ -217,33 +214,3 @@ def validate_request_args(extra_args: dict[str, Any] | None, server_cfg: Any | N
         if key not in extra_args:
             key = next((k for k in REQUEST_FIELDS if k in extra_args), "kv_eviction")
         raise RequestArgError(str(key), str(exc)) from None
-
-
-def request_config(server_cfg: Any, extra_args: dict[str, Any] | None) -> Any | None:
-    """The ``EvictionConfig`` one request runs with (None = no eviction for it).
-
-    ``extra_args`` was validated by :func:`validate_request_args` in the API server. A
-    ``kv_prompt_mode`` other than ``end`` drops the server's ``prefill_budget`` (it
-    applies to ``end`` only).
-    """
-    if server_cfg is None:
-        return None
-    cfg = server_cfg
-    if extra_args:
-        if extra_args.get("kv_eviction") == "none":
-            return None
-        changes: dict[str, Any] = {}
-        if "kv_eviction" in extra_args:
-            changes["method"] = extra_args["kv_eviction"]
-        if "kv_budget" in extra_args:
-            changes["max_tokens"] = int(extra_args["kv_budget"])
-            changes["keep_ratio"] = None
-        if "kv_prompt_mode" in extra_args:
-            changes["prompt_mode"] = extra_args["kv_prompt_mode"]
-            if changes["prompt_mode"] != "end":
-                changes["prefill_budget"] = None
-        if "kv_prefill_budget" in extra_args:
-            changes["prefill_budget"] = int(extra_args["kv_prefill_budget"])
-        if changes:
-            cfg = cfg.replace(**changes)
-    return None if cfg.method == "none" else cfg

@@ -26,11 +26,11 @@ validation or plugin metrics; each patch's Plan names the hook that would replac
 | stat_logger     | ``StatLoggerManager.record``                      | API server |
 
 Not patches, but overrides through vLLM's own extension points, leaning on internals
-listed (with their canaries) in ``nexus_vllm/integration/vllm_compat.py`` and
-``nexus_vllm/integration/runners.py``:
+listed (with their canaries) in ``nexus_vllm/integration/compat/vllm_compat.py`` and
+``nexus_vllm/integration/compat/runners.py``:
 
 * the attention backend registry: the worker re-registers ``CPU_ATTN`` / ``FLASH_ATTN`` /
-  ``FLASHINFER`` / ``TRITON_ATTN`` with our subclasses (``integration/attention.py``);
+  ``FLASHINFER`` / ``TRITON_ATTN`` with our subclasses (``integration/worker/attention.py``);
 * ``scheduler_cls`` / ``worker_cls``: ``NexusScheduler`` / ``NexusWorker``;
 * ``NexusScheduler.get_request_counts`` (behavioural): vLLM drops the per-request prefill
   cap (``long_prefill_token_threshold``) when a single request is eligible; the override
@@ -71,10 +71,10 @@ def apply_all() -> bool:
         return _APPLIED
     from vllm.logger import init_logger
 
-    from nexus_vllm.integration.patches import catalogue
+    from nexus_vllm.integration.compat import catalogue
 
     try:
-        from nexus_vllm.integration.patches import (
+        from nexus_vllm.integration.frontend.patches import (
             engine_args,
             input_processor,
             openai_serving,

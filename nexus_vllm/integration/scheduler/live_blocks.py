@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nexus_vllm.core import cdiv
-from nexus_vllm.integration.vllm_compat import BlockPoolView, request_blocks
+from nexus_vllm.integration.compat.vllm_compat import BlockPoolView, request_blocks
 
 __all__ = ["LiveBlocks"]
 

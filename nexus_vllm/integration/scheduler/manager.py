@@ -5,19 +5,19 @@
 ``make_stats()``) and what the wraps on vLLM's ``KVCacheManager`` consult. It coordinates
 one part per job:
 
-* :class:`~nexus_vllm.integration.request_state.RequestStates`: each request's config,
+* :class:`~nexus_vllm.integration.scheduler.request_state.RequestStates`: each request's config,
   trigger and policy state (the budget trigger of one step is
-  :meth:`~nexus_vllm.integration.request_state.RequestEvictionState.plan_event`);
-* :class:`~nexus_vllm.integration.live_blocks.LiveBlocks`: the requests' block lists,
+  :meth:`~nexus_vllm.integration.scheduler.request_state.RequestEvictionState.plan_event`);
+* :class:`~nexus_vllm.integration.scheduler.live_blocks.LiveBlocks`: the requests' block lists,
   nulled and freed in place (the list stays logical);
-* :class:`~nexus_vllm.integration.admission.AdmissionGate`: reserves each evicting
+* :class:`~nexus_vllm.integration.scheduler.admission.AdmissionGate`: reserves each evicting
   request's bound before it starts (wraps ``allocate_slots``);
-* :mod:`~nexus_vllm.integration.prefix_cache`: what an evicting request may publish to
+* :mod:`~nexus_vllm.integration.scheduler.prefix_cache`: what an evicting request may publish to
   the prefix cache (its clean watermark, wraps ``cache_blocks``) and the hit it may start
   from (wraps ``get_computed_blocks``);
-* :class:`~nexus_vllm.integration.plan_channel.PlanChannel`: step ids, nulls resent
+* :class:`~nexus_vllm.integration.scheduler.plan_channel.PlanChannel`: step ids, nulls resent
   until the worker acknowledges them;
-* :class:`~nexus_vllm.integration.evictor.Evictor`: the worker's scores turned into
+* :class:`~nexus_vllm.integration.scheduler.evictor.Evictor`: the worker's scores turned into
   evictions (policy, null + free).
 
 Every budget rule (a request's target and hard limit at each step, its admission bound,
@@ -34,15 +34,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from nexus_vllm.integration import faults
-from nexus_vllm.integration.admission import AdmissionGate
-from nexus_vllm.integration.evictor import Evictor
-from nexus_vllm.integration.live_blocks import LiveBlocks
-from nexus_vllm.integration.metrics import SchedulerCounters
-from nexus_vllm.integration.plan_channel import PlanChannel
-from nexus_vllm.integration.prefix_cache import CleanWatermarks, prefix_hit_cap
-from nexus_vllm.integration.request_state import RequestEvictionState, RequestStates
-from nexus_vllm.integration.step_plan import ScoreRequest, StepPlan, WorkerReply
-from nexus_vllm.integration.vllm_compat import (
+from nexus_vllm.integration.compat.vllm_compat import (
     BlockPoolView,
     cap_prefix_caching,
     cap_prefix_hits,
@@ -50,6 +42,14 @@ from nexus_vllm.integration.vllm_compat import (
     reset_request_ids,
     single_type_manager,
 )
+from nexus_vllm.integration.metrics import SchedulerCounters
+from nexus_vllm.integration.protocol import ScoreRequest, StepPlan, WorkerReply
+from nexus_vllm.integration.scheduler.admission import AdmissionGate
+from nexus_vllm.integration.scheduler.evictor import Evictor
+from nexus_vllm.integration.scheduler.live_blocks import LiveBlocks
+from nexus_vllm.integration.scheduler.plan_channel import PlanChannel
+from nexus_vllm.integration.scheduler.prefix_cache import CleanWatermarks, prefix_hit_cap
+from nexus_vllm.integration.scheduler.request_state import RequestEvictionState, RequestStates
 
 logger = init_logger(__name__)
 
@@ -97,7 +97,7 @@ class EvictionManager:
     # -- vLLM's KVCacheManager (through the wraps) -------------------------------------
     def hit_cap(self, request: Any) -> tuple[int, int] | None:
         """``(limit, multiple)`` for an evicting request's prefix hit (None: no cap;
-        :func:`~nexus_vllm.integration.prefix_cache.prefix_hit_cap`)."""
+        :func:`~nexus_vllm.integration.scheduler.prefix_cache.prefix_hit_cap`)."""
         st = self.states.resolve(request)
         if st is None:
             return None

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from nexus_vllm.core import EvictionTrigger, cdiv
-from nexus_vllm.integration.request_config import request_config
-from nexus_vllm.integration.step_plan import ScoreRequest
+from nexus_vllm.integration.config import request_config
+from nexus_vllm.integration.protocol import ScoreRequest
 
 __all__ = ["RequestEvictionState", "RequestStates"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nexus_vllm.integration.worker_step import LayerKeys, SelfCheckError, Staging, Step
+from nexus_vllm.integration.worker.worker_step import LayerKeys, SelfCheckError, Staging, Step
 
 __all__ = ["QueryRing"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nexus_vllm.integration.step_plan import StepPlan
+from nexus_vllm.integration.protocol import StepPlan
 
 __all__ = ["Batch", "LayerKeys", "SelfCheckError", "Staging", "Step"]
 

@@ -1,19 +1,19 @@
 """The worker's eviction state: the plan applied, the step's parts wired, the reply built.
 
-One object per worker process, owned by :class:`~nexus_vllm.integration.worker.NexusWorker`.
+One object per worker process, owned by :class:`~nexus_vllm.integration.worker.worker.NexusWorker`.
 It is the same code on every backend, device and model runner (the runner is reached only
-through its adapter, ``integration/runners.py``): on CPU (tested end to end in CI) and on
+through its adapter, ``integration/compat/runners.py``): on CPU (tested end to end in CI) and on
 CUDA. It owns three parts, each fed to the hook that uses it and handed the step
-explicitly (``integration/worker_step.py``):
+explicitly (``integration/worker/worker_step.py``):
 
-* :class:`~nexus_vllm.integration.compaction.Compactor`, fed to the metadata builders;
-* :class:`~nexus_vllm.integration.query_ring.QueryRing`, fed to the attention impls;
-* :class:`~nexus_vllm.integration.block_scorer.BlockScorer`, run after the forward.
+* :class:`~nexus_vllm.integration.worker.compaction.Compactor`, fed to the metadata builders;
+* :class:`~nexus_vllm.integration.worker.query_ring.QueryRing`, fed to the attention impls;
+* :class:`~nexus_vllm.integration.worker.block_scorer.BlockScorer`, run after the forward.
 
 One step (``NexusWorker.execute_model``):
 
 1. :meth:`WorkerEvictionState.begin_step` checks the
-   :class:`~nexus_vllm.integration.step_plan.StepPlan` (fail-closed, see ``step_plan``),
+   :class:`~nexus_vllm.integration.protocol.StepPlan` (fail-closed, see ``step_plan``),
    writes the null block id over newly evicted entries through the runner adapter, keeps a
    per-request set of evicted logical blocks (what compaction reads) and opens the step;
 2. vLLM builds attention metadata: the compactor rewrites it for rows with evicted
@@ -23,7 +23,7 @@ One step (``NexusWorker.execute_model``):
    once), reduce over tensor-parallel ranks and pipeline stages and start one
    non-blocking host copy;
 5. :meth:`reply` (after sampling) turns that copy into the step's
-   :class:`~nexus_vllm.integration.step_plan.WorkerReply`; :meth:`end_step` restores any
+   :class:`~nexus_vllm.integration.protocol.WorkerReply`; :meth:`end_step` restores any
    temporarily masked entries and closes the step.
 
 ``NEXUS_VLLM_SELF_CHECK=1`` (the GPU check and some end-to-end tests set it) adds two
@@ -43,13 +43,13 @@ import torch
 from vllm.logger import init_logger
 
 from nexus_vllm.integration import faults
-from nexus_vllm.integration.block_scorer import BlockScorer, RankLayout
-from nexus_vllm.integration.compaction import Compactor
-from nexus_vllm.integration.query_ring import QueryRing
-from nexus_vllm.integration.runners import RunnerAdapter
-from nexus_vllm.integration.step_plan import ScoreRequest, StepPlan, WorkerReply
-from nexus_vllm.integration.vllm_compat import NULL_BLOCK_ID, reset_request_ids
-from nexus_vllm.integration.worker_step import LayerKeys, SelfCheckError, Step
+from nexus_vllm.integration.compat.runners import RunnerAdapter
+from nexus_vllm.integration.compat.vllm_compat import NULL_BLOCK_ID, reset_request_ids
+from nexus_vllm.integration.protocol import ScoreRequest, StepPlan, WorkerReply
+from nexus_vllm.integration.worker.block_scorer import BlockScorer, RankLayout
+from nexus_vllm.integration.worker.compaction import Compactor
+from nexus_vllm.integration.worker.query_ring import QueryRing
+from nexus_vllm.integration.worker.worker_step import LayerKeys, SelfCheckError, Step
 
 logger = init_logger(__name__)
 

@@ -49,8 +49,8 @@ accessor                      vLLM internal                         why
 ============================  ====================================  ===========================
 
 The model runners (V1, V2 on CUDA, 0.34's standalone CPU runner) are reached only through
-``nexus_vllm.integration.runners``. Every patch, wrap, override and attribute set on a vLLM
-object is listed in ``nexus_vllm.integration.patches.catalogue``; the wraps here go
+``nexus_vllm.integration.compat.runners``. Every patch, wrap, override and attribute set on a vLLM
+object is listed in ``nexus_vllm.integration.compat.catalogue``; the wraps here go
 through its ``wrap_instance``. Where releases differ, the code detects the feature
 (a parameter, an attribute), never the version string.
 """
@@ -64,9 +64,9 @@ from typing import Any
 
 import torch
 
-from nexus_vllm.integration.engine_policy import AttentionTraits, unsupported_attention
-from nexus_vllm.integration.patches.catalogue import wrap_instance
-from nexus_vllm.integration.versions import (
+from nexus_vllm.integration.compat.attention_traits import AttentionTraits, unsupported_attention
+from nexus_vllm.integration.compat.catalogue import wrap_instance
+from nexus_vllm.integration.compat.versions import (
     SUPPORTED_VLLM,
     UnsupportedVLLMError,
     check_supported,

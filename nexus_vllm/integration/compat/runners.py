@@ -28,7 +28,7 @@ adapter                runner                           where vLLM uses it
 The V2 family keeps no per-request block-id list on the host and builds its batch per
 step, so its adapters keep their own logical rows (mirrored from each
 ``SchedulerOutput``) and learn the batch order from the runner's ``prepare_attn``
-(wrapped on the instance; catalogued in ``integration/patches/catalogue.py``). Their
+(wrapped on the instance; catalogued in ``integration/compat/catalogue.py``). Their
 writes are queued and land inside ``prepare_attn``: after ``update_requests`` (so request
 indices are current, including those reused in this step) and after the step's own
 ``apply_staged_writes``, before the block tables are gathered for attention.

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from nexus_vllm.integration.vllm_compat import NULL_BLOCK_ID
-from nexus_vllm.integration.worker_step import Batch, Step
+from nexus_vllm.integration.compat.vllm_compat import NULL_BLOCK_ID
+from nexus_vllm.integration.worker.worker_step import Batch, Step
 
 __all__ = ["Compactor"]
 

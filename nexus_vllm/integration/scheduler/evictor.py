@@ -5,7 +5,7 @@ computed blocks are evicted; the policy always keeps the sink blocks (in ``promp
 ``keep``, every prompt block) and the newest ``recent_blocks + 1`` live blocks
 (``ScoreRequest.evictable_below``). Freeing at once is safe because the worker learns
 every null before it can read a reused block: the next plan carries it
-(:class:`~nexus_vllm.integration.plan_channel.PlanChannel`).
+(:class:`~nexus_vllm.integration.scheduler.plan_channel.PlanChannel`).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import torch
 
 from nexus_vllm.core.policies import Evidence
 from nexus_vllm.integration import faults
-from nexus_vllm.integration.live_blocks import LiveBlocks
+from nexus_vllm.integration.compat.vllm_compat import BlockPoolView
 from nexus_vllm.integration.metrics import SchedulerCounters
-from nexus_vllm.integration.plan_channel import PlanChannel
-from nexus_vllm.integration.prefix_cache import CleanWatermarks
-from nexus_vllm.integration.request_state import RequestEvictionState, RequestStates
-from nexus_vllm.integration.step_plan import ScoreRequest, StepPlan, WorkerReply
-from nexus_vllm.integration.vllm_compat import BlockPoolView
+from nexus_vllm.integration.protocol import ScoreRequest, StepPlan, WorkerReply
+from nexus_vllm.integration.scheduler.live_blocks import LiveBlocks
+from nexus_vllm.integration.scheduler.plan_channel import PlanChannel
+from nexus_vllm.integration.scheduler.prefix_cache import CleanWatermarks
+from nexus_vllm.integration.scheduler.request_state import RequestEvictionState, RequestStates
 
 __all__ = ["Evictor"]
 

@@ -20,11 +20,11 @@ How
       and worker, the block size, chunked prefill at ``chunk_size`` tokens per request
       and step, synchronous scheduling and, on CUDA, PIECEWISE CUDA graphs; the model
       runner stays the one vLLM picks, every family has an adapter in
-      ``integration/runners.py``); after vLLM builds its config, refuse models whose
+      ``integration/compat/runners.py``); after vLLM builds its config, refuse models whose
       attention eviction cannot run on (``vllm_compat.model_attention_traits``, the same
       check the worker makes per layer) and settings that cannot work within its
       ``max_model_len``; vLLM's own refusal of the chunk size is restated naming
-      ``--kv-chunk-size``. The policy itself is ``integration/engine_policy.py``. Also
+      ``--kv-chunk-size``. The policy itself is ``integration/frontend/engine_policy.py``. Also
       covers the Python ``LLM(..., additional_config={"nexus": {...}})`` path.
 vLLM version
     0.32 to 0.34 (``vllm/engine/arg_utils.py``).
@@ -40,7 +40,9 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from nexus_vllm.integration.engine_policy import (
+from nexus_vllm.integration.compat.catalogue import swap
+from nexus_vllm.integration.config import ADDITIONAL_CONFIG_KEY, config_from_additional
+from nexus_vllm.integration.frontend.engine_policy import (
     EngineSettings,
     check_engine_settings,
     check_model,
@@ -49,12 +51,9 @@ from nexus_vllm.integration.engine_policy import (
     restate_vllm_refusal,
     with_engine_block_size,
 )
-from nexus_vllm.integration.patches.catalogue import swap
-from nexus_vllm.integration.server_config import (
-    ADDITIONAL_CONFIG_KEY,
+from nexus_vllm.integration.frontend.server_config import (
     add_cli_flags,
     additional_config_from_cli,
-    config_from_additional,
 )
 
 __all__ = ["apply", "check_model_config", "engine_settings", "translate_engine_args"]
@@ -138,7 +137,7 @@ def translate_engine_args(engine_args: Any) -> Any | None:
 
 def check_model_config(vllm_config: Any, cfg: Any) -> None:
     """Refuse models eviction cannot run on (after vLLM has built its config)."""
-    from nexus_vllm.integration.vllm_compat import model_attention_traits
+    from nexus_vllm.integration.compat.vllm_compat import model_attention_traits
 
     model = vllm_config.model_config
     layers = getattr(model.hf_text_config, "num_hidden_layers", None)

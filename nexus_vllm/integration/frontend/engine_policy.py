@@ -17,15 +17,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from nexus_vllm.argtypes import describe_value
 from nexus_vllm.core._validate import check_int
-from nexus_vllm.integration.server_config import describe_value
+from nexus_vllm.integration.compat.attention_traits import (
+    AttentionTraits,
+    unsupported_attention,
+)
 
 __all__ = [
     "REFUSALS",
     "REFUSED_PARALLELISM",
     "SCHEDULER_CLS",
     "WORKER_CLS",
-    "AttentionTraits",
     "EngineSettings",
     "check_engine_settings",
     "check_max_model_len",
@@ -34,12 +37,11 @@ __all__ = [
     "forced_engine_args",
     "refuse_parallelism",
     "restate_vllm_refusal",
-    "unsupported_attention",
     "with_engine_block_size",
 ]
 
-SCHEDULER_CLS = "nexus_vllm.integration.scheduler.NexusScheduler"
-WORKER_CLS = "nexus_vllm.integration.worker.NexusWorker"
+SCHEDULER_CLS = "nexus_vllm.integration.scheduler.scheduler.NexusScheduler"
+WORKER_CLS = "nexus_vllm.integration.worker.worker.NexusWorker"
 _DEFAULT_SCHEDULERS = (None, "vllm.v1.core.sched.scheduler.Scheduler", SCHEDULER_CLS)
 # KV cache dtypes that store keys as they are (scoring reads them).
 _PLAIN_KV_DTYPES = ("auto", "float16", "bfloat16", "float32")
@@ -269,44 +271,6 @@ def restate_vllm_refusal(method: str, message: str) -> str | None:
 
 
 # -- the model -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class AttentionTraits:
-    """Attention features of a model (from its config) or of one attention layer that
-    eviction cannot run on (``vllm_compat`` reads them from vLLM); all False: it can."""
-
-    sliding_window: bool = False
-    alibi: bool = False
-    mla: bool = False
-    hybrid: bool = False
-    encoder_decoder: bool = False
-    non_decoder_attention: bool = False
-    mm_prefix: bool = False
-    reference_sliding_window: bool = False
-    shared_kv_cache: bool = False
-
-
-# Trait -> how a refusal names it (and why, where it is not obvious).
-_TRAIT_NAMES = {
-    "sliding_window": "sliding-window attention (compacted block tables would shift the "
-                      "window)",
-    "alibi": "ALiBi position biases (they follow the compacted, not the logical, distance)",
-    "mla": "multi-head latent attention (MLA)",
-    "hybrid": "hybrid attention/state-space layers",
-    "encoder_decoder": "an encoder-decoder architecture",
-    "non_decoder_attention": "attention other than decoder self-attention",
-    # These two build masks from logical positions that compacted lengths would misplace.
-    "mm_prefix": "bidirectional multimodal prefixes",
-    "reference_sliding_window": "reference sliding-window attention",
-    "shared_kv_cache": "another layer's KV cache (KV sharing)",
-}
-
-
-def unsupported_attention(traits: AttentionTraits) -> list[str]:
-    """What in ``traits`` eviction cannot run on, as refusals name it (empty: it can).
-    The one check for a model's config at startup and for each layer in the worker."""
-    return [text for name, text in _TRAIT_NAMES.items() if getattr(traits, name)]
-
-
 def check_model(cfg: Any, model: str, traits: AttentionTraits, max_model_len: int,
                 num_layers: int | None = None) -> None:
     """Refuse a model eviction cannot run on, or a config that cannot work within its
