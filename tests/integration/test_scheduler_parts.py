@@ -1,6 +1,7 @@
 """The scheduler side's parts on their own: the plan channel, the prefix-cache rules, each
 request's state and trigger, admission, and the evictor (``EvictionManager`` coordinates
-them; ``test_manager.py`` runs them together)."""
+them; ``test_manager.py`` runs them together). What a part keeps per request lives in the
+request's ``RequestEvictionState``."""
 
 from __future__ import annotations
 
@@ -29,24 +30,31 @@ def _request(req_id: str, prompt: int, **extra):  # noqa: ANN003, ANN202
 
 
 # -- plan channel ------------------------------------------------------------------------
-def _channel():  # noqa: ANN202
+def _channel(*req_ids: str):  # noqa: ANN202
+    """A channel over the states of evicting requests ``req_ids``, and its faults."""
     from nexus_vllm.integration.scheduler.plan_channel import PlanChannel
+    from nexus_vllm.integration.scheduler.request_state import RequestStates
 
+    states = RequestStates(_cfg())
+    for req_id in req_ids:
+        states.resolve(_request(req_id, 600))
     seen: list[str] = []
-    return PlanChannel(lambda kind, message, **kw: seen.append(kind)), seen
+    return PlanChannel(states, lambda kind, message, **kw: seen.append(kind)), states, seen
 
 
 def test_channel_resends_nulls_until_a_reply_acknowledges_the_plan_that_carried_them(
 ) -> None:
     from nexus_vllm.integration.protocol import StepPlan, WorkerReply
 
-    channel, faults = _channel()
-    channel.record("r", [5, 2])
+    channel, states, faults = _channel("r")
+    r = states.get("r")
+    assert r is not None
+    channel.record(r, [5, 2])
     step1, evict1 = channel.open_step()
     assert (step1, evict1) == (1, {"r": (2, 5)})
     step2, evict2 = channel.open_step()  # plan 1 unanswered: sent again
     assert (step2, evict2) == (2, {"r": (2, 5)})
-    channel.record("r", [7])  # nulled after plan 2 was sent
+    channel.record(r, [7])  # nulled after plan 2 was sent
     assert not channel.acknowledge(StepPlan(step_id=2), WorkerReply(step_id=1))
     assert not channel.acknowledge(StepPlan(step_id=2), None)
     assert faults == ["plan_unacknowledged"] * 2 and channel.unacked == {"r": {2: 1, 5: 1,
@@ -59,12 +67,17 @@ def test_channel_resends_nulls_until_a_reply_acknowledges_the_plan_that_carried_
     assert channel.unacked == {} and channel.open_step() == (4, {})
 
 
-def test_channel_forgets_a_request_whose_block_list_went() -> None:
-    channel, _ = _channel()
-    channel.record("a", [1])
-    channel.record("b", [3])
-    channel.forget("a")
-    channel.forget("gone")  # unknown: nothing to do
+def test_channel_drops_the_nulls_of_a_request_whose_block_list_went() -> None:
+    """Its nulls are part of the request's state: gone when it finishes, cleared when
+    it restarts with a fresh block list."""
+    channel, states, _ = _channel("a", "b", "c")
+    for req_id, j in (("a", 1), ("b", 3), ("c", 4)):
+        st = states.get(req_id)
+        assert st is not None
+        channel.record(st, [j])
+    states.finish("a")
+    states.restart("c")
+    states.finish("gone")  # unknown: nothing to do
     assert channel.open_step() == (1, {"b": (3,)})
 
 
@@ -96,16 +109,17 @@ def test_prefix_hit_cap_ends_before_the_first_event(flags, prompt, want) -> None
         assert cdiv(limit, BS) <= int(cfg.target_blocks(limit, prompt))
 
 
-def test_clean_watermark_is_the_first_eviction_until_forgotten() -> None:
-    from nexus_vllm.integration.scheduler.prefix_cache import CleanWatermarks
+def test_clean_watermark_is_the_first_eviction_until_a_restart() -> None:
+    from nexus_vllm.integration.scheduler.prefix_cache import mark_first_eviction
+    from nexus_vllm.integration.scheduler.request_state import RequestEvictionState
 
-    marks = CleanWatermarks()
-    assert marks.limit("r") is None
-    marks.mark("r", 384)
-    marks.mark("r", 512)  # later evictions do not move it
-    assert marks.limit("r") == 384
-    marks.forget("r")
-    assert marks.limit("r") is None
+    st = RequestEvictionState(req_id="r", cfg=_cfg(), seed=0, prompt_tokens=1000)
+    assert st.clean_watermark is None
+    mark_first_eviction(st, 384)
+    mark_first_eviction(st, 512)  # later evictions do not move it
+    assert st.clean_watermark == 384
+    st.restart()
+    assert st.clean_watermark is None
 
 
 # -- request state -----------------------------------------------------------------------
@@ -122,11 +136,11 @@ def test_request_states_resolve_once_with_overrides_opt_out_and_fallback() -> No
     bad = states.resolve(_request("bad", 600, kv_budget="lots"))
     assert bad is not None and bad.cfg is states.server_cfg
     assert sorted(r for r, _ in states.items()) == ["a", "bad"]
-    states.forget("a")
+    states.finish("a")
     assert states.get("a") is None
 
 
-def test_request_peaks_are_taken_once_and_survive_a_restart() -> None:
+def test_request_peaks_and_admission_survive_a_restart_and_the_rest_does_not() -> None:
     from nexus_vllm.integration.scheduler.request_state import RequestStates
 
     states = RequestStates(_cfg())
@@ -134,8 +148,13 @@ def test_request_peaks_are_taken_once_and_survive_a_restart() -> None:
     assert st is not None
     st.plan_event(128, 128, list(range(4)), BS)
     st.plan_event(256, 128, list(range(8)), BS)
+    st.admitted_total, st.clean_watermark, st.unacked = 1064, 256, {3: 1}
+    st.policy_state["seen"] = 1
+    draw = torch.rand(4, generator=st.generator)
     states.restart("r")  # preempted: recomputes from token 0, keeps its peak
-    assert st.tokens == 0 and st.peak_live_blocks == 8
+    assert st.tokens == 0 and st.peak_live_blocks == 8 and st.admitted_total == 1064
+    assert st.clean_watermark is None and st.unacked == {} and st.policy_state == {}
+    assert torch.equal(torch.rand(4, generator=st.generator), draw)  # the same draws
     assert states.take_peaks(["r", "unknown"]) == [("end", 8)]
     assert states.take_peaks(["r"]) == []
 
@@ -147,7 +166,7 @@ def test_trigger_fires_after_the_chunk_that_goes_over_budget() -> None:
     from nexus_vllm.integration.scheduler.request_state import RequestEvictionState
 
     cfg = _cfg()
-    st = RequestEvictionState(cfg=cfg, seed=0, prompt_tokens=1000)
+    st = RequestEvictionState(req_id="r", cfg=cfg, seed=0, prompt_tokens=1000)
     assert st.plan_event(128, 128, list(range(4)), BS) is None
     assert st.plan_event(256, 128, list(range(8)), BS) is None
     live = list(range(12))
@@ -165,7 +184,7 @@ def test_a_recompute_chunk_past_the_prompt_is_bounded_and_counted_as_decode() ->
     from nexus_vllm.integration.scheduler.request_state import RequestEvictionState
 
     cfg = _cfg(prompt_mode="end")
-    st = RequestEvictionState(cfg=cfg, seed=0, prompt_tokens=1000)
+    st = RequestEvictionState(req_id="r", cfg=cfg, seed=0, prompt_tokens=1000)
     assert st.hard_limit(1024, 128) == cfg.hard_limit(1000, 1000)
     assert st.hard_limit(1025, 1) == cfg.hard_limit(1025, 1000)
     for end in range(128, 1024, 128):
@@ -186,8 +205,8 @@ class _Blocks:
     def of(self, req_id: str) -> list[int]:
         return list(range(self.live.get(req_id, 0)))
 
-    def live_count(self, req_id: str, num_tokens: int | None = None) -> int:
-        return self.live.get(req_id, 0)
+    def live_count(self, st, num_blocks: int | None = None) -> int:  # noqa: ANN001
+        return self.live.get(st.req_id, 0)
 
 
 @pytest.mark.parametrize("spare, admitted", [(0, True), (-1, False)])
@@ -211,9 +230,8 @@ def test_admission_reserves_what_admitted_requests_may_still_grow_to(spare, admi
     gate.blocks = _Blocks({"a": 8}, free=need + outstanding + spare)
     assert gate.may_admit(second) is admitted
     assert counters.admission_waits == (0 if admitted else 1)
-    assert ("b" in gate.totals) is admitted
-    gate.forget("a")
-    assert "a" not in gate.totals
+    b = states.get("b")
+    assert b is not None and (b.admitted_total is not None) is admitted
 
 
 def test_admission_bound_stops_at_max_model_len() -> None:
@@ -260,7 +278,7 @@ def test_evictor_runs_a_scoreless_policy_without_masses() -> None:
     # Streaming keeps the sinks and the newest blocks: the oldest non-sinks go.
     sinks = int(mgr.server_cfg.sink_blocks)
     assert nulled == list(range(sinks, sinks + 8))
-    assert mgr.watermarks.limit("r") == 512
+    assert mgr.caching_limit(reqs["r"]) == 512
     assert mgr.counters.eviction_events == 1 and mgr.counters.evicted_blocks == 8
 
 
@@ -276,7 +294,7 @@ def test_evictor_frees_nothing_when_the_policy_fails(monkeypatch) -> None:  # no
     free = pool.get_num_free_blocks()
     mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id), reqs)
     assert pool.get_num_free_blocks() == free and mgr.live_count("r") == 16
-    assert mgr.channel.unacked == {} and mgr.watermarks.limit("r") is None
+    assert mgr.channel.unacked == {} and mgr.caching_limit(reqs["r"]) is None
     assert mgr.counters.faults["policy_error"] == 1
 
 

@@ -3,7 +3,8 @@
 An evicting request is admitted only if the free pool covers its bound
 (:meth:`EvictionConfig.bound_blocks`, the most blocks it ever holds) on top of what the
 admitted evicting requests may still grow to. Then no evicting request is ever preempted
-for lack of blocks another evicting request will take.
+for lack of blocks another evicting request will take. What an admitted request reserves
+is its state's ``admitted_total`` (its longest sequence), with its progress.
 """
 
 from __future__ import annotations
@@ -36,9 +37,6 @@ class AdmissionGate:
         self.blocks = blocks
         self.counters = counters
         self.max_model_len = max_model_len
-        # The longest sequence (tokens) of each admitted evicting request: with its
-        # progress, what it may still grow to (EvictionConfig.peak_from).
-        self.totals: dict[str, int] = {}
 
     def total_tokens(self, st: RequestEvictionState, request: Any) -> int:
         """The request's longest sequence: ``max_tokens`` past its prompt, within
@@ -65,20 +63,16 @@ class AdmissionGate:
         if need is None:
             return True  # not evicting: vLLM's own admission rules
         outstanding = 0
-        for req_id, total in self.totals.items():
-            st = self.states.get(req_id)
-            if req_id != request.request_id and st is not None and self.blocks.of(req_id):
+        for req_id, st in self.states.items():
+            total = st.admitted_total
+            if total is not None and req_id != request.request_id and self.blocks.of(req_id):
                 peak = int(st.cfg.peak_from(st.tokens, st.prompt_tokens, total))
-                outstanding += max(0, peak - self.blocks.live_count(req_id))
+                outstanding += max(0, peak - self.blocks.live_count(st))
         if self.blocks.pool.num_free() - outstanding < need:
             self.counters.admission_waits += 1
             return False
-        st = self.states.get(request.request_id)
-        assert st is not None  # bound_blocks made it
-        self.totals[request.request_id] = self.total_tokens(st, request)
-        st.tokens = 0  # (re)starts: its whole bound is outstanding until it is scheduled
+        admitted = self.states.get(request.request_id)
+        assert admitted is not None  # bound_blocks made it
+        admitted.admitted_total = self.total_tokens(admitted, request)
+        admitted.tokens = 0  # (re)starts: its whole bound is outstanding until scheduled
         return True
-
-    def forget(self, req_id: str) -> None:
-        """The request finished: it reserves nothing any more."""
-        self.totals.pop(req_id, None)

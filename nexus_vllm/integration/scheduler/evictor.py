@@ -17,12 +17,11 @@ import torch
 
 from nexus_vllm.core.policies import Evidence
 from nexus_vllm.integration import faults
-from nexus_vllm.integration.compat.vllm_compat import BlockPoolView
 from nexus_vllm.integration.metrics import SchedulerCounters
 from nexus_vllm.integration.protocol import ScoreRequest, StepPlan, WorkerReply
 from nexus_vllm.integration.scheduler.live_blocks import LiveBlocks
 from nexus_vllm.integration.scheduler.plan_channel import PlanChannel
-from nexus_vllm.integration.scheduler.prefix_cache import CleanWatermarks
+from nexus_vllm.integration.scheduler.prefix_cache import mark_first_eviction
 from nexus_vllm.integration.scheduler.request_state import RequestEvictionState, RequestStates
 
 __all__ = ["Evictor"]
@@ -38,20 +37,16 @@ class Evictor:
     blocks : LiveBlocks
     channel : PlanChannel
         Records each null, to be sent with the next plan.
-    watermarks : CleanWatermarks
-        Marked at a request's first eviction.
     counters : SchedulerCounters
     fault : callable
         ``(kind, message, exc=...)``: count and log a fault.
     """
 
     def __init__(self, *, states: RequestStates, blocks: LiveBlocks, channel: PlanChannel,
-                 watermarks: CleanWatermarks, counters: SchedulerCounters,
-                 fault: Callable[..., None]) -> None:
+                 counters: SchedulerCounters, fault: Callable[..., None]) -> None:
         self.states = states
         self.blocks = blocks
         self.channel = channel
-        self.watermarks = watermarks
         self.counters = counters
         self._fault = fault
 
@@ -79,16 +74,15 @@ class Evictor:
             try:
                 if faults.fires("policy_error"):
                     raise RuntimeError("injected policy failure")
-                self.evict(req_id, request, st, sreq, mass, norms)
+                self.evict(st, request, sreq, mass, norms)
             except Exception:
                 # A policy error skips this event: nothing was freed (freeing is the
                 # last step of evict), so the worker's view stays consistent.
                 self._fault("policy_error", "eviction policy failed; skipping this event",
                             exc=True)
 
-    def evict(self, req_id: str, request: Any, st: RequestEvictionState,
-              sreq: ScoreRequest, mass: torch.Tensor | None,
-              key_norms: torch.Tensor | None = None) -> None:
+    def evict(self, st: RequestEvictionState, request: Any, sreq: ScoreRequest,
+              mass: torch.Tensor | None, key_norms: torch.Tensor | None = None) -> None:
         """One eviction event: the policy keeps ``target_blocks`` of the request's live
         blocks; the others that are full and below ``sreq.evictable_below`` are nulled
         and freed.
@@ -102,9 +96,7 @@ class Evictor:
         key_norms : torch.Tensor, optional
             ``[live blocks]``: mean key norm of each (policies that read them).
         """
-        blocks = self.blocks.of(req_id)
-        live = [j for j in range(min(sreq.num_logical_blocks, len(blocks)))
-                if not BlockPoolView.is_null(blocks[j])]
+        live = self.blocks.live_indices(st, sreq.num_logical_blocks)
         if mass is None:
             evidence = Evidence.uniform(len(live), key_norms)
         elif len(live) != mass.shape[1]:
@@ -126,8 +118,8 @@ class Evictor:
                  if j not in keep_set and live[j] < min(full_blocks, sreq.evictable_below)]
         if not evict:
             return
-        self.watermarks.mark(req_id, tokens)
-        self.channel.record(req_id, evict)
-        self.blocks.evict(req_id, evict)
+        mark_first_eviction(st, tokens)
+        self.channel.record(st, evict)
+        self.blocks.evict(st, evict)
         self.counters.evicted_blocks += len(evict)
         self.counters.eviction_events += 1

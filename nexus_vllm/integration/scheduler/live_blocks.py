@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from nexus_vllm.core import cdiv
 from nexus_vllm.integration.compat.vllm_compat import BlockPoolView, request_blocks
+from nexus_vllm.integration.scheduler.request_state import RequestEvictionState
 
 __all__ = ["LiveBlocks"]
 
@@ -37,22 +37,23 @@ class LiveBlocks:
         """The request's block list (``KVCacheBlock`` per logical block; [] if none)."""
         return request_blocks(self.kv_group, req_id)
 
-    def live_indices(self, req_id: str, num_tokens: int | None = None) -> list[int]:
-        """Logical indices of the request's live blocks (among the first
-        ``ceil(num_tokens / block_size)`` when given), ascending."""
-        blocks = self.of(req_id)
-        if num_tokens is not None:
-            blocks = blocks[: cdiv(num_tokens, self.block_size)]
+    def live_indices(self, st: RequestEvictionState,
+                     num_blocks: int | None = None) -> Sequence[int]:
+        """Logical indices of the request's live blocks (among its first ``num_blocks``
+        when given), ascending."""
+        blocks = self.of(st.req_id)
+        if num_blocks is not None:
+            blocks = blocks[:num_blocks]
         return [j for j, b in enumerate(blocks) if not BlockPoolView.is_null(b)]
 
-    def live_count(self, req_id: str, num_tokens: int | None = None) -> int:
-        return len(self.live_indices(req_id, num_tokens))
+    def live_count(self, st: RequestEvictionState, num_blocks: int | None = None) -> int:
+        return len(self.live_indices(st, num_blocks))
 
-    def evict(self, req_id: str, indices: Sequence[int]) -> None:
+    def evict(self, st: RequestEvictionState, indices: Sequence[int]) -> None:
         """Null these logical entries of the request's list and free their blocks (each
         loses this request's reference; one shared through prefix caching stays with its
         other holders)."""
-        blocks = self.of(req_id)
+        blocks = self.of(st.req_id)
         freed = [blocks[j] for j in indices]
         for j in indices:
             blocks[j] = self.pool.null_block

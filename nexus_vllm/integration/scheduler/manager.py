@@ -5,16 +5,19 @@
 ``make_stats()``) and what the wraps on vLLM's ``KVCacheManager`` consult. It coordinates
 one part per job:
 
-* :class:`~nexus_vllm.integration.scheduler.request_state.RequestStates`: each request's config,
-  trigger and policy state (the budget trigger of one step is
-  :meth:`~nexus_vllm.integration.scheduler.request_state.RequestEvictionState.plan_event`);
+* :class:`~nexus_vllm.integration.scheduler.request_state.RequestStates`: the one map of
+  per-request state, a
+  :class:`~nexus_vllm.integration.scheduler.request_state.RequestEvictionState` each
+  (config, trigger, policy state and what every part below keeps for the request; the
+  budget trigger of one step is its ``plan_event``). The parts keep nothing per request
+  themselves, so a request's end is one ``finish`` and a restart one ``restart``;
 * :class:`~nexus_vllm.integration.scheduler.live_blocks.LiveBlocks`: the requests' block lists,
   nulled and freed in place (the list stays logical);
 * :class:`~nexus_vllm.integration.scheduler.admission.AdmissionGate`: reserves each evicting
   request's bound before it starts (wraps ``allocate_slots``);
-* :mod:`~nexus_vllm.integration.scheduler.prefix_cache`: what an evicting request may publish to
-  the prefix cache (its clean watermark, wraps ``cache_blocks``) and the hit it may start
-  from (wraps ``get_computed_blocks``);
+* :mod:`~nexus_vllm.integration.scheduler.prefix_cache`: what an evicting request may
+  publish to the prefix cache (its clean watermark, wraps ``cache_blocks``) and the hit it
+  may start from (wraps ``get_computed_blocks``);
 * :class:`~nexus_vllm.integration.scheduler.plan_channel.PlanChannel`: step ids, nulls resent
   until the worker acknowledges them;
 * :class:`~nexus_vllm.integration.scheduler.evictor.Evictor`: the worker's scores turned into
@@ -28,11 +31,12 @@ the blocks its policy must keep, all following its ``prompt_mode``) comes from
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vllm.logger import init_logger
 
+from nexus_vllm.core import cdiv
 from nexus_vllm.integration import faults
 from nexus_vllm.integration.compat.vllm_compat import (
     BlockPoolView,
@@ -48,7 +52,7 @@ from nexus_vllm.integration.scheduler.admission import AdmissionGate
 from nexus_vllm.integration.scheduler.evictor import Evictor
 from nexus_vllm.integration.scheduler.live_blocks import LiveBlocks
 from nexus_vllm.integration.scheduler.plan_channel import PlanChannel
-from nexus_vllm.integration.scheduler.prefix_cache import CleanWatermarks, prefix_hit_cap
+from nexus_vllm.integration.scheduler.prefix_cache import prefix_hit_cap
 from nexus_vllm.integration.scheduler.request_state import RequestEvictionState, RequestStates
 
 logger = init_logger(__name__)
@@ -82,19 +86,22 @@ class EvictionManager:
         self.blocks = LiveBlocks(single_type_manager(kv_cache_manager), self.pool,
                                  self.block_size)
         self.states = RequestStates(server_cfg)
-        self.channel = PlanChannel(self._fault)
-        self.watermarks = CleanWatermarks()
+        self.channel = PlanChannel(self.states, self._fault)
         self.admission = AdmissionGate(self.states, self.blocks, self.counters,
                                        max_model_len)
         self.evictor = Evictor(states=self.states, blocks=self.blocks, channel=self.channel,
-                               watermarks=self.watermarks, counters=self.counters,
-                               fault=self._fault)
-        cap_prefix_caching(self.blocks.kv_group,
-                           lambda r: self.watermarks.limit(r.request_id))
+                               counters=self.counters, fault=self._fault)
+        cap_prefix_caching(self.blocks.kv_group, self.caching_limit)
         cap_prefix_hits(kv_cache_manager, self.hit_cap)
         gate_admission(kv_cache_manager, self.may_admit)
 
     # -- vLLM's KVCacheManager (through the wraps) -------------------------------------
+    def caching_limit(self, request: Any) -> int | None:
+        """Tokens of an evicting request the prefix cache may publish: its clean
+        watermark (None: no cap, it has not evicted or does not evict)."""
+        st = self.states.get(request.request_id)
+        return None if st is None else st.clean_watermark
+
     def hit_cap(self, request: Any) -> tuple[int, int] | None:
         """``(limit, multiple)`` for an evicting request's prefix hit (None: no cap;
         :func:`~nexus_vllm.integration.scheduler.prefix_cache.prefix_hit_cap`)."""
@@ -111,12 +118,20 @@ class EvictionManager:
         """Whether the pool can take the request now (:meth:`AdmissionGate.may_admit`)."""
         return self.admission.may_admit(request)
 
-    def live_indices(self, req_id: str, num_tokens: int | None = None) -> list[int]:
-        """Logical indices of the request's live blocks (:meth:`LiveBlocks.live_indices`)."""
-        return self.blocks.live_indices(req_id, num_tokens)
+    def live_indices(self, req_id: str, num_tokens: int | None = None) -> Sequence[int]:
+        """Logical indices of an evicting request's live blocks (among the first
+        ``ceil(num_tokens / block_size)`` when given; :meth:`LiveBlocks.live_indices`)."""
+        num_blocks = None if num_tokens is None else cdiv(num_tokens, self.block_size)
+        return self.blocks.live_indices(self._state(req_id), num_blocks)
 
     def live_count(self, req_id: str, num_tokens: int | None = None) -> int:
-        return self.blocks.live_count(req_id, num_tokens)
+        return len(self.live_indices(req_id, num_tokens))
+
+    def _state(self, req_id: str) -> RequestEvictionState:
+        st = self.states.get(req_id)
+        if st is None:
+            raise KeyError(f"{req_id!r} is not an evicting request seen by the scheduler")
+        return st
 
     # -- request lifecycle ---------------------------------------------------------------
     def record_finished(self, req_ids: Iterable[str]) -> None:
@@ -125,27 +140,16 @@ class EvictionManager:
         for prompt_mode, peak in self.states.take_peaks(req_ids):
             self.counters.add_request_peak(prompt_mode, peak)
 
-    def _finish(self, req_id: str) -> None:
-        self.states.forget(req_id)
-        self.channel.forget(req_id)
-        self.watermarks.forget(req_id)
-        self.admission.forget(req_id)
-
-    def _restart(self, req_id: str) -> None:
-        # A fresh block list: old nulls no longer apply; same seed -> same evictions.
-        self.channel.forget(req_id)
-        self.watermarks.forget(req_id)
-        self.states.restart(req_id)
-
     # -- schedule() --------------------------------------------------------------------
     def plan_step(self, scheduler_output: Any, requests: dict[str, Any]) -> StepPlan:
         """Build the plan for the step just scheduled (``num_computed_tokens`` already
         counts this step's tokens)."""
         self.record_finished(scheduler_output.finished_req_ids)
         for req_id in scheduler_output.finished_req_ids:
-            self._finish(req_id)
+            self.states.finish(req_id)
+        # A fresh block list: old nulls no longer apply; same seed -> same evictions.
         for req_id in reset_request_ids(scheduler_output):
-            self._restart(req_id)
+            self.states.restart(req_id)
         step_id, evict = self.channel.open_step()
         score: dict[str, ScoreRequest] = {}
         track: list[str] = []
@@ -166,7 +170,7 @@ class EvictionManager:
     def _plan_event(self, st: RequestEvictionState, request: Any,
                     n: int) -> ScoreRequest | None:
         tokens_after = int(request.num_computed_tokens)
-        live = self.blocks.live_indices(request.request_id, tokens_after)
+        live = self.blocks.live_indices(st, cdiv(tokens_after, self.block_size))
         self.counters.over_budget_peak = max(self.counters.over_budget_peak,
                                              len(live) - st.hard_limit(tokens_after, n))
         self.counters.live_blocks_peak = max(self.counters.live_blocks_peak, len(live))
@@ -203,7 +207,7 @@ class EvictionManager:
 
     # -- make_stats() ------------------------------------------------------------------
     def stats(self, requests: dict[str, Any]) -> dict[str, int]:
-        live = [self.blocks.live_count(r) for r, _ in self.states.items() if r in requests]
+        live = [self.blocks.live_count(st) for r, st in self.states.items() if r in requests]
         self.counters.set_gauges(
             live_blocks=sum(live),
             live_blocks_max=max(live, default=0),

@@ -4,7 +4,8 @@ Every plan gets the next ``step_id`` and carries *every* null the worker has not
 acknowledged yet (so a lost plan is repaired by the next one); a reply acknowledges the
 plan whose ``step_id`` it echoes, and retires the nulls sent in that plan or earlier. A
 reply that acknowledges anything else is a fault: its scores are dropped and its nulls
-stay pending (``step_plan`` module docstring).
+stay pending (``protocol`` module docstring). The pending nulls of each request are its
+state's ``unacked``: they go when the request finishes or restarts (its block list goes).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from nexus_vllm.integration.protocol import StepPlan, WorkerReply
+from nexus_vllm.integration.scheduler.request_state import RequestEvictionState, RequestStates
 
 __all__ = ["PlanChannel"]
 
@@ -21,6 +23,8 @@ class PlanChannel:
 
     Parameters
     ----------
+    states : RequestStates
+        Each request's pending nulls are its ``unacked``.
     fault : callable
         ``(kind, message, exc=...)``: count and log a fault.
 
@@ -28,34 +32,33 @@ class PlanChannel:
     ----------
     step_id : int
         The id of the last plan opened (0 before the first).
-    unacked : dict[str, dict[int, int]]
-        Per request, logical block index -> id of the first plan that carried its null
-        (0: not sent yet).
     """
 
-    def __init__(self, fault: Callable[..., None]) -> None:
+    def __init__(self, states: RequestStates, fault: Callable[..., None]) -> None:
+        self.states = states
         self._fault = fault
         self.step_id = 0
-        self.unacked: dict[str, dict[int, int]] = {}
 
-    def record(self, req_id: str, indices: Iterable[int]) -> None:
+    @property
+    def unacked(self) -> dict[str, dict[int, int]]:
+        """Per request with pending nulls, logical block index -> id of the first plan
+        that carried its null (0: not sent yet); a copy."""
+        return {r: dict(st.unacked) for r, st in self.states.items() if st.unacked}
+
+    @staticmethod
+    def record(st: RequestEvictionState, indices: Iterable[int]) -> None:
         """These entries of the request's block list were just nulled (sent with the
         next plan)."""
-        pending = self.unacked.setdefault(req_id, {})
         for j in indices:
-            pending[j] = 0
-
-    def forget(self, req_id: str) -> None:
-        """The request's block list is gone (finished) or fresh (restarted): its nulls no
-        longer apply."""
-        self.unacked.pop(req_id, None)
+            st.unacked[j] = 0
 
     def open_step(self) -> tuple[int, dict[str, tuple[int, ...]]]:
         """Open the next plan: its ``step_id`` and the nulls it carries (``StepPlan.evict``:
         every pending one, sorted per request)."""
         self.step_id += 1
         evict: dict[str, tuple[int, ...]] = {}
-        for req_id, pending in self.unacked.items():
+        for req_id, st in self.states.items():
+            pending = st.unacked
             if pending:
                 evict[req_id] = tuple(sorted(pending))
                 for j, sent in pending.items():
@@ -72,10 +75,8 @@ class PlanChannel:
                         f"{plan.step_id} (acknowledged {got}); its nulls are resent and "
                         "its scores dropped")
             return False
-        for req_id in list(self.unacked):
-            pending = self.unacked[req_id]
+        for _, st in self.states.items():
+            pending = st.unacked
             for j in [j for j, sent in pending.items() if 0 < sent <= plan.step_id]:
                 del pending[j]
-            if not pending:
-                del self.unacked[req_id]
         return True

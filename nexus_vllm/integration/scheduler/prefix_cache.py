@@ -2,9 +2,10 @@
 
 Every token an evicting request computes after its first eviction attends to a pruned
 context, so its KV must never be offered to another request as a prefix hit: each
-request's caching is capped at its *clean watermark* (:class:`CleanWatermarks`), the
-tokens it had computed when it first evicted (those saw the full context). The watermark
-is cleared when the request restarts (preempted and resumed, possibly from a prefix hit).
+request's caching is capped at its *clean watermark* (``RequestEvictionState.
+clean_watermark``, set by :func:`mark_first_eviction`), the tokens it had computed when it
+first evicted (those saw the full context). The watermark is cleared when the request
+restarts (preempted and resumed, possibly from a prefix hit).
 
 The other way round, an evicting request starts from a prefix hit only up to the last
 chunk boundary before its first eviction, and before that event's query window
@@ -17,8 +18,9 @@ import math
 from typing import Any
 
 from nexus_vllm.core import cdiv
+from nexus_vllm.integration.scheduler.request_state import RequestEvictionState
 
-__all__ = ["CleanWatermarks", "prefix_hit_cap"]
+__all__ = ["mark_first_eviction", "prefix_hit_cap"]
 
 
 def prefix_hit_cap(cfg: Any, prompt_tokens: int, block_size: int) -> tuple[int, int] | None:
@@ -51,23 +53,9 @@ def prefix_hit_cap(cfg: Any, prompt_tokens: int, block_size: int) -> tuple[int, 
     return None  # no event during the prompt: any hit is safe
 
 
-class CleanWatermarks:
-    """Tokens each evicting request had computed at its first eviction: the most of its
-    KV the prefix cache may publish."""
-
-    def __init__(self) -> None:
-        self.tokens: dict[str, int] = {}
-
-    def limit(self, req_id: str) -> int | None:
-        """The tokens the request's caching is capped at (None: it has not evicted)."""
-        return self.tokens.get(req_id)
-
-    def mark(self, req_id: str, tokens: int) -> None:
-        """The request evicts with ``tokens`` computed; only its first eviction counts."""
-        # Everything computed so far saw the full context; nothing after this will.
-        self.tokens.setdefault(req_id, tokens)
-
-    def forget(self, req_id: str) -> None:
-        """The request finished or restarts (its block list goes, and its watermark
-        with it)."""
-        self.tokens.pop(req_id, None)
+def mark_first_eviction(st: RequestEvictionState, tokens: int) -> None:
+    """The request evicts with ``tokens`` computed: its clean watermark, if it has none
+    yet (only its first eviction counts; :meth:`RequestEvictionState.restart` clears it)."""
+    # Everything computed so far saw the full context; nothing after this will.
+    if st.clean_watermark is None:
+        st.clean_watermark = tokens

@@ -1,21 +1,27 @@
-"""Scheduler-side state of each evicting request: its config, trigger and policy state.
+"""Everything the scheduler keeps for one evicting request, in one object.
 
-:class:`RequestStates` resolves a request's config once (the server's, with the
-request's ``vllm_xargs`` overrides) and keeps one :class:`RequestEvictionState` per
-evicting request until it finishes. :meth:`RequestEvictionState.plan_event` is the budget
-trigger of one scheduled step: it decides, from the request's progress and live blocks,
-whether an eviction event is due and what the worker must score for it.
+:class:`RequestStates` resolves a request's config once (the server's, with the request's
+``vllm_xargs`` overrides) and keeps one :class:`RequestEvictionState` per evicting request
+until it finishes. The manager's parts (``live_blocks``, ``admission``, ``prefix_cache``,
+``plan_channel``, ``evictor``) keep nothing per request themselves: they read and write
+the fields of that state. So a request's end is one :meth:`RequestStates.finish` (its
+state goes, and everything in it), and a restart after preemption is one
+:meth:`RequestEvictionState.restart`, which states what survives.
+
+:meth:`RequestEvictionState.plan_event` is the budget trigger of one scheduled step: it
+decides, from the request's progress and live blocks, whether an eviction event is due
+and what the worker must score for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from nexus_vllm.core import EvictionTrigger, cdiv
+from nexus_vllm.core import EvictionConfig, EvictionTrigger, cdiv
 from nexus_vllm.integration.config import request_config
 from nexus_vllm.integration.protocol import ScoreRequest
 
@@ -24,26 +30,61 @@ __all__ = ["RequestEvictionState", "RequestStates"]
 
 @dataclass
 class RequestEvictionState:
-    """Eviction state of one request (reset when it restarts after preemption, except
-    ``peak_live_blocks``, the most live blocks it held over its whole life)."""
+    """Eviction state of one request, from its first sight to its end.
 
-    cfg: Any
+    Attributes
+    ----------
+    req_id : str
+    cfg : EvictionConfig
+        The config it runs with (the server's with its ``vllm_xargs`` overrides).
+    seed : int
+        Its sampling seed: the policy's generator is seeded from it.
+    prompt_tokens : int
+    generator, policy_state, trigger
+        Its policy's generator and per-request state, and its event clock.
+    tokens : int
+        Computed tokens, as of its last scheduled step (0 again when it is admitted).
+    unacked : dict[int, int]
+        Nulls the worker has not acknowledged: logical block index -> the id of the
+        first plan that carried it (0: not sent yet). Kept by ``plan_channel``.
+    clean_watermark : int or None
+        Tokens it had computed at its first eviction: the most of its KV the prefix
+        cache may publish (None: it has not evicted). Set by ``prefix_cache``.
+    admitted_total : int or None
+        Its longest sequence in tokens, from its admission on (None: not admitted).
+        Kept by ``admission``; it survives a restart (the request stays admitted).
+    peak_live_blocks : int
+        The most live blocks it held over its whole life (survives a restart); taken
+        once when it finishes, for the metrics.
+    """
+
+    req_id: str
+    cfg: EvictionConfig
     seed: int
     prompt_tokens: int
     generator: torch.Generator = field(init=False)
     policy_state: dict[str, Any] = field(init=False)
     trigger: EvictionTrigger = field(init=False)
-    tokens: int = 0  # computed tokens, as of its last scheduled step
+    tokens: int = field(init=False)
+    unacked: dict[int, int] = field(init=False)
+    clean_watermark: int | None = field(init=False)
+    admitted_total: int | None = None
     peak_live_blocks: int = 0
 
     def __post_init__(self) -> None:
-        self.reset()
+        self.restart()
 
-    def reset(self) -> None:
+    def restart(self) -> None:
+        """Start over from token 0 with a fresh block list (a new request, or one
+        preempted and resumed: its KV is recomputed). The same seed gives the same
+        evictions; nulls addressed to the old block list and its clean watermark no
+        longer apply. ``admitted_total`` and ``peak_live_blocks`` survive."""
         self.generator = self.cfg.generator(self.seed)
         self.policy_state = {}
         self.trigger = EvictionTrigger(self.cfg, self.prompt_tokens)
         self.tokens = 0
+        self.unacked = {}
+        self.clean_watermark = None
 
     def hard_limit(self, tokens_after: int, scheduled: int) -> int:
         """The most live blocks the request may hold after a step of ``scheduled`` tokens
@@ -57,7 +98,7 @@ class RequestEvictionState:
         return int(self.cfg.hard_limit(min(tokens_after, prompt_tokens) if prefill
                                        else tokens_after, prompt_tokens))
 
-    def plan_event(self, tokens_after: int, scheduled: int, live: list[int],
+    def plan_event(self, tokens_after: int, scheduled: int, live: Sequence[int],
                    block_size: int) -> ScoreRequest | None:
         """Advance the trigger over one scheduled step; the scoring an event needs, or
         None when no event is due.
@@ -69,7 +110,7 @@ class RequestEvictionState:
             ``schedule()``).
         scheduled : int
             Tokens the step computes.
-        live : list[int]
+        live : Sequence[int]
             Logical indices of the request's live blocks among its first
             ``ceil(tokens_after / block_size)``, ascending.
         block_size : int
@@ -105,8 +146,8 @@ class RequestEvictionState:
 
 
 class RequestStates:
-    """Each request's eviction state, by request id (None for a request that does not
-    evict).
+    """The one map of per-request state: each request's :class:`RequestEvictionState`,
+    by request id (None for a request that does not evict).
 
     Parameters
     ----------
@@ -114,7 +155,7 @@ class RequestStates:
         The server's config; requests may override method, budget and prompt mode.
     """
 
-    def __init__(self, server_cfg: Any) -> None:
+    def __init__(self, server_cfg: EvictionConfig) -> None:
         self.server_cfg = server_cfg
         self._states: dict[str, RequestEvictionState | None] = {}
 
@@ -124,6 +165,7 @@ class RequestStates:
         if req_id not in self._states:
             params = request.sampling_params
             extra = getattr(params, "extra_args", None) if params is not None else None
+            cfg: EvictionConfig | None
             try:
                 cfg = request_config(self.server_cfg, extra)
             except (TypeError, ValueError):
@@ -135,7 +177,8 @@ class RequestStates:
             else:
                 seed = getattr(params, "seed", None) or 0
                 self._states[req_id] = RequestEvictionState(
-                    cfg=cfg, seed=int(seed), prompt_tokens=int(request.num_prompt_tokens))
+                    req_id=req_id, cfg=cfg, seed=int(seed),
+                    prompt_tokens=int(request.num_prompt_tokens))
         return self._states[req_id]
 
     def get(self, req_id: str) -> RequestEvictionState | None:
@@ -147,14 +190,13 @@ class RequestStates:
         return ((r, st) for r, st in self._states.items() if st is not None)
 
     def restart(self, req_id: str) -> None:
-        """The request restarts from token 0 (preempted and resumed): same seed, so the
-        same evictions."""
+        """The request restarts from token 0 (:meth:`RequestEvictionState.restart`)."""
         st = self._states.get(req_id)
         if st is not None:
-            st.reset()
+            st.restart()
 
-    def forget(self, req_id: str) -> None:
-        """The request finished."""
+    def finish(self, req_id: str) -> None:
+        """The request finished: its state goes, and with it everything kept for it."""
         self._states.pop(req_id, None)
 
     def take_peaks(self, req_ids: Iterable[str]) -> list[tuple[str, int]]:
