@@ -194,6 +194,71 @@ def test_a_recompute_chunk_past_the_prompt_is_bounded_and_counted_as_decode() ->
     assert st.trigger.decode_tokens == 24
 
 
+# -- live blocks ---------------------------------------------------------------------------
+def _read_live(single, req_id: str, num_blocks: int | None = None) -> list[int]:  # noqa: ANN001
+    """The live entries as a read of the whole list finds them (the reference)."""
+    blocks = single.req_to_blocks.get(req_id, [])[:num_blocks]
+    return [j for j, b in enumerate(blocks) if not b.is_null]
+
+
+def test_live_blocks_answer_what_reading_the_whole_list_answers() -> None:
+    """After every change (vLLM appending blocks, evictions, a request preempted and
+    resumed on a new list), the kept live blocks equal a read of the list."""
+    import random
+
+    mgr, single, _ = scheduler_side(600, max_tokens=256, chunk_size=128)
+    rng = random.Random(0)
+    tokens = {f"r{i}": 0 for i in range(4)}
+    for req_id in tokens:
+        mgr.states.resolve(_request(req_id, 1000))
+    for _ in range(300):
+        req_id = rng.choice(sorted(tokens))
+        st = mgr.states.get(req_id)
+        assert st is not None
+        action = rng.random()
+        if action < 0.05 and tokens[req_id]:  # preempted: vLLM frees the whole list
+            single.free(req_id)
+            tokens[req_id] = 0
+        elif action < 0.1 and not tokens[req_id]:  # resumed on a new list
+            mgr.states.restart(req_id)
+        elif action < 0.6:
+            tokens[req_id] += rng.randint(1, 3 * BS)
+            single.allocate_new_blocks(req_id, tokens[req_id], tokens[req_id])
+        elif tokens[req_id]:
+            live = list(mgr.blocks.live_indices(st))
+            drop = rng.sample(live, k=min(len(live), rng.randint(0, 3)))
+            mgr.blocks.evict(st, sorted(drop))
+        cut = rng.choice([None, rng.randint(0, 40)])
+        assert list(mgr.blocks.live_indices(st, cut)) == _read_live(single, req_id, cut)
+        assert mgr.blocks.live_count(st, cut) == len(_read_live(single, req_id, cut))
+    for req_id in tokens:
+        single.free(req_id)
+
+
+def test_live_blocks_read_only_the_entries_appended_since_the_last_step(
+        monkeypatch) -> None:  # noqa: ANN001
+    """A long list is read once; after that each step reads the entries vLLM appended,
+    however long the request is (a full read would take the whole list every step)."""
+    from nexus_vllm.integration.compat.vllm_compat import BlockPoolView
+
+    mgr, single, _ = scheduler_side(600, max_tokens=256, chunk_size=128)
+    st = mgr.states.resolve(_request("r", 16_000))
+    assert st is not None
+    single.allocate_new_blocks("r", 400 * BS, 400 * BS)
+    mgr.blocks.evict(st, list(range(1, 380)))  # mostly null, as a long request is
+    reads: list[int] = []
+    is_null = BlockPoolView.is_null
+    monkeypatch.setattr(BlockPoolView, "is_null",
+                        staticmethod(lambda b: reads.append(1) or is_null(b)))
+    assert mgr.blocks.live_count(st) == 21 and len(reads) == 0  # read at the eviction
+    for step in range(1, 11):
+        single.allocate_new_blocks("r", (400 + step) * BS, (400 + step) * BS)
+        assert mgr.blocks.live_count(st) == 21 + step
+        assert list(mgr.blocks.live_indices(st))[-1] == 399 + step
+    assert len(reads) == 10
+    single.free("r")
+
+
 # -- admission -----------------------------------------------------------------------------
 class _Blocks:
     """A stand-in for ``LiveBlocks``: live blocks per request, and a free count."""

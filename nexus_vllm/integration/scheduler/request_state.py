@@ -25,7 +25,29 @@ from nexus_vllm.core import EvictionConfig, EvictionTrigger, cdiv
 from nexus_vllm.integration.config import request_config
 from nexus_vllm.integration.protocol import ScoreRequest
 
-__all__ = ["RequestEvictionState", "RequestStates"]
+__all__ = ["LiveIndex", "RequestEvictionState", "RequestStates"]
+
+
+@dataclass
+class LiveIndex:
+    """The live entries of one request's block list, kept as the list grows and as
+    eviction nulls entries (``live_blocks.LiveBlocks`` keeps it), so that a step never
+    reads the whole list.
+
+    Attributes
+    ----------
+    blocks : list or None
+        The vLLM block list this index describes (None: not read yet). vLLM gives a
+        request a new list object when it (re)starts, so the identity tells a fresh list.
+    live : list[int]
+        Logical indices of the live entries among the first ``seen``, ascending.
+    seen : int
+        Entries of ``blocks`` read so far.
+    """
+
+    blocks: list[Any] | None = None
+    live: list[int] = field(default_factory=list)
+    seen: int = 0
 
 
 @dataclass
@@ -50,6 +72,8 @@ class RequestEvictionState:
     clean_watermark : int or None
         Tokens it had computed at its first eviction: the most of its KV the prefix
         cache may publish (None: it has not evicted). Set by ``prefix_cache``.
+    live : LiveIndex
+        Its live blocks, kept by ``live_blocks``.
     admitted_total : int or None
         Its longest sequence in tokens, from its admission on (None: not admitted).
         Kept by ``admission``; it survives a restart (the request stays admitted).
@@ -68,6 +92,7 @@ class RequestEvictionState:
     tokens: int = field(init=False)
     unacked: dict[int, int] = field(init=False)
     clean_watermark: int | None = field(init=False)
+    live: LiveIndex = field(init=False)
     admitted_total: int | None = None
     peak_live_blocks: int = 0
 
@@ -85,6 +110,7 @@ class RequestEvictionState:
         self.tokens = 0
         self.unacked = {}
         self.clean_watermark = None
+        self.live = LiveIndex()
 
     def hard_limit(self, tokens_after: int, scheduled: int) -> int:
         """The most live blocks the request may hold after a step of ``scheduled`` tokens
