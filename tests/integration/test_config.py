@@ -84,6 +84,71 @@ def test_unknown_key_in_file_and_additional(tmp_path) -> None:  # noqa: ANN001
         load_config_file(tmp_path / "missing.yaml")
 
 
+@pytest.fixture
+def throwaway_policy():  # noqa: ANN201
+    """A policy registered from this test module (not ``core/policies.py``), unregistered
+    afterwards so no other test sees it."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    import torch
+
+    from nexus_vllm.core.policies import POLICIES, EvictionPolicy, register_policy
+
+    @dataclass(frozen=True)
+    class OldestFirst(EvictionPolicy):
+        """Keeps the oldest blocks: scores each by minus its position."""
+
+        name: ClassVar[str] = "throwaway-oldest"
+        evidence: ClassVar[frozenset[str]] = frozenset()
+
+        def score(self, evidence, state):  # noqa: ANN001, ANN201
+            return -torch.arange(evidence.num_blocks, dtype=torch.float64)
+
+    register_policy(OldestFirst)
+    try:
+        yield OldestFirst.name
+    finally:
+        POLICIES.pop(OldestFirst.name)
+
+
+def test_a_policy_registered_elsewhere_is_a_method_everywhere(throwaway_policy) -> None:  # noqa: ANN001
+    """The method lists follow the registry (they are not frozen when ``core.policies`` is
+    imported): a config, the server's ``--kv-eviction`` flag, a request's ``kv_eviction``
+    and the evaluation CLI's ``--methods`` all take the new policy, and the eval CLI's
+    default run includes it; unregistered, it is refused again."""
+    import argparse
+
+    from nexus_vllm.core import METHODS, SERVABLE_METHODS, EvictionConfig
+    from nexus_vllm.eval.cli import default_methods, run_config
+    from nexus_vllm.integration.frontend.server_config import add_cli_flags
+
+    name = throwaway_policy
+    assert name in METHODS and name in SERVABLE_METHODS and METHODS[-1] == name
+    assert EvictionConfig.from_dict({"method": name, "max_tokens": 256}).method == name
+    parser = add_cli_flags(argparse.ArgumentParser())
+    assert parser.parse_args(["--kv-eviction", name]).kv_eviction == name
+    assert name in parser.format_help()
+    server = resolve_config(flags={"method": name, "max_tokens": 256})
+    assert server.method == name
+    validate_request_args({"kv_eviction": name}, resolve_config(
+        flags={"method": "nexus", "max_tokens": 256}))
+    cfg = run_config({"tasks": "passkey", "methods": f"dense,{name}", "budgets": "0.5"})
+    assert cfg.methods == ("dense", name)
+    assert default_methods().split(",")[-1] == name
+    from nexus_vllm.core.policies import POLICIES
+
+    cls = POLICIES.pop(name)
+    try:
+        assert name not in METHODS and name not in default_methods().split(",")
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--kv-eviction", name])
+        with pytest.raises(ValueError, match="method must be one of"):
+            EvictionConfig.from_dict({"method": name, "max_tokens": 256})
+    finally:
+        POLICIES[name] = cls
+
+
 def test_none_means_off() -> None:
     assert config_from_additional({}) is None
     assert config_from_additional({"nexus": {"method": "none"}}) is None
