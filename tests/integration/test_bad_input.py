@@ -163,6 +163,26 @@ def test_good_request_fields_pass(xargs) -> None:  # noqa: ANN001
     validate_request_args(xargs, _server_cfg(), max_model_len=MAX_LEN)
 
 
+def test_rules_between_request_fields_are_eviction_configs(monkeypatch) -> None:  # noqa: ANN001
+    """The budget floor and the prefill budget's rules are ``EvictionConfig``'s, not
+    restated for requests: with its checks switched off, requests that break them pass,
+    while what only a request has (JSON types, unknown keys, the model's length, a server
+    without eviction) is still refused."""
+    from nexus_vllm.core import EvictionConfig
+
+    server = _server_cfg()
+    monkeypatch.setattr(EvictionConfig, "__post_init__", lambda self: None)
+    for xargs in ({"kv_budget": 32}, {"kv_prefill_budget": 1024},
+                  {"kv_prompt_mode": "end", "kv_prefill_budget": 64}):
+        validate_request_args(xargs, server, max_model_len=MAX_LEN)
+    for xargs, field in (({"kv_budget": "256"}, "kv_budget"), ({"kv_budjet": 1}, "kv_budjet"),
+                         ({"kv_budget": MAX_LEN + 1}, "kv_budget")):
+        with pytest.raises(RequestArgError, match=f"^vllm_xargs.{field}: "):
+            validate_request_args(xargs, server, max_model_len=MAX_LEN)
+    with pytest.raises(RequestArgError, match="^vllm_xargs.kv_budget: .*eviction none"):
+        validate_request_args({"kv_budget": 32}, None)
+
+
 def test_good_request_fields_pass_without_eviction() -> None:
     for xargs in ({"kv_eviction": "none"}, {"session_id": "s"}, None, {}):
         validate_request_args(xargs, None, max_model_len=MAX_LEN)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nexus_vllm.argtypes import describe_value
+from nexus_vllm.core import EvictionConfig
 from nexus_vllm.core._validate import check_int
 from nexus_vllm.integration.compat.attention_traits import (
     AttentionTraits,
@@ -35,6 +36,7 @@ __all__ = [
     "check_model",
     "forced_cudagraph_mode",
     "forced_engine_args",
+    "forced_tokens",
     "refuse_parallelism",
     "restate_vllm_refusal",
     "with_engine_block_size",
@@ -293,6 +295,12 @@ def check_model(cfg: Any, model: str, traits: AttentionTraits, max_model_len: in
         raise ValueError(f"--kv-eviction {cfg.method}: {exc}") from None
 
 
+def forced_tokens(cfg: EvictionConfig) -> int:
+    """The always-kept blocks (sink, recent and current) in tokens: the least budget
+    ``EvictionConfig`` allows, and what must fit in the model's length."""
+    return int(cfg.num_forced * cfg.block_size)
+
+
 def check_max_model_len(cfg: Any, max_model_len: int, num_layers: int | None = None) -> None:
     """Refuse a server config that cannot work within the model's ``--max-model-len``.
 
@@ -302,7 +310,7 @@ def check_max_model_len(cfg: Any, max_model_len: int, num_layers: int | None = N
         Naming the flag (or ``nexus.<key>`` for config-file keys), the allowed range and
         the value given.
     """
-    forced = cfg.num_forced * cfg.block_size
+    forced = forced_tokens(cfg)
     if forced > max_model_len:
         raise ValueError(
             f"the always-kept blocks (nexus.sink_blocks + nexus.recent_blocks + 1 = "
