@@ -34,7 +34,7 @@ CONFIG_FIELD_OF = {"kv_budget": "max_tokens", "kv_eviction": "method",
 REQUEST_FIELDS = tuple(CONFIG_FIELD_OF)
 
 
-def config_from_additional(additional_config: Any) -> EvictionConfig | None:
+def config_from_additional(additional_config: object) -> EvictionConfig | None:
     """The server's ``EvictionConfig`` from ``VllmConfig.additional_config``.
 
     Returns None when the plugin is off (no ``nexus`` entry, or method ``none``).
@@ -77,7 +77,7 @@ def request_config(server_cfg: EvictionConfig | None,
     if extra_args:
         if extra_args.get("kv_eviction") == "none":
             return None
-        changes: dict[str, Any] = {}
+        changes: dict[str, object] = {}
         if "kv_eviction" in extra_args:
             changes["method"] = extra_args["kv_eviction"]
         if "kv_budget" in extra_args:

@@ -22,7 +22,7 @@ The protocol is fail-closed (see ``docs/architecture.md``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 
@@ -40,6 +40,7 @@ __all__ = [
 
 PLAN_ATTR = "nexus_plan"
 REPLY_ATTR = "nexus_reply"
+_Output = TypeVar("_Output")
 
 
 @dataclass(frozen=True)
@@ -129,16 +130,18 @@ class WorkerReply:
     faults: dict[str, int] = field(default_factory=dict)
 
 
-def attach_plan(scheduler_output: Any, plan: StepPlan) -> None:
+def attach_plan(scheduler_output: object, plan: StepPlan) -> None:
+    """Graft ``plan`` on vLLM's ``SchedulerOutput`` (pickled whole to the workers)."""
     setattr(scheduler_output, PLAN_ATTR, plan)
 
 
-def read_plan(scheduler_output: Any) -> StepPlan | None:
+def read_plan(scheduler_output: object) -> StepPlan | None:
+    """The plan grafted on a ``SchedulerOutput`` (None: none, or not ours)."""
     plan = getattr(scheduler_output, PLAN_ATTR, None)
     return plan if isinstance(plan, StepPlan) else None
 
 
-def attach_reply(model_runner_output: Any, reply: WorkerReply) -> Any:
+def attach_reply(model_runner_output: _Output, reply: WorkerReply) -> _Output:
     """Return a shallow copy of ``model_runner_output`` carrying ``reply``.
 
     A copy, because the runner returns shared constants such as
@@ -151,6 +154,7 @@ def attach_reply(model_runner_output: Any, reply: WorkerReply) -> Any:
     return out
 
 
-def read_reply(model_runner_output: Any) -> WorkerReply | None:
+def read_reply(model_runner_output: object) -> WorkerReply | None:
+    """The reply grafted on a ``ModelRunnerOutput`` (None: none, or not ours)."""
     reply = getattr(model_runner_output, REPLY_ATTR, None)
     return reply if isinstance(reply, WorkerReply) else None

@@ -7,6 +7,7 @@
   reached through one accessor each;
 * ``runners``: the model runners (V1, V2 on CUDA, 0.34's standalone CPU runner) behind one
   adapter interface, chosen by feature detection;
+* ``vllm_types``: the vLLM objects the scheduler side reads, as Protocols;
 * ``attention_traits``: the attention features eviction cannot run on, as plain values.
 
 The bottom of ``nexus_vllm.integration``: nothing here imports the frontend, scheduler or

@@ -35,9 +35,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["CATALOGUE", "Patch", "applied", "revert_all", "swap", "wrap_instance"]
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,7 @@ CATALOGUE: tuple[Patch, ...] = (
 
 _BY_TARGET = {p.target: p for p in CATALOGUE}
 # (owner, attribute, previous value) of every class attribute swapped in this process.
-_SWAPPED: list[tuple[Any, str, Any]] = []
+_SWAPPED: list[tuple[type, str, object]] = []
 
 
 def _entry(target: str, kind: str) -> Patch:
@@ -182,7 +184,7 @@ def _entry(target: str, kind: str) -> Patch:
     return entry
 
 
-def swap(owner: type, attr: str, value: Any) -> None:
+def swap(owner: type, attr: str, value: object) -> None:
     """Replace ``owner.attr`` by ``value`` (a catalogued ``class-wrap``), revertably."""
     _entry(f"{owner.__name__}.{attr}", "class-wrap")
     _SWAPPED.append((owner, attr, owner.__dict__[attr]))
@@ -201,8 +203,8 @@ def applied() -> list[str]:
     return [f"{owner.__name__}.{attr}" for owner, attr, _ in _SWAPPED]
 
 
-def wrap_instance(obj: Any, attr: str, target: str,
-                  make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+def wrap_instance(obj: object, attr: str, target: str,
+                  make: Callable[[_Method], _Method]) -> None:
     """Wrap ``obj.attr`` (a bound method) with ``make(original)`` on this object only;
     ``target`` names its catalogue entry (``instance-wrap``)."""
     _entry(target, "instance-wrap")

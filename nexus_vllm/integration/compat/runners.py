@@ -37,10 +37,16 @@ indices are current, including those reused in this step) and after the step's o
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+import torch
+
+from nexus_vllm.integration.compat.catalogue import wrap_instance
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
 
 __all__ = [
     "HostTables",
@@ -50,13 +56,16 @@ __all__ = [
     "runner_adapter",
 ]
 
+# A model runner (``runner`` below) is typed ``Any``: the three families share no class,
+# and which attributes one has is what the adapters detect.
+
 
 class RunnerAdapter(Protocol):
     """What the worker's eviction state needs from a model runner."""
 
     name: str
 
-    def observe(self, scheduler_output: Any) -> None:
+    def observe(self, scheduler_output: SchedulerOutput) -> None:
         """Follow this step's request changes (called before the runner sees them)."""
 
     def batch_req_ids(self, num_rows: int) -> list[str]:
@@ -93,7 +102,7 @@ class RunnerV1:
         return (batch is not None and hasattr(runner, "requests")
                 and hasattr(batch, "block_table") and hasattr(batch, "req_id_to_index"))
 
-    def observe(self, scheduler_output: Any) -> None:
+    def observe(self, scheduler_output: SchedulerOutput) -> None:
         return None  # the runner's own lists are the logical rows
 
     def batch_req_ids(self, num_rows: int) -> list[str]:
@@ -128,7 +137,7 @@ class RunnerV1:
         generators out for the sampling step (the discarded draw uses the global RNG) and
         put them back untouched: the same effect as the rewind.
         """
-        generators: dict[int, Any] = self.runner.input_batch.generators
+        generators: dict[int, torch.Generator] = self.runner.input_batch.generators
         parked = {}
         for row, gen in self._discarded_generators().items():
             if gen.device.type == "cpu":
@@ -141,7 +150,7 @@ class RunnerV1:
                 gen.set_state(rng_state)
                 generators[row] = gen
 
-    def _discarded_generators(self) -> dict[int, Any]:
+    def _discarded_generators(self) -> dict[int, torch.Generator]:
         mask = getattr(self.runner, "discard_request_mask", None)
         generators = self.runner.input_batch.generators
         if mask is None or not generators:
@@ -162,15 +171,16 @@ class _V2Family:
         self.rows: dict[str, list[int]] = {}
         self.pending: dict[str, dict[int, int]] = {}
         self._batch: list[str] | None = None
-        orig = runner.prepare_attn
 
-        def prepare_attn(input_batch: Any, *args: Any, **kwargs: Any) -> Any:
-            self._batch = list(input_batch.req_ids)
-            self.flush()
-            return orig(input_batch, *args, **kwargs)
+        def make(orig: Callable[..., object]) -> Callable[..., object]:
+            def prepare_attn(input_batch: Any, *args: Any, **kwargs: Any) -> object:
+                self._batch = list(input_batch.req_ids)
+                self.flush()
+                return orig(input_batch, *args, **kwargs)
 
-        prepare_attn.__wrapped__ = orig  # type: ignore[attr-defined]
-        runner.prepare_attn = prepare_attn
+            return prepare_attn
+
+        wrap_instance(runner, "prepare_attn", "ModelRunnerV2.prepare_attn", make)
 
     @staticmethod
     def _v2_tables(runner: Any) -> Any:
@@ -179,7 +189,7 @@ class _V2Family:
             return None
         return getattr(runner, "block_tables", None)
 
-    def observe(self, scheduler_output: Any) -> None:
+    def observe(self, scheduler_output: SchedulerOutput) -> None:
         self._batch = None
         leaving = set(scheduler_output.finished_req_ids)
         leaving.update(getattr(scheduler_output, "preempted_req_ids", None) or ())

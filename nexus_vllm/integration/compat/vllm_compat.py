@@ -58,9 +58,9 @@ through its ``wrap_instance``. Where releases differ, the code detects the featu
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -72,6 +72,16 @@ from nexus_vllm.integration.compat.versions import (
     check_supported,
     installed_vllm_version,
 )
+from nexus_vllm.integration.compat.vllm_types import EngineRequest, KVBlock, StepSchedule
+
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+    from vllm.v1.request import Request
+    from vllm.v1.worker.utils import AttentionGroup
 
 __all__ = [
     "NULL_BLOCK_ID",
@@ -99,6 +109,8 @@ __all__ = [
 # (``BlockPool.null_block``; the runners fill padding rows with it too).
 NULL_BLOCK_ID = 0
 
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
 
 # -- version ---------------------------------------------------------------------------
 def vllm_version() -> str:
@@ -120,7 +132,7 @@ def check_vllm_version() -> None:
 
 
 # -- scheduler side --------------------------------------------------------------------
-def single_type_manager(kv_cache_manager: Any) -> Any:
+def single_type_manager(kv_cache_manager: KVCacheManager) -> SingleTypeKVCacheManager:
     """The one ``SingleTypeKVCacheManager`` of a full-attention model.
 
     Raises
@@ -137,7 +149,8 @@ def single_type_manager(kv_cache_manager: Any) -> Any:
     return managers[0]
 
 
-def cap_prefix_caching(single: Any, cap: Any) -> None:
+def cap_prefix_caching(single: SingleTypeKVCacheManager,
+                       cap: Callable[[EngineRequest], int | None]) -> None:
     """Cap, per request, how many tokens vLLM's prefix cache may publish.
 
     Wraps the manager's ``cache_blocks(request, num_tokens, ...)`` on the instance (vLLM
@@ -145,27 +158,28 @@ def cap_prefix_caching(single: Any, cap: Any) -> None:
     it through the instance attribute): ``num_tokens`` is clamped to ``cap(request)``
     when that returns an int.
     """
-    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def cache_blocks(request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
+    def make(orig: Callable[..., None]) -> Callable[..., None]:
+        def cache_blocks(request: Request, num_tokens: int, *args: object,
+                         **kwargs: object) -> None:
             limit = cap(request)
             if limit is not None and num_tokens > limit:
                 num_tokens = limit
-            return orig(request, num_tokens, *args, **kwargs)
+            orig(request, num_tokens, *args, **kwargs)
 
         return cache_blocks
 
     wrap_instance(single, "cache_blocks", "SingleTypeKVCacheManager.cache_blocks", make)
 
 
-def takes_hit_limit(kv_cache_manager: Any) -> bool:
+def takes_hit_limit(kv_cache_manager: KVCacheManager) -> bool:
     """Whether ``get_computed_blocks`` takes vLLM's own per-call hit cap
     (``max_cache_hit_length``, vLLM 0.33 on; the scheduler passes it positionally)."""
     params = inspect.signature(kv_cache_manager.get_computed_blocks).parameters
     return len(params) >= 2
 
 
-def cap_prefix_hits(kv_cache_manager: Any, cap: Callable[[Any], tuple[int, int] | None]
-                    ) -> None:
+def cap_prefix_hits(kv_cache_manager: KVCacheManager,
+                    cap: Callable[[EngineRequest], tuple[int, int] | None]) -> None:
     """Cap, per request, the prefix-cache hit vLLM admits it with.
 
     Wraps ``KVCacheManager.get_computed_blocks`` on the instance (the scheduler calls it
@@ -178,8 +192,11 @@ def cap_prefix_hits(kv_cache_manager: Any, cap: Callable[[Any], tuple[int, int] 
     """
     with_limit = takes_hit_limit(kv_cache_manager)
 
-    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def get_computed_blocks(request: Any, *args: Any, **kwargs: Any) -> Any:
+    Hits = tuple["KVCacheBlocks", int, int]
+
+    def make(orig: Callable[..., Hits]) -> Callable[..., Hits]:
+        def get_computed_blocks(request: Request, *args: int | None,
+                                **kwargs: int | None) -> Hits:
             rule = cap(request)
             if rule is None:
                 return orig(request, *args, **kwargs)
@@ -201,7 +218,8 @@ def cap_prefix_hits(kv_cache_manager: Any, cap: Callable[[Any], tuple[int, int] 
                   "KVCacheManager.get_computed_blocks", make)
 
 
-def gate_admission(kv_cache_manager: Any, may_admit: Any) -> None:
+def gate_admission(kv_cache_manager: KVCacheManager,
+                   may_admit: Callable[[EngineRequest], bool]) -> None:
     """Refuse to admit a request unless ``may_admit(request)``.
 
     Wraps ``KVCacheManager.allocate_slots(request, ...)`` on the instance: for a request
@@ -213,8 +231,10 @@ def gate_admission(kv_cache_manager: Any, may_admit: Any) -> None:
 
     admitting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
-    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+    def make(orig: Callable[..., KVCacheBlocks | None]
+             ) -> Callable[..., KVCacheBlocks | None]:
+        def allocate_slots(request: Request, *args: object,
+                           **kwargs: object) -> KVCacheBlocks | None:
             if request.status in admitting and not may_admit(request):
                 return None
             return orig(request, *args, **kwargs)
@@ -224,26 +244,26 @@ def gate_admission(kv_cache_manager: Any, may_admit: Any) -> None:
     wrap_instance(kv_cache_manager, "allocate_slots", "KVCacheManager.allocate_slots", make)
 
 
-def request_blocks(single: Any, req_id: str) -> list[Any]:
+def request_blocks(single: SingleTypeKVCacheManager, req_id: str) -> list[KVBlock]:
     """The request's block list (``KVCacheBlock`` per logical block, mutable in place)."""
-    blocks: list[Any] = single.req_to_blocks.get(req_id, [])
+    blocks: list[KVBlock] = single.req_to_blocks.get(req_id, [])  # type: ignore[assignment]
     return blocks
 
 
 class BlockPoolView:
     """The parts of vLLM's ``BlockPool`` eviction uses."""
 
-    def __init__(self, kv_cache_manager: Any) -> None:
+    def __init__(self, kv_cache_manager: KVCacheManager) -> None:
         self._pool = kv_cache_manager.block_pool
 
     @property
-    def null_block(self) -> Any:
+    def null_block(self) -> KVBlock:
         return self._pool.null_block
 
-    def free(self, blocks: list[Any]) -> None:
+    def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block (a block shared through prefix caching
         stays allocated to its other holders)."""
-        self._pool.free_blocks(blocks)
+        self._pool.free_blocks(blocks)  # type: ignore[arg-type]
 
     def num_free(self) -> int:
         return int(self._pool.get_num_free_blocks())
@@ -253,11 +273,11 @@ class BlockPoolView:
         return int(self._pool.num_gpu_blocks) - 1
 
     @staticmethod
-    def is_null(block: Any) -> bool:
+    def is_null(block: KVBlock) -> bool:
         return bool(block.is_null)
 
 
-def reset_request_ids(scheduler_output: Any) -> set[str]:
+def reset_request_ids(scheduler_output: StepSchedule) -> set[str]:
     """Requests that start from a fresh block list this step: new ones and those
     resumed after preemption (their KV is recomputed, so eviction state restarts)."""
     ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
@@ -272,10 +292,10 @@ class AttentionLayerView:
     """One decoder attention layer of the loaded model."""
 
     name: str
-    layer: Any
+    layer: Attention
 
     @property
-    def impl(self) -> Any:
+    def impl(self) -> AttentionImpl[Any]:
         return self.layer.impl
 
     @property
@@ -301,7 +321,7 @@ class AttentionLayerView:
         return f"layer {self.name} uses {' and '.join(reasons)}" if reasons else None
 
 
-def model_attention_traits(model_config: Any) -> AttentionTraits:
+def model_attention_traits(model_config: ModelConfig) -> AttentionTraits:
     """What the model's attention uses that eviction may not run on, from vLLM's
     ``ModelConfig`` (known before any layer is built)."""
     return AttentionTraits(
@@ -314,7 +334,7 @@ def model_attention_traits(model_config: Any) -> AttentionTraits:
         reference_sliding_window=model_config.rswa_window is not None)
 
 
-def attention_layers(vllm_config: Any) -> list[AttentionLayerView]:
+def attention_layers(vllm_config: VllmConfig) -> list[AttentionLayerView]:
     """Every ``Attention`` layer of the model, in model order."""
     from vllm.model_executor.layers.attention.attention import Attention
 
@@ -323,13 +343,20 @@ def attention_layers(vllm_config: Any) -> list[AttentionLayerView]:
             if isinstance(layer, Attention)]
 
 
-def attention_groups(runner: Any) -> Iterator[Any]:
+class _AttentionGroupsOwner(Protocol):
+    """A model runner of any family: its attention groups per KV cache group."""
+
+    @property
+    def attn_groups(self) -> list[list[AttentionGroup]]: ...
+
+
+def attention_groups(runner: _AttentionGroupsOwner) -> Iterator[AttentionGroup]:
     """Every ``AttentionGroup`` of every KV cache group."""
     for groups in runner.attn_groups:
         yield from groups
 
 
-def group_builders(group: Any) -> list[Any]:
+def group_builders(group: AttentionGroup) -> list[AttentionMetadataBuilder[Any]]:
     """The metadata builders of one attention group (one per micro-batch)."""
     return list(group.metadata_builders)
 
@@ -376,11 +403,12 @@ def pp_all_reduce(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def gpu_sync_check(fn: Any) -> Any:
+def gpu_sync_check(fn: _Fn) -> _Fn:
     """vLLM's ``VLLM_GPU_SYNC_CHECK`` guard, applied to our own hot-path hooks too."""
     from vllm.utils.gpu_sync_debug import with_gpu_sync_check
 
-    return with_gpu_sync_check(fn)
+    checked: _Fn = with_gpu_sync_check(fn)
+    return checked
 
 
 def cpu_cache_writer() -> Callable[..., None]:

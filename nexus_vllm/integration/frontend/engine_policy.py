@@ -2,8 +2,10 @@
 the ones it forces, and the model features it cannot run on.
 
 Plain functions over plain values; ``patches/engine_args`` reads vLLM's ``EngineArgs`` and
-``ModelConfig`` (through ``vllm_compat`` for the model's attention) and calls them, and the
-worker checks each attention layer with the same :func:`unsupported_attention`. Every
+``ModelConfig`` (through ``compat/vllm_compat`` for the model's attention) and calls them;
+the model's attention features are refused with the same
+:func:`~nexus_vllm.integration.compat.attention_traits.unsupported_attention` the worker
+applies to each layer. Every
 refusal names the flag and what to use instead, prefixed ``--kv-eviction <method>:`` so
 the CLI path exits with that one line.
 
@@ -15,7 +17,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from nexus_vllm.argtypes import describe_value
 from nexus_vllm.core import EvictionConfig
@@ -76,7 +77,8 @@ class EngineSettings:
     kv_connector : bool
         Whether ``--kv-transfer-config`` was given.
     scheduler_cls, worker_cls : str, optional
-        ``--scheduler-cls`` (None: vLLM's) and ``--worker-cls``.
+        ``--scheduler-cls`` (None: vLLM's; a class given through the Python API stays
+        a class) and ``--worker-cls``.
     on_cpu : bool
         Whether vLLM runs on its CPU platform (no CUDA graphs).
     cudagraph_mode : str, optional
@@ -95,7 +97,7 @@ class EngineSettings:
     speculative: bool = False
     kv_cache_dtype: str = "auto"
     kv_connector: bool = False
-    scheduler_cls: str | None = None
+    scheduler_cls: str | type | None = None
     worker_cls: str = "auto"
     on_cpu: bool = True
     cudagraph_mode: str | None = None
@@ -219,7 +221,7 @@ def check_engine_settings(method: str, settings: EngineSettings) -> None:
                              f"eviction; {instead}")
 
 
-def with_engine_block_size(cfg: Any, block_size: int | None) -> Any:
+def with_engine_block_size(cfg: EvictionConfig, block_size: int | None) -> EvictionConfig:
     """``cfg`` with vLLM's ``--block-size`` when one was given (it wins: the KV cache is
     laid out in it)."""
     if block_size is None or block_size == cfg.block_size:
@@ -227,7 +229,7 @@ def with_engine_block_size(cfg: Any, block_size: int | None) -> Any:
     return cfg.replace(block_size=int(block_size))
 
 
-def forced_engine_args(cfg: Any) -> dict[str, Any]:
+def forced_engine_args(cfg: EvictionConfig) -> dict[str, object]:
     """``EngineArgs`` field -> the value an evicting server runs with. Prefix caching stays
     as the user set it: an evicting request publishes only the blocks it computed before
     its first eviction (``manager.py``, the clean watermark)."""
@@ -273,7 +275,7 @@ def restate_vllm_refusal(method: str, message: str) -> str | None:
 
 
 # -- the model -----------------------------------------------------------------------------
-def check_model(cfg: Any, model: str, traits: AttentionTraits, max_model_len: int,
+def check_model(cfg: EvictionConfig, model: str, traits: AttentionTraits, max_model_len: int,
                 num_layers: int | None = None) -> None:
     """Refuse a model eviction cannot run on, or a config that cannot work within its
     ``max_model_len`` (known only once vLLM has built its config).
@@ -301,7 +303,8 @@ def forced_tokens(cfg: EvictionConfig) -> int:
     return int(cfg.num_forced * cfg.block_size)
 
 
-def check_max_model_len(cfg: Any, max_model_len: int, num_layers: int | None = None) -> None:
+def check_max_model_len(cfg: EvictionConfig, max_model_len: int,
+                        num_layers: int | None = None) -> None:
     """Refuse a server config that cannot work within the model's ``--max-model-len``.
 
     Raises

@@ -5,8 +5,9 @@ Layering (later wins): ``EvictionConfig`` defaults < ``--kv-eviction-config FILE
 ``--additional-config '{"nexus": {...}}'`` < the ``--kv-*`` flags. The resolved config is
 stored back into ``additional_config["nexus"]`` as a plain dict so every vLLM process
 (API server, engine core, workers) rebuilds the same frozen object from the VllmConfig.
-Per-request ``vllm_xargs`` are checked against it in :mod:`.request_config`; what the
-engine must look like around it is :mod:`.engine_policy`.
+Every process decodes it with ``integration/config.py``; per-request ``vllm_xargs`` are
+checked against it in :mod:`.request_args`; what the engine must look like around it is
+:mod:`.engine_policy`.
 
 This module imports no vLLM code: it is unit-testable on its own.
 """
@@ -16,12 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from nexus_vllm.argtypes import int_at_least
-from nexus_vllm.core.config import PROMPT_MODES
+from nexus_vllm.core.config import PROMPT_MODES, EvictionConfig
 from nexus_vllm.core.policies import SERVABLE_METHODS
 from nexus_vllm.integration.config import ADDITIONAL_CONFIG_KEY
+
+if TYPE_CHECKING:
+    from importlib.abc import Traversable
 
 __all__ = [
     "CLI_FLAGS",
@@ -75,7 +80,10 @@ def _ratio(text: str) -> float:
     return value
 
 
-def add_cli_flags(parser: Any) -> Any:
+_Parser = TypeVar("_Parser", bound=argparse.ArgumentParser)
+
+
+def add_cli_flags(parser: _Parser) -> _Parser:
     """Add the ``--kv-*`` flags to ``parser`` (no-op when already there); argparse checks
     each value on its own and names the flag on error."""
     if "--kv-eviction" in getattr(parser, "_option_string_actions", {}):
@@ -115,7 +123,8 @@ def add_cli_flags(parser: Any) -> Any:
     return parser
 
 
-def additional_config_from_cli(args: argparse.Namespace, additional_config: Any,
+def additional_config_from_cli(args: argparse.Namespace,
+                               additional_config: Mapping[str, Any] | None,
                                block_size: int | None) -> dict[str, Any] | None:
     """vLLM's ``additional_config`` with the server's resolved config under ``nexus``.
 
@@ -173,13 +182,14 @@ def load_config_file(path: str | pathlib.Path) -> dict[str, Any]:
     from nexus_vllm import presets
 
     p = pathlib.Path(path)
-    source: Any = p
+    source: pathlib.Path | Traversable = p
     if not p.is_file():
-        source = presets.find(str(path))
-        if source is None:
+        preset = presets.find(str(path))
+        if preset is None:
             if presets.is_name(str(path)):
                 raise ValueError(presets.unknown_message(str(path)))
             raise ValueError(f"--kv-eviction-config: no such file {str(p)!r}")
+        source = preset
     text = source.read_text()
     try:
         if source.name.endswith(".json"):
@@ -208,11 +218,10 @@ def _blamed_flag(field: str, given: dict[str, Any]) -> str | None:
     return None
 
 
-def _build(knobs: dict[str, Any], source: str, given: dict[str, Any] | None = None) -> Any:
+def _build(knobs: dict[str, Any], source: str,
+           given: dict[str, Any] | None = None) -> EvictionConfig:
     """``EvictionConfig`` from ``knobs``; an error names the flag it is about (from
     ``ConfigError.field``), else ``source``."""
-    from nexus_vllm.core import EvictionConfig
-
     try:
         return EvictionConfig.from_dict(knobs)
     except (TypeError, ValueError) as exc:
@@ -226,7 +235,7 @@ def resolve_config(
     file: str | None = None,
     additional: dict[str, Any] | None = None,
     flags: dict[str, Any] | None = None,
-) -> Any:
+) -> EvictionConfig:
     """Merge the three sources into one validated ``EvictionConfig``.
 
     Parameters

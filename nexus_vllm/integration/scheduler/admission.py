@@ -9,8 +9,7 @@ is its state's ``admitted_total`` (its longest sequence), with its progress.
 
 from __future__ import annotations
 
-from typing import Any
-
+from nexus_vllm.integration.compat.vllm_types import EngineRequest
 from nexus_vllm.integration.metrics import SchedulerCounters
 from nexus_vllm.integration.scheduler.live_blocks import LiveBlocks
 from nexus_vllm.integration.scheduler.request_state import RequestEvictionState, RequestStates
@@ -38,7 +37,7 @@ class AdmissionGate:
         self.counters = counters
         self.max_model_len = max_model_len
 
-    def total_tokens(self, st: RequestEvictionState, request: Any) -> int:
+    def total_tokens(self, st: RequestEvictionState, request: EngineRequest) -> int:
         """The request's longest sequence: ``max_tokens`` past its prompt, within
         ``max_model_len``."""
         total = st.prompt_tokens + int(request.max_tokens)
@@ -46,7 +45,7 @@ class AdmissionGate:
             total = min(total, int(self.max_model_len))
         return total
 
-    def bound_blocks(self, request: Any) -> int | None:
+    def bound_blocks(self, request: EngineRequest) -> int | None:
         """Most blocks an evicting request ever holds (None: it does not evict):
         :meth:`EvictionConfig.bound_blocks` over its prompt and its longest sequence."""
         st = self.states.resolve(request)
@@ -54,7 +53,7 @@ class AdmissionGate:
             return None
         return int(st.cfg.bound_blocks(st.prompt_tokens, self.total_tokens(st, request)))
 
-    def may_admit(self, request: Any) -> bool:
+    def may_admit(self, request: EngineRequest) -> bool:
         """Admit an evicting request only if the free pool covers its bound on top of
         what the admitted evicting requests may still grow to (each one's
         :meth:`EvictionConfig.peak_from` its progress, less what it holds: an ``end``

@@ -10,13 +10,13 @@ every null before it can read a reused block: the next plan carries it
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import torch
 
 from nexus_vllm.core.policies import Evidence
 from nexus_vllm.integration import faults
+from nexus_vllm.integration.compat.vllm_types import EngineRequest
 from nexus_vllm.integration.metrics import SchedulerCounters
 from nexus_vllm.integration.protocol import ScoreRequest, StepPlan, WorkerReply
 from nexus_vllm.integration.scheduler.live_blocks import LiveBlocks
@@ -50,7 +50,8 @@ class Evictor:
         self.counters = counters
         self._fault = fault
 
-    def apply(self, plan: StepPlan, reply: WorkerReply, requests: dict[str, Any]) -> None:
+    def apply(self, plan: StepPlan, reply: WorkerReply,
+              requests: Mapping[str, EngineRequest]) -> None:
         """Run the policy of every request ``plan`` scored, on ``reply``'s evidence (a
         reply that acknowledges ``plan``). A request whose evidence the worker dropped
         is skipped (a fault the worker counted)."""
@@ -81,7 +82,7 @@ class Evictor:
                 self._fault("policy_error", "eviction policy failed; skipping this event",
                             exc=True)
 
-    def evict(self, st: RequestEvictionState, request: Any, sreq: ScoreRequest,
+    def evict(self, st: RequestEvictionState, request: EngineRequest, sreq: ScoreRequest,
               mass: torch.Tensor | None, key_norms: torch.Tensor | None = None) -> None:
         """One eviction event: the policy keeps ``target_blocks`` of the request's live
         blocks; the others that are full and below ``sreq.evictable_below`` are nulled

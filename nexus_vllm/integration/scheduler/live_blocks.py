@@ -17,10 +17,14 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nexus_vllm.integration.compat.vllm_compat import BlockPoolView, request_blocks
+from nexus_vllm.integration.compat.vllm_types import KVBlock
 from nexus_vllm.integration.scheduler.request_state import LiveIndex, RequestEvictionState
+
+if TYPE_CHECKING:
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
 __all__ = ["LiveBlocks"]
 
@@ -36,12 +40,13 @@ class LiveBlocks:
     block_size : int
     """
 
-    def __init__(self, kv_group: Any, pool: BlockPoolView, block_size: int) -> None:
+    def __init__(self, kv_group: SingleTypeKVCacheManager, pool: BlockPoolView,
+                 block_size: int) -> None:
         self.kv_group = kv_group
         self.pool = pool
         self.block_size = int(block_size)
 
-    def of(self, req_id: str) -> list[Any]:
+    def of(self, req_id: str) -> list[KVBlock]:
         """The request's block list (``KVCacheBlock`` per logical block; [] if none)."""
         return request_blocks(self.kv_group, req_id)
 

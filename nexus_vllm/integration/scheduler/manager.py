@@ -31,12 +31,12 @@ the blocks its policy must keep, all following its ``prompt_mode``) comes from
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
-from nexus_vllm.core import cdiv
+from nexus_vllm.core import EvictionConfig, cdiv
 from nexus_vllm.integration import faults
 from nexus_vllm.integration.compat.vllm_compat import (
     BlockPoolView,
@@ -46,6 +46,7 @@ from nexus_vllm.integration.compat.vllm_compat import (
     reset_request_ids,
     single_type_manager,
 )
+from nexus_vllm.integration.compat.vllm_types import EngineRequest, StepSchedule
 from nexus_vllm.integration.metrics import SchedulerCounters
 from nexus_vllm.integration.protocol import ScoreRequest, StepPlan, WorkerReply
 from nexus_vllm.integration.scheduler.admission import AdmissionGate
@@ -54,6 +55,9 @@ from nexus_vllm.integration.scheduler.live_blocks import LiveBlocks
 from nexus_vllm.integration.scheduler.plan_channel import PlanChannel
 from nexus_vllm.integration.scheduler.prefix_cache import prefix_hit_cap
 from nexus_vllm.integration.scheduler.request_state import RequestEvictionState, RequestStates
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 logger = init_logger(__name__)
 
@@ -75,7 +79,8 @@ class EvictionManager:
         Bounds each request's longest sequence at admission.
     """
 
-    def __init__(self, server_cfg: Any, kv_cache_manager: Any, block_size: int,
+    def __init__(self, server_cfg: EvictionConfig, kv_cache_manager: KVCacheManager,
+                 block_size: int,
                  max_model_len: int | None = None) -> None:
         self.server_cfg = server_cfg
         self.block_size = int(block_size)
@@ -96,13 +101,13 @@ class EvictionManager:
         gate_admission(kv_cache_manager, self.may_admit)
 
     # -- vLLM's KVCacheManager (through the wraps) -------------------------------------
-    def caching_limit(self, request: Any) -> int | None:
+    def caching_limit(self, request: EngineRequest) -> int | None:
         """Tokens of an evicting request the prefix cache may publish: its clean
         watermark (None: no cap, it has not evicted or does not evict)."""
         st = self.states.get(request.request_id)
         return None if st is None else st.clean_watermark
 
-    def hit_cap(self, request: Any) -> tuple[int, int] | None:
+    def hit_cap(self, request: EngineRequest) -> tuple[int, int] | None:
         """``(limit, multiple)`` for an evicting request's prefix hit (None: no cap;
         :func:`~nexus_vllm.integration.scheduler.prefix_cache.prefix_hit_cap`)."""
         st = self.states.resolve(request)
@@ -110,11 +115,11 @@ class EvictionManager:
             return None
         return prefix_hit_cap(st.cfg, st.prompt_tokens, self.block_size)
 
-    def bound_blocks(self, request: Any) -> int | None:
+    def bound_blocks(self, request: EngineRequest) -> int | None:
         """Most blocks an evicting request ever holds (None: it does not evict)."""
         return self.admission.bound_blocks(request)
 
-    def may_admit(self, request: Any) -> bool:
+    def may_admit(self, request: EngineRequest) -> bool:
         """Whether the pool can take the request now (:meth:`AdmissionGate.may_admit`)."""
         return self.admission.may_admit(request)
 
@@ -141,7 +146,8 @@ class EvictionManager:
             self.counters.add_request_peak(prompt_mode, peak)
 
     # -- schedule() --------------------------------------------------------------------
-    def plan_step(self, scheduler_output: Any, requests: dict[str, Any]) -> StepPlan:
+    def plan_step(self, scheduler_output: StepSchedule,
+                  requests: Mapping[str, EngineRequest]) -> StepPlan:
         """Build the plan for the step just scheduled (``num_computed_tokens`` already
         counts this step's tokens)."""
         self.record_finished(scheduler_output.finished_req_ids)
@@ -167,7 +173,7 @@ class EvictionManager:
         return StepPlan(step_id=step_id, evict=evict, score=score, track=tuple(track),
                         sink_blocks=int(self.server_cfg.sink_blocks))
 
-    def _plan_event(self, st: RequestEvictionState, request: Any,
+    def _plan_event(self, st: RequestEvictionState, request: EngineRequest,
                     n: int) -> ScoreRequest | None:
         tokens_after = int(request.num_computed_tokens)
         live = self.blocks.live_indices(st, cdiv(tokens_after, self.block_size))
@@ -178,7 +184,7 @@ class EvictionManager:
 
     # -- update_from_output() ----------------------------------------------------------
     def apply_reply(self, plan: StepPlan | None, reply: WorkerReply | None,
-                    requests: dict[str, Any]) -> None:
+                    requests: Mapping[str, EngineRequest]) -> None:
         """Acknowledge the plan the worker applied; run each scored request's policy and
         evict (null + free) the dropped blocks.
 
@@ -193,7 +199,7 @@ class EvictionManager:
                         "rest of this step's eviction events", exc=True)
 
     def _apply_reply(self, plan: StepPlan | None, reply: WorkerReply | None,
-                     requests: dict[str, Any]) -> None:
+                     requests: Mapping[str, EngineRequest]) -> None:
         if plan is None:
             return
         if not self.channel.acknowledge(plan, reply):
@@ -206,7 +212,7 @@ class EvictionManager:
         self.evictor.apply(plan, reply, requests)
 
     # -- make_stats() ------------------------------------------------------------------
-    def stats(self, requests: dict[str, Any]) -> dict[str, int]:
+    def stats(self, requests: Mapping[str, EngineRequest]) -> dict[str, int]:
         live = [self.blocks.live_count(st) for r, st in self.states.items() if r in requests]
         self.counters.set_gauges(
             live_blocks=sum(live),

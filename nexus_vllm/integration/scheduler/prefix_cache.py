@@ -15,15 +15,15 @@ chunk boundary before its first eviction, and before that event's query window
 from __future__ import annotations
 
 import math
-from typing import Any
 
-from nexus_vllm.core import cdiv
+from nexus_vllm.core import EvictionConfig, cdiv
 from nexus_vllm.integration.scheduler.request_state import RequestEvictionState
 
 __all__ = ["mark_first_eviction", "prefix_hit_cap"]
 
 
-def prefix_hit_cap(cfg: Any, prompt_tokens: int, block_size: int) -> tuple[int, int] | None:
+def prefix_hit_cap(cfg: EvictionConfig, prompt_tokens: int,
+                   block_size: int) -> tuple[int, int] | None:
     """``(limit, multiple)`` for an evicting request's prefix hit (None: no cap).
 
     Its prompt is computed in ``chunk_size`` chunks with an event after the first chunk

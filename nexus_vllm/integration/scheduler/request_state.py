@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from nexus_vllm.core import EvictionConfig, EvictionTrigger, cdiv
+from nexus_vllm.integration.compat.vllm_types import EngineRequest, KVBlock
 from nexus_vllm.integration.config import request_config
 from nexus_vllm.integration.protocol import ScoreRequest
 
@@ -45,7 +46,7 @@ class LiveIndex:
         Entries of ``blocks`` read so far.
     """
 
-    blocks: list[Any] | None = None
+    blocks: list[KVBlock] | None = None
     live: list[int] = field(default_factory=list)
     seen: int = 0
 
@@ -185,7 +186,7 @@ class RequestStates:
         self.server_cfg = server_cfg
         self._states: dict[str, RequestEvictionState | None] = {}
 
-    def resolve(self, request: Any) -> RequestEvictionState | None:
+    def resolve(self, request: EngineRequest) -> RequestEvictionState | None:
         """The request's state, made on first sight from its sampling params."""
         req_id = request.request_id
         if req_id not in self._states:

@@ -10,7 +10,7 @@ step; ``make_stats()`` adds the ``nexus:*`` metrics.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -21,6 +21,12 @@ from nexus_vllm.integration.config import config_from_additional
 from nexus_vllm.integration.protocol import StepPlan, attach_plan, read_reply
 from nexus_vllm.integration.scheduler.manager import EvictionManager
 
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.outputs import ModelRunnerOutput
+
 logger = init_logger(__name__)
 
 __all__ = ["NexusScheduler"]
@@ -29,6 +35,7 @@ __all__ = ["NexusScheduler"]
 class NexusScheduler(Scheduler):
     """vLLM's scheduler + streaming KV eviction under a per-request budget."""
 
+    # vLLM's arguments are passed on untouched (their list changes between releases).
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_vllm_version()
         super().__init__(*args, **kwargs)
@@ -48,7 +55,7 @@ class NexusScheduler(Scheduler):
                     cfg.max_tokens, cfg.keep_ratio, self.block_size, cfg.chunk_size,
                     cfg.prompt_mode, cfg.prefill_budget, self.nexus.pool.num_usable())
 
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         self._nexus_step_start: float | None = time.perf_counter()
         self._nexus_first_count = True
         try:
@@ -77,7 +84,9 @@ class NexusScheduler(Scheduler):
                 return running, waiting + 1
         return running, waiting
 
-    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput
+                           ) -> dict[int, EngineCoreOutputs]:
         plan, self._nexus_plan = self._nexus_plan, None
         t0 = time.perf_counter()
         # A failure is counted as a fault and skipped inside (EvictionManager.apply_reply).
@@ -92,7 +101,7 @@ class NexusScheduler(Scheduler):
             self._nexus_step_start = None
         return out
 
-    def make_stats(self, *args: Any, **kwargs: Any) -> Any:
+    def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
         stats = super().make_stats(*args, **kwargs)
         if stats is not None:
             # Requests that finished in this step: their peaks go out with its stats.

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
     from nexus_vllm.integration.worker.compaction import Compactor
     from nexus_vllm.integration.worker.query_ring import QueryRing
 
@@ -41,11 +43,14 @@ __all__ = [
     "key_view",
     "nexus_backend",
     "register_backends",
+    "wrapped_backend_name",
 ]
 
 CPU_BACKENDS = ("CPU_ATTN",)
 CUDA_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
 _PREFIX = "Nexus_"
+# The class attribute of a nexus backend naming the vLLM backend it wraps.
+_INNER_NAME = "nexus_inner_name"
 _CLASSES: dict[str, type] = {}
 
 
@@ -56,8 +61,8 @@ class NexusMetadataBuilderMixin:
     supports_update_block_table = False
     nexus_compactor: Compactor | None = None
 
-    def build(self, common_prefix_len: int, common_attn_metadata: Any, *args: Any,
-              **kwargs: Any) -> Any:
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              *args: Any, **kwargs: Any) -> object:
         compactor = self.nexus_compactor
         if compactor is not None:
             common_attn_metadata = compactor.compact(common_attn_metadata)
@@ -72,9 +77,9 @@ class NexusAttentionImplMixin:
     nexus_layer: int = -1
     nexus_self_check: bool = False
 
-    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor,
-                value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any,
-                *args: Any, **kwargs: Any) -> Any:
+    def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: object,
+                *args: Any, **kwargs: Any) -> torch.Tensor:
         ring = self.nexus_ring
         if ring is not None and attn_metadata is not None:
             ring.capture(self.nexus_layer, query)
@@ -163,12 +168,18 @@ def nexus_backend(inner_name: str) -> type:
     backend = _named(_PREFIX + inner_name, (inner,), {
         "get_builder_cls": staticmethod(lambda: builder),
         "get_impl_cls": staticmethod(lambda: impl),
-        "nexus_inner_name": inner_name,
+        _INNER_NAME: inner_name,
     })
     return backend
 
 
-def _named(name: str, bases: tuple[type, ...], attrs: dict[str, Any]) -> type:
+def wrapped_backend_name(backend: object) -> str:
+    """The name of the vLLM backend (``CPU_ATTN``, ``FLASH_ATTN``, ...) that a nexus
+    backend class from :func:`nexus_backend` wraps."""
+    return str(getattr(backend, _INNER_NAME))
+
+
+def _named(name: str, bases: tuple[type, ...], attrs: dict[str, object]) -> type:
     cls = type(name, bases, {"__module__": __name__, "__qualname__": name, **attrs})
     _CLASSES[name] = cls
     return cls

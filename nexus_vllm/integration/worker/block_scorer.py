@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -157,7 +156,7 @@ class _Pending:
     rows: int  # W_s, rows computed per request
     cols: int  # N_max, columns computed per request
     host: torch.Tensor
-    done: Any  # torch.cuda.Event or None
+    done: torch.cuda.Event | None  # recorded after the copy (CUDA only)
     timer: _Timer
     world: int
 

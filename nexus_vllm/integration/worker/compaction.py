@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from nexus_vllm.integration.compat.vllm_compat import NULL_BLOCK_ID
-from nexus_vllm.integration.worker.worker_step import Batch, Step
+from nexus_vllm.integration.worker.worker_step import Batch, MetadataChanges, Step
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
 
 __all__ = ["Compactor"]
 
@@ -50,7 +53,7 @@ class Compactor:
         self._tables: torch.Tensor | None = None
         self._lens: torch.Tensor | None = None
 
-    def compact(self, cm: Any) -> Any:
+    def compact(self, cm: CommonAttentionMetadata) -> CommonAttentionMetadata:
         """``cm`` with evicted blocks compacted out (the builder mixin's hook)."""
         step = self.step
         if step is None:
@@ -67,7 +70,7 @@ class Compactor:
                                "supports models with one KV cache group")
         return dataclasses.replace(cm, **step.changes) if step.changes else cm
 
-    def _compute(self, cm: Any, step: Step) -> dict[str, Any]:
+    def _compute(self, cm: CommonAttentionMetadata, step: Step) -> MetadataChanges:
         assert self.batch_req_ids is not None, "bind a runner adapter first"
         rows = int(cm.num_reqs)
         req_ids = self.batch_req_ids(rows)

@@ -10,7 +10,6 @@ query rows go where, and every scored layer then copies them with one ``index_co
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import torch
@@ -153,7 +152,7 @@ class QueryRing:
             self._fault("capture_error", "query capture failed; this step is not scored",
                         exc=True)
 
-    def check_keys(self, layer: int, key: Any) -> None:
+    def check_keys(self, layer: int, key: torch.Tensor | None) -> None:
         """Self-check: the layer's key view holds the keys it was just given."""
         k = self.ring_layer.get(layer)
         step = self.step

@@ -19,7 +19,7 @@ eviction path on top of it is the same on both:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.logger import init_logger
@@ -44,11 +44,19 @@ from nexus_vllm.integration.worker.attention import (
     NexusMetadataBuilderMixin,
     key_view,
     register_backends,
+    wrapped_backend_name,
 )
 from nexus_vllm.integration.worker.block_scorer import RankLayout
 from nexus_vllm.integration.worker.worker_state import LayerKeys, WorkerEvictionState, layer_index
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
 logger = init_logger(__name__)
+# What a step returns to the executor: vLLM's output, or None (it comes from sample_tokens).
+_StepOutput = TypeVar("_StepOutput", bound="ModelRunnerOutput | AsyncModelRunnerOutput | None")
 
 if current_platform.is_cpu():
     from vllm.v1.worker.cpu_worker import CPUWorker as _BaseWorker
@@ -63,7 +71,7 @@ def platform_backends() -> tuple[str, ...]:
     return CPU_BACKENDS if current_platform.is_cpu() else CUDA_BACKENDS
 
 
-def _model_layers(vllm_config: Any, local_bound: int) -> int:
+def _model_layers(vllm_config: VllmConfig, local_bound: int) -> int:
     """Decoder layers of the whole model (every pipeline stage), from the HF config;
     ``local_bound`` (one past this worker's last layer) when the config does not say."""
     text = getattr(vllm_config.model_config, "hf_text_config", None)
@@ -74,6 +82,7 @@ def _model_layers(vllm_config: Any, local_bound: int) -> int:
 class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
     """Platform worker + eviction plan application + scoring + reply."""
 
+    # vLLM's arguments are passed on untouched (their list changes between releases).
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_vllm_version()
         register_backends(platform_backends())
@@ -138,7 +147,7 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
                     state.ring_bytes() / 2**20, state.max_requests, state.window, tp_rank,
                     tp_size, pp_rank, pp_size)
 
-    def initialize_from_config(self, *args: Any, **kwargs: Any) -> None:
+    def initialize_from_config(self, *args: object, **kwargs: object) -> None:
         super().initialize_from_config(*args, **kwargs)
         state = self.nexus
         assert state is not None
@@ -148,10 +157,10 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
                     type(self.model_runner).__name__)
         self._bind(adapter)
 
-    def extend_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
+    def extend_kv_cache(self, *args: object, **kwargs: object) -> object:
         # vLLM 0.34 (extensible KV cache): every layer's KV tensors are replaced after
         # warm-up; key views taken before would read the old ones.
-        out = super().extend_kv_cache(*args, **kwargs)  # type: ignore[misc]
+        out: object = super().extend_kv_cache(*args, **kwargs)  # type: ignore[misc]
         state = self.nexus
         if state is not None and state.runner is not None:
             self._bind(state.runner)
@@ -177,18 +186,21 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         scored: dict[int, LayerKeys] = {}
         for view in attention_layers(self.vllm_config):
             idx = layer_index(view.name)
-            view.impl.nexus_ring = state.ring
-            view.impl.nexus_layer = idx
-            view.impl.nexus_self_check = state.self_check
+            impl = view.impl
+            assert isinstance(impl, NexusAttentionImplMixin)  # load_model checked it
+            impl.nexus_ring = state.ring
+            impl.nexus_layer = idx
+            impl.nexus_self_check = state.self_check
             if idx in self._nexus_scored:
-                backend = view.layer.attn_backend.nexus_inner_name
+                backend = wrapped_backend_name(view.layer.attn_backend)
                 keys = key_view(backend, view.kv_cache, int(view.impl.head_size),
                                 getattr(view.layer, "isa", None))
                 scored[idx] = LayerKeys(view.name, keys)
         state.bind_layers(adapter, scored)
 
     # -- one step ----------------------------------------------------------------------
-    def execute_model(self, scheduler_output: Any) -> Any:
+    def execute_model(self, scheduler_output: SchedulerOutput
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
         state = self.nexus
         assert state is not None
         self._nexus_hooks(state, scheduler_output, before=True)
@@ -204,14 +216,15 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         return output if output is None else self._with_reply(output)
 
     @gpu_sync_check
-    def _nexus_hooks(self, state: WorkerEvictionState, scheduler_output: Any, *,
+    def _nexus_hooks(self, state: WorkerEvictionState, scheduler_output: SchedulerOutput, *,
                      before: bool) -> None:
         if before:
             state.begin_step(scheduler_output, read_plan(scheduler_output))
         else:
             state.finish_forward()
 
-    def sample_tokens(self, grammar_output: Any) -> Any:
+    def sample_tokens(self, grammar_output: GrammarOutput | None
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         state = self.nexus
         assert state is not None
         assert state.runner is not None
@@ -219,7 +232,7 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
             output = super().sample_tokens(grammar_output)
         return self._with_reply(output)
 
-    def _with_reply(self, output: Any) -> Any:
+    def _with_reply(self, output: _StepOutput) -> _StepOutput:
         state = self.nexus
         assert state is not None
         if not self._nexus_reply_due or output is None:

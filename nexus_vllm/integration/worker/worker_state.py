@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.logger import init_logger
@@ -50,6 +50,10 @@ from nexus_vllm.integration.worker.block_scorer import BlockScorer, RankLayout
 from nexus_vllm.integration.worker.compaction import Compactor
 from nexus_vllm.integration.worker.query_ring import QueryRing
 from nexus_vllm.integration.worker.worker_step import LayerKeys, SelfCheckError, Step
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.core.sched.output import SchedulerOutput
 
 logger = init_logger(__name__)
 
@@ -136,7 +140,7 @@ class WorkerEvictionState:
         self.step = self.compactor.step = self.ring.step = step
 
     # -- the plan ----------------------------------------------------------------------
-    def begin_step(self, scheduler_output: Any, plan: StepPlan | None) -> None:
+    def begin_step(self, scheduler_output: SchedulerOutput, plan: StepPlan | None) -> None:
         """Apply ``plan`` to the runner's block tables and open one step."""
         runner = self.runner
         assert runner is not None, "bind_layers() first"
@@ -216,7 +220,7 @@ class WorkerEvictionState:
         self.ring.forget(req_id)
 
     # -- the hooks (each part is also reachable directly) -------------------------------
-    def compact(self, cm: Any) -> Any:
+    def compact(self, cm: CommonAttentionMetadata) -> CommonAttentionMetadata:
         """``cm`` with evicted blocks compacted out (see ``compaction.Compactor``)."""
         return self.compactor.compact(cm)
 

@@ -10,14 +10,14 @@ forward. Each part is handed the step explicitly; none reaches into another.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 import torch
 
 from nexus_vllm.integration.protocol import StepPlan
 
-__all__ = ["Batch", "LayerKeys", "SelfCheckError", "Staging", "Step"]
+__all__ = ["Batch", "LayerKeys", "MetadataChanges", "SelfCheckError", "Staging", "Step"]
 
 
 class SelfCheckError(RuntimeError):
@@ -44,6 +44,17 @@ class Batch:
     seq_lens: torch.Tensor  # [R] the sequence lengths attention reads
 
 
+class MetadataChanges(TypedDict, total=False):
+    """The ``CommonAttentionMetadata`` fields compaction rewrites (none: nothing evicted
+    in the batch)."""
+
+    block_table_tensor: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu_upper_bound: torch.Tensor
+    max_seq_len: int
+    _num_computed_tokens_cache: torch.Tensor | None
+
+
 @dataclass
 class Step:
     """One step, from the plan's application to the reply."""
@@ -54,7 +65,7 @@ class Step:
     masked: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     masked_counts: dict[str, int] = field(default_factory=dict)
     batch: Batch | None = None
-    changes: dict[str, Any] | None = None
+    changes: MetadataChanges | None = None
     table_key: tuple[int, tuple[int, ...]] | None = None
     slot_mapping: torch.Tensor | None = None
     capture_ready: bool = False  # the capture indices of this step were worked out

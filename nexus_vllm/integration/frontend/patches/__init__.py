@@ -1,9 +1,11 @@
-"""Monkey-patches of vLLM internals, one module per patch (vLLM 0.32.x to 0.34.x).
+"""Monkey-patches of vLLM classes, one module per patch (vLLM 0.32.x to 0.34.x). All of
+them live in the API server; the engine core and the workers run our own subclasses
+instead (selected through ``scheduler_cls`` / ``worker_cls``).
 
 Every module documents **Why** it exists, **How** it works, the vLLM version it targets
 and the **Plan** to drop it. The full list of what nexus-vllm changes in vLLM (these
 class wraps, the instance wraps, subclass overrides, attributes set on vLLM objects and
-install-time fixes) is ``catalogue.CATALOGUE``; a patch missing from it cannot be
+install-time fixes) is ``compat.catalogue.CATALOGUE``; a patch missing from it cannot be
 installed. ``apply_all()`` runs only on a supported vLLM (``plugin.register()`` checks
 first), is idempotent, and is all or nothing: if any patch fails to install (a vLLM
 release moved what it wraps), every patch already installed is reverted, one line is

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
@@ -56,12 +56,20 @@ from nexus_vllm.integration.frontend.server_config import (
     additional_config_from_cli,
 )
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from nexus_vllm.core import EvictionConfig
+
 __all__ = ["apply", "check_model_config", "engine_settings", "translate_engine_args"]
 
 logger = init_logger(__name__)
 
 
-def _cudagraph_mode(engine_args: Any) -> Any:
+def _cudagraph_mode(engine_args: EngineArgs) -> CUDAGraphMode | None:
     """The ``CUDAGraphMode`` given in ``engine_args`` (None: vLLM picks one)."""
     cc = getattr(engine_args, "compilation_config", None)
     if cc is None:
@@ -75,7 +83,7 @@ def _cudagraph_mode(engine_args: Any) -> Any:
     return mode
 
 
-def engine_settings(engine_args: Any) -> EngineSettings:
+def engine_settings(engine_args: EngineArgs) -> EngineSettings:
     """What ``engine_policy`` reads of vLLM's ``EngineArgs`` (``getattr``: a field a
     release lacks reads as its default; ``tests/integration/test_vllm_sources.py`` checks
     that every one exists)."""
@@ -103,7 +111,7 @@ def engine_settings(engine_args: Any) -> EngineSettings:
     )
 
 
-def translate_engine_args(engine_args: Any) -> Any | None:
+def translate_engine_args(engine_args: EngineArgs) -> EvictionConfig | None:
     """Rewrite ``engine_args`` in place for an evicting config; return the config."""
     try:
         cfg = config_from_additional(engine_args.additional_config)
@@ -135,7 +143,7 @@ def translate_engine_args(engine_args: Any) -> Any | None:
     return cfg
 
 
-def check_model_config(vllm_config: Any, cfg: Any) -> None:
+def check_model_config(vllm_config: VllmConfig, cfg: EvictionConfig) -> None:
     """Refuse models eviction cannot run on (after vLLM has built its config)."""
     from nexus_vllm.integration.compat.vllm_compat import model_attention_traits
 
@@ -156,12 +164,13 @@ def apply() -> None:
     orig_create = EngineArgs.create_engine_config
 
     @functools.wraps(orig_add)
-    def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
+    def add_cli_args(parser: FlexibleArgumentParser, *args: object,
+                     **kwargs: object) -> FlexibleArgumentParser:
         parser = orig_add(parser, *args, **kwargs)
         return add_cli_flags(parser)
 
     @functools.wraps(orig_from)
-    def from_cli_args(cls: Any, args: argparse.Namespace) -> Any:
+    def from_cli_args(cls: type[EngineArgs], args: argparse.Namespace) -> EngineArgs:
         engine_args = orig_from(cls, args)
         try:
             additional = additional_config_from_cli(
@@ -176,7 +185,7 @@ def apply() -> None:
         return engine_args
 
     @functools.wraps(orig_create)
-    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def create_engine_config(self: EngineArgs, *args: Any, **kwargs: Any) -> VllmConfig:
         try:
             cfg = translate_engine_args(self)
             try:

@@ -23,35 +23,48 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nexus_vllm.integration.compat.catalogue import swap
 from nexus_vllm.integration.config import config_from_additional
 from nexus_vllm.integration.frontend.request_args import RequestArgError, validate_request_args
 
+if TYPE_CHECKING:
+    from vllm.pooling_params import PoolingParams
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from nexus_vllm.core import EvictionConfig
+
 __all__ = ["apply", "server_limits"]
 
+# The server's eviction config (None: it does not evict) and its max model length.
+Limits = tuple["EvictionConfig | None", "int | None"]
 
-def server_limits(input_processor: Any) -> tuple[Any | None, int | None]:
+
+def server_limits(input_processor: InputProcessor) -> Limits:
     """(server ``EvictionConfig`` or None, ``max_model_len``) of the engine behind
     ``input_processor``; computed once and kept on it."""
-    limits: tuple[Any | None, int | None] | None = getattr(
-        input_processor, "_nexus_limits", None)
+    limits: Limits | None = getattr(input_processor, "_nexus_limits", None)
     if limits is None:
         vllm_config = input_processor.vllm_config
         max_len = getattr(vllm_config.model_config, "max_model_len", None)
         limits = (config_from_additional(vllm_config.additional_config),
                   int(max_len) if max_len else None)
-        input_processor._nexus_limits = limits
+        input_processor._nexus_limits = limits  # type: ignore[attr-defined]
     return limits
 
 
-def _wrap(orig: Callable[..., Any]) -> Callable[..., Any]:
+Validate = Callable[..., "bool | None"]
+
+
+def _wrap(orig: Validate) -> Validate:
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
     @functools.wraps(orig)
-    def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+    def _validate_params(self: InputProcessor, params: SamplingParams | PoolingParams,
+                         *args: object, **kwargs: object) -> bool | None:
         result = orig(self, params, *args, **kwargs)
         if isinstance(params, SamplingParams) and params.extra_args:
             server_cfg, max_len = server_limits(self)

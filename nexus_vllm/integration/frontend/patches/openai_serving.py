@@ -34,17 +34,21 @@ Plan
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from nexus_vllm.integration.compat.catalogue import swap
 from nexus_vllm.integration.frontend.patches.input_processor import server_limits
 from nexus_vllm.integration.frontend.request_args import RequestArgError, validate_request_args
 
+if TYPE_CHECKING:
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    from vllm.entrypoints.serve.engine.serving import BaseServing
+
 __all__ = ["apply", "check_xargs"]
 
 
-def check_xargs(serving: Any, request: Any) -> Any | None:
+def check_xargs(serving: BaseServing, request: object) -> ErrorResponse | None:
     """The ``ErrorResponse`` for a request whose ``vllm_xargs`` fail validation, else None.
 
     ``serving`` is one of vLLM's OpenAI serving objects (it carries the engine's
@@ -62,9 +66,13 @@ def check_xargs(serving: Any, request: Any) -> Any | None:
     return None
 
 
-def _wrap(orig: Callable[..., Any], error_type: type) -> Callable[..., Any]:
+Render = Callable[..., Awaitable[object]]
+
+
+def _wrap(orig: Render, error_type: type) -> Render:
     @functools.wraps(orig)
-    async def render(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    async def render(self: BaseServing, request: object, *args: object,
+                     **kwargs: object) -> object:
         result = await orig(self, request, *args, **kwargs)
         # vLLM's own errors (unknown model, prompt too long) come first, as they would
         # for a bad sampling parameter.

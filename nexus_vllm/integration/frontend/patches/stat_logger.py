@@ -20,10 +20,14 @@ Plan
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nexus_vllm.integration.compat.catalogue import swap
 from nexus_vllm.integration.metrics import export, pop_nexus_stats
+
+if TYPE_CHECKING:
+    from vllm.v1.metrics.loggers import StatLoggerManager
+    from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
 __all__ = ["apply"]
 
@@ -36,18 +40,18 @@ def apply() -> None:
         return
 
     @functools.wraps(orig)
-    def record(self: Any, scheduler_stats: Any, iteration_stats: Any, *args: Any,
-               **kwargs: Any) -> Any:
+    def record(self: StatLoggerManager, scheduler_stats: SchedulerStats | None,
+               iteration_stats: IterationStats | None, *args: Any,
+               **kwargs: Any) -> None:
         if scheduler_stats is not None:
             counts = getattr(scheduler_stats, "num_kv_fetch_reqs_by_stage", None)
             if counts:
                 stats = pop_nexus_stats(counts)
                 if stats:
-                    engine_idx = kwargs.get("engine_idx")
-                    if engine_idx is None and len(args) >= 2:
-                        engine_idx = args[1]
-                    export(stats, int(engine_idx or 0))
-        return orig(self, scheduler_stats, iteration_stats, *args, **kwargs)
+                    # (mm_cache_stats, engine_idx) when passed by position.
+                    engine_idx = kwargs.get("engine_idx", args[1] if len(args) >= 2 else None)
+                    export(stats, engine_idx if isinstance(engine_idx, int) else 0)
+        orig(self, scheduler_stats, iteration_stats, *args, **kwargs)
 
     record._nexus_patched = True  # type: ignore[attr-defined]
     swap(StatLoggerManager, "record", record)
