@@ -20,7 +20,8 @@ do. Then every request decodes one token per step and each step is timed, split 
 
 The two ``ours`` variants alternate step by step over the same scheduler state, so they
 are measured side by side in one run. Prints the median microseconds per step and the
-ratios. Needs vLLM; about 2 minutes on 2 CPU cores (most of it the prefill).
+ratios (docs/performance.md, "Scheduler work per step"). Needs vLLM; about 30 s on 2 CPU
+cores for the default sizes, most of it importing vLLM and the prefill.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def measure(model_dir: pathlib.Path, requests: int, tokens: int,
             samples["vllm"].append(step_s - plan_s - apply_s - stats_s)
             samples[name].append(plan_s + admit_s + stats_s)
     blocks = [len(mgr.blocks.of(r)) for r in sched.requests]
-    live = [mgr.blocks.live_count(st) for _, st in mgr.states.items()]
+    live = [mgr.blocks.live_count(st) for r, st in mgr.states.items() if r in sched.requests]
     result = {k: statistics.median(v) * 1e6 for k, v in samples.items()}
     result.update(logical_blocks=statistics.mean(blocks), live_blocks=statistics.mean(live))
     return result

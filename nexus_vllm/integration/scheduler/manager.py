@@ -11,8 +11,9 @@ one part per job:
   (config, trigger, policy state and what every part below keeps for the request; the
   budget trigger of one step is its ``plan_event``). The parts keep nothing per request
   themselves, so a request's end is one ``finish`` and a restart one ``restart``;
-* :class:`~nexus_vllm.integration.scheduler.live_blocks.LiveBlocks`: the requests' block lists,
-  nulled and freed in place (the list stays logical);
+* :class:`~nexus_vllm.integration.scheduler.live_blocks.LiveBlocks`: the requests' block
+  lists, nulled and freed in place (the list stays logical), and each request's live
+  blocks, kept as they change rather than read from the list every step;
 * :class:`~nexus_vllm.integration.scheduler.admission.AdmissionGate`: reserves each evicting
   request's bound before it starts (wraps ``allocate_slots``);
 * :mod:`~nexus_vllm.integration.scheduler.prefix_cache`: what an evicting request may
