@@ -88,8 +88,7 @@ def _choice(key: str, value: Any, choices: Sequence[str]) -> str:
 
 
 def _needs_eviction(key: str, server_cfg: EvictionConfig | None, opt_out: bool,
-                    what: str = "needs",
-                    allowed: str = "") -> None:
+                    what: str = "needs", allowed: str = "") -> None:
     """Refuse ``key`` on a server started without eviction (unless the request opts out
     with ``kv_eviction: none``, which makes the other fields moot)."""
     if server_cfg is None and not opt_out:
