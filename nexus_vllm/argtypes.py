@@ -1,13 +1,14 @@
 """argparse value types shared by the ``--kv-*`` server flags and the ``nexus-vllm``
 subcommands, so a bad number is refused with the same message everywhere (argparse names
-the flag)."""
+the flag); and how an error message shows a value the user gave (:func:`describe_value`)."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["int_at_least"]
+__all__ = ["describe_value", "int_at_least"]
 
 
 def int_at_least(low: int, meaning: str | None = None) -> Callable[[str], int]:
@@ -25,3 +26,13 @@ def int_at_least(low: int, meaning: str | None = None) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def describe_value(value: Any) -> str:
+    """``value`` as the user gave it, with its JSON type when that is the problem."""
+    text = repr(value)
+    if len(text) > 40:  # a huge number or string: enough to recognise it
+        text = f"{text[:30]}... ({len(text)} characters)"
+    kind = {bool: "a boolean", str: "a string", list: "a list", dict: "an object",
+            type(None): "null"}.get(type(value))
+    return f"{text} ({kind})" if kind else text

@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "parity": ("nexus_vllm.eval.server_parity",
                "a running server vs. the transformers path, token for token"),
     "prepare-model": ("nexus_vllm.models", "build the embedded default model checkpoint"),
-    "serve": ("nexus_vllm.integration.serve", "vllm serve with Nexus eviction on"),
+    "serve": ("nexus_vllm.integration.frontend.serve", "vllm serve with Nexus eviction on"),
     "presets": ("nexus_vllm.presets", "list the --kv-eviction-config presets (--show NAME)"),
     "plan": ("nexus_vllm.plan", "KV blocks per GPU, concurrent requests with/without eviction"),
 }

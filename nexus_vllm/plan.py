@@ -20,7 +20,7 @@ vLLM keeps block 0 as its null block, so ``N - 1`` blocks hold requests.
 **Concurrent requests** come from the rules the server runs, not a formula of their
 own: :meth:`EvictionConfig.bound_blocks` (what admission reserves for a new request) and
 :meth:`EvictionConfig.peak_from` (what an admitted one may still grow to), applied step by
-step as the plugin's admission (``integration/manager.py``, ``may_admit``) applies them
+step as the plugin's admission (``integration/scheduler/manager.py``, ``may_admit``) applies them
 to a burst of identical requests arriving at once (the capacity benchmark's workload).
 The reserve of a running request shrinks as it progresses: an ``end`` request past its
 prompt keeps only its decode hard limit, so a burst runs more of them than

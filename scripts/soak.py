@@ -41,8 +41,16 @@ import requests
 
 from nexus_vllm.eval.server import read_metrics
 
-# Methods a request may ask for; "default" sends no vllm_xargs (the server's own config).
-METHODS = ("default", "nexus", "h2o", "snapkv", "tova", "streaming", "random", "none")
+
+def request_methods() -> tuple[str, ...]:
+    """The ``kv_eviction`` values a request may send: every policy the plugin serves (read
+    from the policy registry when asked) and ``none``; ``default`` sends no vllm_xargs
+    (the server's own config)."""
+    from nexus_vllm.core.policies import SERVABLE_METHODS
+
+    return ("default", *(m for m in SERVABLE_METHODS if m != "none"), "none")
+
+
 # The smallest budget a request may ask for is (sink + recent + current) blocks = 192.
 BUDGETS = (192, 256, 384, 512)
 # Server flags of the default run: eviction on at a budget most prompts exceed, chunks
@@ -542,7 +550,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="max_tokens range of a request")
     p.add_argument("--cancel-fraction", type=float, default=0.2,
                    help="share of requests closed at a random point of their stream")
-    p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS),
+    methods = request_methods()
+    p.add_argument("--methods", type=lambda s: s.split(","), default=list(methods),
                    help="kv_eviction values drawn per request (default: no vllm_xargs)")
     p.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")],
                    default=list(BUDGETS), help="kv_budget values drawn per request")
@@ -562,8 +571,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--cancel-fraction must be in [0, 1]")
     if args.requests < 1 or args.concurrency < 1:
         p.error("--requests and --concurrency must be positive")
-    if bad := [m for m in args.methods if m not in METHODS]:
-        p.error(f"--methods: unknown {bad}; choose from {', '.join(METHODS)}")
+    if bad := [m for m in args.methods if m not in methods]:
+        p.error(f"--methods: unknown {bad}; choose from {', '.join(methods)}")
     return args
 
 

@@ -47,6 +47,25 @@ def test_cpu_scoring_runs() -> None:
     assert prof.returncode == 0 and "aten::bmm" in prof.stdout, prof.stderr[-2000:]
 
 
+@pytest.mark.slow
+def test_schedule_overhead_runs() -> None:
+    """The scheduler benchmark builds vLLM's real scheduler and prints one row per size;
+    the step the full reads take grows with the list, ours does not read it."""
+    pytest.importorskip("vllm")
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks/scheduler/schedule_overhead.py"),
+                          "--tokens", "256,4096", "--requests", "4", "--steps", "4"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [ln.strip("| ").split(" | ") for ln in out.stdout.splitlines()
+            if ln.startswith("| ") and ln[2].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [("256", "4"), ("4096", "4")]
+    # (logical, live) blocks per request: a 256-token request is under its 1024-token
+    # budget and keeps every block; a 4096-token one keeps about its budget (64 blocks).
+    shapes = [tuple(int(x) for x in r[2].split(" / ")) for r in rows]
+    assert shapes[0][0] == shapes[0][1] >= 16
+    assert shapes[1][0] >= 256 and 64 <= shapes[1][1] <= 64 + 32
+
+
 def test_capacity_configs_with_knobs() -> None:
     """A config may carry EvictionConfig knobs ('nexus:layer_stride=2'): they reach the
     server as --additional-config, name a file-safe run, and a bad knob fails at parse."""

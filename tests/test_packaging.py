@@ -42,7 +42,11 @@ def test_plugin_and_cli_entry_points_are_installed():
 def test_one_supported_range_everywhere():
     """The range is declared in versions.py; the extra, the image, the README and the CPU
     pin agree with it."""
-    from nexus_vllm.integration.versions import NEWEST_SUPPORTED, SUPPORTED_VLLM, is_supported
+    from nexus_vllm.integration.compat.versions import (
+        NEWEST_SUPPORTED,
+        SUPPORTED_VLLM,
+        is_supported,
+    )
 
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert pyproject["project"]["optional-dependencies"]["vllm"] == [f"vllm{SUPPORTED_VLLM}"]
@@ -189,7 +193,7 @@ def test_compose_builds_the_dockerfile_and_keeps_the_vllm_entrypoint():
 
 
 def test_compose_command_matches_the_dockerfile_and_readme_runs():
-    from nexus_vllm.integration.server_config import CLI_FLAGS, resolve_config
+    from nexus_vllm.integration.frontend.server_config import CLI_FLAGS, resolve_config
 
     raw = _compose()["services"]["nexus-vllm"]["command"]
     command = _defaults(raw)

@@ -62,7 +62,6 @@ from collections.abc import Mapping
 from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-METHODS = ("nexus", "snapkv", "streaming", "h2o", "tova", "random")
 # Servers without eviction. ``stock-chunked`` (opt-in) is vLLM with the evicting servers'
 # prefill chunk and admission by the first chunk (``--no-scheduler-reserve-full-isl``, the
 # behaviour before vLLM 0.32 reserved the full prompt at admission): it over-admits and
@@ -76,13 +75,22 @@ STOCK = {
 FAULTS = "vllm:nexus_faults_total"
 
 # -- settings ---------------------------------------------------------------------------
+def evicting_methods() -> tuple[str, ...]:
+    """The methods a server evicts with: every policy the plugin serves, read from the
+    policy registry (``nexus_vllm.core.SERVABLE_METHODS``) when asked."""
+    from nexus_vllm.core.policies import SERVABLE_METHODS
+
+    return tuple(m for m in SERVABLE_METHODS if m != "none")
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None,
                    help="HF model name or path (default: the embedded SmolLM2 checkpoint)")
     p.add_argument("--configs", default="stock,nexus,snapkv,streaming",
                    help=f"comma-separated: {', '.join(STOCK)} and any of "
-                        f"{', '.join(METHODS)}; a method may carry EvictionConfig knobs, "
+                        f"{', '.join(evicting_methods())}; a method may carry "
+                        "EvictionConfig knobs, "
                         "'nexus:layer_stride=2' (separate configs with ';' when knobs are "
                         "used)")
     p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated levels")
@@ -119,10 +127,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         args.prompts_per_slot, args.min_prompts = 1, 2
     names = split_configs(args.configs)
     evicting = {n: config_knobs(n) for n in names if n not in STOCK}
-    unknown = {n for n, (method, _) in evicting.items() if method not in METHODS}
+    methods = evicting_methods()
+    unknown = {n for n, (method, _) in evicting.items() if method not in methods}
     if unknown:
         p.error(f"--configs: unknown {sorted(unknown)}; choose from "
-                f"{', '.join([*STOCK, *METHODS])}")
+                f"{', '.join([*STOCK, *methods])}")
     from nexus_vllm.core import EvictionConfig
 
     for name, (method, knobs) in evicting.items():

@@ -15,13 +15,15 @@ they become at prefill events is declared here too (``prefill_defaults``,
 ``prompt_end_defaults``), so :class:`~nexus_vllm.core.EvictionConfig` names no knob of
 any policy.
 
-Adding a policy is one ``@register_policy`` class in this module plus one row in the
-tests' case table (``tests/core/policy_cases.py``).
+Adding a policy is one ``@register_policy`` class plus one row in the tests' case table
+(``tests/core/policy_cases.py``). The class may live in another module: :data:`METHODS`
+and :data:`SERVABLE_METHODS` read the registry when asked, so configs, the server's
+flags, request validation and the evaluation CLI accept it as soon as it is registered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, ClassVar, TypeVar
@@ -40,6 +42,7 @@ __all__ = [
     "EvictionPolicy",
     "H2OPolicy",
     "KNormPolicy",
+    "MethodNames",
     "NexusPolicy",
     "RandomPolicy",
     "SnapKVPolicy",
@@ -494,10 +497,52 @@ class KNormPolicy(EvictionPolicy):
         return -evidence.key_norms.detach().to("cpu", torch.float64)
 
 
-# Every method a config accepts ("none": no eviction), and those the vLLM plugin serves
-# (it gathers their evidence). Policies register above, so these are complete here.
-METHODS: tuple[str, ...] = ("none", *POLICIES)
-SERVABLE_METHODS: tuple[str, ...] = ("none", *(n for n, c in POLICIES.items() if c.servable))
+class MethodNames(Sequence[str]):
+    """The method names a config accepts, read from :data:`POLICIES` each time: ``"none"``
+    (no eviction), then every registered policy's name in registration order. A policy
+    registered later, from any module, is in it at once (for ``check_choice``, argparse
+    ``choices``, request validation and every method list built from it).
+
+    Parameters
+    ----------
+    servable_only : bool
+        Only the policies the vLLM plugin serves (it gathers their evidence).
+    """
+
+    def __init__(self, *, servable_only: bool = False) -> None:
+        self._servable_only = servable_only
+
+    def _names(self) -> tuple[str, ...]:
+        return ("none", *(name for name, cls in POLICIES.items()
+                          if cls.servable or not self._servable_only))
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._names()[index]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name == "none" or (name in POLICIES and (
+            not self._servable_only or POLICIES[str(name)].servable))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, MethodNames):
+            other = other._names()
+        return self._names() == other if isinstance(other, tuple) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # it changes with the registry
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+# Every method a config accepts ("none": no eviction), and those the vLLM plugin serves.
+METHODS = MethodNames()
+SERVABLE_METHODS = MethodNames(servable_only=True)
 
 
 def get_policy(name: str, **knobs: Any) -> EvictionPolicy:

@@ -30,10 +30,17 @@ from nexus_vllm.eval.budget import parse_budget
 if TYPE_CHECKING:
     from nexus_vllm.eval.runner import RunConfig
 
-__all__ = ["build_parser", "main", "run_config"]
+__all__ = ["build_parser", "default_methods", "main", "run_config"]
 
 DEFAULT_TASKS = "niah_single_noise,niah_single_prose,niah_multikey,vt,passkey"
-DEFAULT_METHODS = "dense,nexus,h2o,snapkv,tova,streaming,random"
+
+
+def default_methods() -> str:
+    """``dense`` and every registered policy (``nexus_vllm.core.POLICIES``), comma-separated:
+    a policy registered from any module joins the default run."""
+    from nexus_vllm.core.policies import POLICIES
+
+    return ",".join(("dense", *POLICIES))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HF model dir or hub name (default: the embedded SmolLM2-135M)")
     p.add_argument("--tasks", default=None, help=f"comma list (default {DEFAULT_TASKS})")
     p.add_argument("--methods", default=None,
-                   help="comma list; a method may carry knobs: 'nexus:sampler=topk,lam=0' "
-                        "(separate specs with ';' when knobs are used)")
+                   help="comma list (default: dense and every registered policy); a method "
+                        "may carry knobs: 'nexus:sampler=topk,lam=0' (separate specs with "
+                        "';' when knobs are used)")
     p.add_argument("--budgets", default=None, help="comma list; float = kept ratio, int = tokens")
     p.add_argument("--context", default=None, help="target prompt tokens (comma list allowed)")
     p.add_argument("--samples", type=int, default=None, help="samples per task")
@@ -120,7 +128,7 @@ def run_config(opts: dict[str, Any]) -> RunConfig:
                              f"{sorted(TASKS) + list(DIALOGUE_TASKS)}")
     protocols = _as_list(opts.get("protocol", ",".join(PROTOCOLS)))
     methods = ["dense"] if opts.get("calibrate") else _methods(
-        opts.get("methods", DEFAULT_METHODS))
+        opts["methods"] if "methods" in opts else default_methods())
     knobs = opts.get("knobs") or {}
     if isinstance(knobs, str):
         knobs = json.loads(knobs)

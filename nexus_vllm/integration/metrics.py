@@ -47,7 +47,6 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 __all__ = ["PREFIX", "SchedulerCounters", "export"]
 
@@ -173,7 +172,7 @@ _PROM: _PromMetrics | None = None
 _LOCK = threading.Lock()
 
 
-def pop_nexus_stats(stage_counts: dict[str, Any]) -> dict[str, int]:
+def pop_nexus_stats(stage_counts: dict[str, int]) -> dict[str, int]:
     """Remove and return the ``nexus:`` entries of ``num_kv_fetch_reqs_by_stage``."""
     keys = [k for k in stage_counts if isinstance(k, str) and k.startswith(PREFIX)]
     return {k[len(PREFIX):]: int(stage_counts.pop(k)) for k in keys}

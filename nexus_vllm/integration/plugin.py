@@ -2,7 +2,7 @@
 
 vLLM calls ``register()`` without a guard, so nothing here may raise. The installed
 vLLM's version is read first, from its distribution metadata: outside the supported range
-(``integration/versions.py``) no patch is applied and one line is logged, naming the
+(``integration/compat/versions.py``) no patch is applied and one line is logged, naming the
 range; ``--kv-eviction`` is then an unknown flag and stock serving is unaffected.
 Otherwise only patches that live in the API server are installed (CLI flags, request
 validation, metrics export), all or nothing; they are cheap and inert without
@@ -36,8 +36,8 @@ def register() -> bool:
     """Install the plugin in this process; returns whether its patches are in place."""
     from vllm.logger import init_logger  # configures vLLM's logging first
 
-    from nexus_vllm.integration.versions import SUPPORTED_VLLM, installed_vllm_version
-    from nexus_vllm.integration.versions import is_supported as supported
+    from nexus_vllm.integration.compat.versions import SUPPORTED_VLLM, installed_vllm_version
+    from nexus_vllm.integration.compat.versions import is_supported as supported
 
     _share_vllm_logging()
     version = installed_vllm_version()
@@ -46,6 +46,6 @@ def register() -> bool:
             "nexus-vllm supports vLLM %s; this is vLLM %s: no patch applied, the --kv-* "
             "flags are unavailable and vLLM runs unchanged", SUPPORTED_VLLM, version)
         return False
-    from nexus_vllm.integration.patches import apply_all
+    from nexus_vllm.integration.frontend.patches import apply_all
 
     return apply_all()

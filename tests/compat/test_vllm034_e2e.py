@@ -2,7 +2,7 @@
 
 0.34 removed Model Runner V1; on a CPU box without triton-cpu it serves with its
 standalone CPU runner (``CPUBlockTables``), so these tests run the eviction path through
-the V2-family adapter (``integration/runners.py: HostTables``) with 0.34's scheduler,
+the V2-family adapter (``integration/compat/runners.py: HostTables``) with 0.34's scheduler,
 KV-cache manager, config and API server. They are a subset of the main end-to-end suite,
 imported from it and run here unchanged (the fixtures start servers with this
 interpreter), plus what only 0.34 can show. ``bash scripts/test_vllm034.sh --ci`` (what

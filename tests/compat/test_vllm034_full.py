@@ -32,7 +32,7 @@ def test_unsupported_vllm_leaves_stock_serving_alone(tiny_model, serve_tmp) -> N
     import requests
 
     from nexus_vllm.eval.server import CPU_FLAGS, VllmServer, server_env, vllm_cmd
-    from nexus_vllm.integration.versions import SUPPORTED_VLLM
+    from nexus_vllm.integration.compat.versions import SUPPORTED_VLLM
 
     repo = pathlib.Path(__file__).resolve().parents[2]
     fake = serve_tmp / "venv-vllm035"

@@ -34,7 +34,7 @@ def test_scoring_on_vllm_written_cache(block_size: int, layout: str,
                                        dtype: torch.dtype) -> None:
     from vllm import _custom_ops as ops
 
-    from nexus_vllm.integration.attention import key_view
+    from nexus_vllm.integration.worker.attention import key_view
     from nexus_vllm.kernels import block_attention_mass_paged
 
     torch.manual_seed(SEED)

@@ -1,6 +1,6 @@
 """Stand-ins for vLLM's V1 model runner and per-step metadata (for worker-side tests).
 
-They hold exactly the fields ``nexus_vllm.integration.runners.RunnerV1`` reads, with
+They hold exactly the fields ``nexus_vllm.integration.compat.runners.RunnerV1`` reads, with
 the same types as vLLM 0.32 (a NumPy block table, per-request block id lists), so the
 worker's eviction state runs unmodified against them.
 """
@@ -36,7 +36,7 @@ class FakeRunner:
 
 def adapter(runner: FakeRunner) -> Any:
     """A ``RunnerV1`` over a fake runner."""
-    from nexus_vllm.integration.runners import RunnerV1
+    from nexus_vllm.integration.compat.runners import RunnerV1
 
     return RunnerV1(runner)
 
@@ -45,7 +45,7 @@ def make_state(runner: FakeRunner, *, window: int = 8, max_requests: int = 4,
                device: str = "cpu", layers: dict[int, torch.Tensor] | None = None,
                heads: int = 4, head_size: int = 64) -> Any:
     """A bound ``WorkerEvictionState``; ``layers`` maps model layer number -> key view."""
-    from nexus_vllm.integration.worker_state import LayerKeys, WorkerEvictionState
+    from nexus_vllm.integration.worker.worker_state import LayerKeys, WorkerEvictionState
 
     state = WorkerEvictionState(block_size=BS, window=window, max_requests=max_requests,
                                 device=torch.device(device), score_backend="torch")
@@ -87,7 +87,7 @@ def common_metadata(runner: FakeRunner, seq_lens: list[int], query_lens: list[in
 def write_keys(kv: torch.Tensor, key: torch.Tensor, val: torch.Tensor,
                blocks: list[int]) -> None:
     """Write ``key``/``val`` ``[T, Hkv, D]`` into a CPU KV cache with vLLM's own writer."""
-    from nexus_vllm.integration.vllm_compat import cpu_cache_writer
+    from nexus_vllm.integration.compat.vllm_compat import cpu_cache_writer
 
     nb, hkv, bs, _ = kv.shape
     kc, vc = kv.view(nb, hkv, 2 * bs, -1).chunk(2, dim=2)
@@ -117,8 +117,8 @@ def scheduler_side(num_blocks: int = 64, **flags: Any) -> tuple[Any, Any, Any]:
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from nexus_vllm.integration.manager import EvictionManager
-    from nexus_vllm.integration.server_config import resolve_config
+    from nexus_vllm.integration.frontend.server_config import resolve_config
+    from nexus_vllm.integration.scheduler.manager import EvictionManager
 
     pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=False, hash_block_size=BS)
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=32, dtype=torch.float32)

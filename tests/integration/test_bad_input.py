@@ -27,8 +27,8 @@ import types
 
 import pytest
 
-from nexus_vllm.integration.request_config import RequestArgError, validate_request_args
-from nexus_vllm.integration.server_config import METHODS, add_cli_flags, resolve_config
+from nexus_vllm.integration.frontend.request_args import RequestArgError, validate_request_args
+from nexus_vllm.integration.frontend.server_config import METHODS, add_cli_flags, resolve_config
 from tests.integration.conftest import HAS_VLLM
 
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
@@ -161,6 +161,26 @@ def test_request_field_refused_by_server_without_eviction(xargs, field,
 @pytest.mark.parametrize("xargs", GOOD_XARGS, ids=[json.dumps(x)[:60] for x in GOOD_XARGS])
 def test_good_request_fields_pass(xargs) -> None:  # noqa: ANN001
     validate_request_args(xargs, _server_cfg(), max_model_len=MAX_LEN)
+
+
+def test_rules_between_request_fields_are_eviction_configs(monkeypatch) -> None:  # noqa: ANN001
+    """The budget floor and the prefill budget's rules are ``EvictionConfig``'s, not
+    restated for requests: with its checks switched off, requests that break them pass,
+    while what only a request has (JSON types, unknown keys, the model's length, a server
+    without eviction) is still refused."""
+    from nexus_vllm.core import EvictionConfig
+
+    server = _server_cfg()
+    monkeypatch.setattr(EvictionConfig, "__post_init__", lambda self: None)
+    for xargs in ({"kv_budget": 32}, {"kv_prefill_budget": 1024},
+                  {"kv_prompt_mode": "end", "kv_prefill_budget": 64}):
+        validate_request_args(xargs, server, max_model_len=MAX_LEN)
+    for xargs, field in (({"kv_budget": "256"}, "kv_budget"), ({"kv_budjet": 1}, "kv_budjet"),
+                         ({"kv_budget": MAX_LEN + 1}, "kv_budget")):
+        with pytest.raises(RequestArgError, match=f"^vllm_xargs.{field}: "):
+            validate_request_args(xargs, server, max_model_len=MAX_LEN)
+    with pytest.raises(RequestArgError, match="^vllm_xargs.kv_budget: .*eviction none"):
+        validate_request_args({"kv_budget": 32}, None)
 
 
 def test_good_request_fields_pass_without_eviction() -> None:
@@ -403,7 +423,7 @@ def _fake_input_processor(nexus: dict | None) -> types.SimpleNamespace:
 def test_serving_hook_returns_400_error_response() -> None:
     from vllm.entrypoints.serve.engine.serving import BaseServing
 
-    from nexus_vllm.integration.patches.openai_serving import check_xargs
+    from nexus_vllm.integration.frontend.patches.openai_serving import check_xargs
 
     serving = types.SimpleNamespace(
         input_processor=_fake_input_processor(_server_cfg().to_dict()),
@@ -424,7 +444,7 @@ def test_engine_side_backstop() -> None:
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
-    from nexus_vllm.integration.patches.input_processor import _wrap
+    from nexus_vllm.integration.frontend.patches.input_processor import _wrap
 
     validate = _wrap(lambda self, params, *args: "vllm-checked")
     on, off = _fake_input_processor(_server_cfg().to_dict()), _fake_input_processor(None)

@@ -37,7 +37,7 @@ from tests.integration.fakes import BS, FakeRunner, common_metadata, make_state,
 
 pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 
-NULL = 0  # vLLM's null block id (nexus_vllm.integration.vllm_compat.NULL_BLOCK_ID)
+NULL = 0  # vLLM's null block id (nexus_vllm.integration.compat.vllm_compat.NULL_BLOCK_ID)
 FLASHINFER_BACKEND = "vllm.v1.attention.backends.flashinfer"
 # Physical block ids, sequence lengths and query lengths per request, and the plan's
 # evicted logical block indices.
@@ -89,7 +89,7 @@ def _random_batch(seed: int) -> Batch:
 @pytest.fixture(params=[None, 0, 1, 2, 3], ids=lambda s: "fixed" if s is None else f"seed{s}")
 def case(request: pytest.FixtureRequest) -> Iterator[Case]:
     """A compacted batch, inside an armed step (as when vLLM calls the builders)."""
-    from nexus_vllm.integration.step_plan import StepPlan
+    from nexus_vllm.integration.protocol import StepPlan
 
     phys, seq, query, evict = (_fixed_batch() if request.param is None
                                else _random_batch(request.param))

@@ -7,12 +7,9 @@ import pathlib
 
 import pytest
 
-from nexus_vllm.integration.request_config import request_config, validate_request_args
-from nexus_vllm.integration.server_config import (
-    config_from_additional,
-    load_config_file,
-    resolve_config,
-)
+from nexus_vllm.integration.config import config_from_additional, request_config
+from nexus_vllm.integration.frontend.request_args import validate_request_args
+from nexus_vllm.integration.frontend.server_config import load_config_file, resolve_config
 from tests.integration.conftest import HAS_VLLM
 
 # An existing directory: vLLM resolves a hub name even offline; a local path it takes as is.
@@ -85,6 +82,71 @@ def test_unknown_key_in_file_and_additional(tmp_path) -> None:  # noqa: ANN001
         resolve_config(additional={"bogus": 1}, flags={"max_tokens": 1024})
     with pytest.raises(ValueError, match="no such file"):
         load_config_file(tmp_path / "missing.yaml")
+
+
+@pytest.fixture
+def throwaway_policy():  # noqa: ANN201
+    """A policy registered from this test module (not ``core/policies.py``), unregistered
+    afterwards so no other test sees it."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    import torch
+
+    from nexus_vllm.core.policies import POLICIES, EvictionPolicy, register_policy
+
+    @dataclass(frozen=True)
+    class OldestFirst(EvictionPolicy):
+        """Keeps the oldest blocks: scores each by minus its position."""
+
+        name: ClassVar[str] = "throwaway-oldest"
+        evidence: ClassVar[frozenset[str]] = frozenset()
+
+        def score(self, evidence, state):  # noqa: ANN001, ANN201
+            return -torch.arange(evidence.num_blocks, dtype=torch.float64)
+
+    register_policy(OldestFirst)
+    try:
+        yield OldestFirst.name
+    finally:
+        POLICIES.pop(OldestFirst.name)
+
+
+def test_a_policy_registered_elsewhere_is_a_method_everywhere(throwaway_policy) -> None:  # noqa: ANN001
+    """The method lists follow the registry (they are not frozen when ``core.policies`` is
+    imported): a config, the server's ``--kv-eviction`` flag, a request's ``kv_eviction``
+    and the evaluation CLI's ``--methods`` all take the new policy, and the eval CLI's
+    default run includes it; unregistered, it is refused again."""
+    import argparse
+
+    from nexus_vllm.core import METHODS, SERVABLE_METHODS, EvictionConfig
+    from nexus_vllm.eval.cli import default_methods, run_config
+    from nexus_vllm.integration.frontend.server_config import add_cli_flags
+
+    name = throwaway_policy
+    assert name in METHODS and name in SERVABLE_METHODS and METHODS[-1] == name
+    assert EvictionConfig.from_dict({"method": name, "max_tokens": 256}).method == name
+    parser = add_cli_flags(argparse.ArgumentParser())
+    assert parser.parse_args(["--kv-eviction", name]).kv_eviction == name
+    assert name in parser.format_help()
+    server = resolve_config(flags={"method": name, "max_tokens": 256})
+    assert server.method == name
+    validate_request_args({"kv_eviction": name}, resolve_config(
+        flags={"method": "nexus", "max_tokens": 256}))
+    cfg = run_config({"tasks": "passkey", "methods": f"dense,{name}", "budgets": "0.5"})
+    assert cfg.methods == ("dense", name)
+    assert default_methods().split(",")[-1] == name
+    from nexus_vllm.core.policies import POLICIES
+
+    cls = POLICIES.pop(name)
+    try:
+        assert name not in METHODS and name not in default_methods().split(",")
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--kv-eviction", name])
+        with pytest.raises(ValueError, match="method must be one of"):
+            EvictionConfig.from_dict({"method": name, "max_tokens": 256})
+    finally:
+        POLICIES[name] = cls
 
 
 def test_none_means_off() -> None:
@@ -194,7 +256,7 @@ class TestServeParser:
     def test_from_cli_args_and_translation(self, tmp_path) -> None:  # noqa: ANN001
         from vllm.engine.arg_utils import AsyncEngineArgs
 
-        from nexus_vllm.integration.patches.engine_args import translate_engine_args
+        from nexus_vllm.integration.frontend.patches.engine_args import translate_engine_args
 
         preset = tmp_path / "p.yaml"
         preset.write_text("window: 8\nmethod: h2o\n")
@@ -208,8 +270,8 @@ class TestServeParser:
             "h2o", 4, 8, 1024)
         cfg = translate_engine_args(ea)
         assert cfg is not None
-        assert ea.scheduler_cls == "nexus_vllm.integration.scheduler.NexusScheduler"
-        assert ea.worker_cls == "nexus_vllm.integration.worker.NexusWorker"
+        assert ea.scheduler_cls == "nexus_vllm.integration.scheduler.scheduler.NexusScheduler"
+        assert ea.worker_cls == "nexus_vllm.integration.worker.worker.NexusWorker"
         assert ea.enable_prefix_caching is None and ea.block_size == 32  # left to vLLM
         assert ea.long_prefill_token_threshold == 512 and ea.async_scheduling is False
 
@@ -251,7 +313,7 @@ class TestServeParser:
     def test_off_changes_nothing(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
-        from nexus_vllm.integration.patches.engine_args import translate_engine_args
+        from nexus_vllm.integration.frontend.patches.engine_args import translate_engine_args
 
         for argv in ([], ["--kv-eviction", "none"]):
             ea = AsyncEngineArgs.from_cli_args(self._parser().parse_args(["--model", LOCAL_MODEL,
@@ -295,7 +357,7 @@ def test_keep_ratio_preset() -> None:
 
 
 def test_serve_command_defaults(monkeypatch) -> None:  # noqa: ANN001
-    from nexus_vllm.integration.serve import build_command
+    from nexus_vllm.integration.frontend.serve import build_command
 
     for var in ("NEXUS_VLLM_HOST", "NEXUS_VLLM_PORT", "NEXUS_VLLM_KV_BUDGET",
                 "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE"):

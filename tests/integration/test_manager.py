@@ -44,13 +44,12 @@ def _step(mgr, single, requests, sched, new=()):  # noqa: ANN001, ANN202
 
 def _reply(plan, mgr, req_ids=None, seed: int = 0, ack: int | None = -1):  # noqa: ANN001, ANN202
     """The worker's reply to ``plan``: random row-normalised masses over live blocks."""
-    from nexus_vllm.integration.step_plan import WorkerReply
+    from nexus_vllm.integration.protocol import WorkerReply
 
     masses = {}
     for req_id in req_ids if req_ids is not None else plan.score:
         sreq = plan.score[req_id]
-        live = mgr.live_indices(req_id)[: sreq.num_logical_blocks]
-        live = [j for j in live if j < sreq.num_logical_blocks]
+        live = [j for j in mgr.live_indices(req_id) if j < sreq.num_logical_blocks]
         g = torch.Generator().manual_seed(seed)
         masses[req_id] = torch.softmax(torch.randn(sreq.window, len(live), generator=g),
                                        dim=-1).numpy().astype(np.float32)
@@ -216,24 +215,24 @@ def test_prefix_hits_stop_before_the_first_eviction(prompt, budget, chunk, hit,
 def test_caching_is_capped_at_the_clean_watermark() -> None:
     """After its first eviction a request publishes no more blocks to the prefix cache."""
     mgr, single, pool = _setup()
-    from nexus_vllm.integration.vllm_compat import cap_prefix_caching
+    from nexus_vllm.integration.compat.vllm_compat import cap_prefix_caching
 
     assert hasattr(single.cache_blocks, "__wrapped__")  # the manager capped vLLM's
     seen: list[int] = []
 
     fake = SimpleNamespace(cache_blocks=lambda request, n, *a, **k: seen.append(n))
-    cap_prefix_caching(fake, lambda r: mgr.watermarks.limit(r.request_id))
+    cap_prefix_caching(fake, mgr.caching_limit)
     reqs = {"r": _request("r", prompt=1000)}
     plan = _step(mgr, single, reqs, {"r": 384}, new=("r",))
     fake.cache_blocks(reqs["r"], 384)
     mgr.apply_reply(plan, _reply(plan, mgr), reqs)
-    assert mgr.watermarks.tokens["r"] == 384
+    assert mgr.states.get("r").clean_watermark == 384
     _step(mgr, single, reqs, {"r": 128})
     fake.cache_blocks(reqs["r"], 512)
     assert seen == [384, 384]
     # Preempted and resumed: the watermark goes with the old block list.
     mgr.plan_step(_output({"r": 128}, resumed=("r",)), reqs)
-    assert "r" not in mgr.watermarks.tokens
+    assert mgr.states.get("r").clean_watermark is None
 
 
 def test_admission_by_bound() -> None:

@@ -47,10 +47,10 @@ def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: s
     import torch.distributed as dist
 
     from nexus_vllm.core import EvictionConfig
-    from nexus_vllm.integration.attention import key_view
-    from nexus_vllm.integration.block_scorer import RankLayout
-    from nexus_vllm.integration.step_plan import ScoreRequest, StepPlan
-    from nexus_vllm.integration.worker_state import LayerKeys, WorkerEvictionState
+    from nexus_vllm.integration.protocol import ScoreRequest, StepPlan
+    from nexus_vllm.integration.worker.attention import key_view
+    from nexus_vllm.integration.worker.block_scorer import RankLayout
+    from nexus_vllm.integration.worker.worker_state import LayerKeys, WorkerEvictionState
     from tests.integration.fakes import (
         BS,
         FakeRunner,

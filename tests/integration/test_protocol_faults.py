@@ -41,7 +41,7 @@ def _scheduler(num_blocks: int = 400):  # noqa: ANN202
 @pytest.mark.parametrize("fault_rate", FAULT_RATES)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_worker_never_reads_a_freed_block(seed: int, fault_rate: float) -> None:
-    from nexus_vllm.integration.step_plan import WorkerReply
+    from nexus_vllm.integration.protocol import WorkerReply
 
     rng = random.Random(seed)
     mgr, single, pool = _scheduler()

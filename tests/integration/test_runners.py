@@ -1,4 +1,4 @@
-"""Runner adapters (``nexus_vllm.integration.runners``) against miniature V2 runners.
+"""Runner adapters (``nexus_vllm.integration.compat.runners``) against miniature V2 runners.
 
 The miniature runners follow vLLM's Model Runner V2 step order exactly (0.34
 ``gpu/model_runner.py`` and ``cpu/standalone_model_runner.py``, ``execute_model``):
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from nexus_vllm.integration.runners import (
+from nexus_vllm.integration.compat.runners import (
     HostTables,
     RunnerV1,
     StagedTables,

@@ -1,6 +1,7 @@
 """The scheduler side's parts on their own: the plan channel, the prefix-cache rules, each
 request's state and trigger, admission, and the evictor (``EvictionManager`` coordinates
-them; ``test_manager.py`` runs them together)."""
+them; ``test_manager.py`` runs them together). What a part keeps per request lives in the
+request's ``RequestEvictionState``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 
 
 def _cfg(**flags):  # noqa: ANN003, ANN202
-    from nexus_vllm.integration.server_config import resolve_config
+    from nexus_vllm.integration.frontend.server_config import resolve_config
 
     return resolve_config(flags={"method": "nexus", "seed": 3, "max_tokens": 256,
                                  "chunk_size": 128, **flags})
@@ -29,24 +30,31 @@ def _request(req_id: str, prompt: int, **extra):  # noqa: ANN003, ANN202
 
 
 # -- plan channel ------------------------------------------------------------------------
-def _channel():  # noqa: ANN202
-    from nexus_vllm.integration.plan_channel import PlanChannel
+def _channel(*req_ids: str):  # noqa: ANN202
+    """A channel over the states of evicting requests ``req_ids``, and its faults."""
+    from nexus_vllm.integration.scheduler.plan_channel import PlanChannel
+    from nexus_vllm.integration.scheduler.request_state import RequestStates
 
+    states = RequestStates(_cfg())
+    for req_id in req_ids:
+        states.resolve(_request(req_id, 600))
     seen: list[str] = []
-    return PlanChannel(lambda kind, message, **kw: seen.append(kind)), seen
+    return PlanChannel(states, lambda kind, message, **kw: seen.append(kind)), states, seen
 
 
 def test_channel_resends_nulls_until_a_reply_acknowledges_the_plan_that_carried_them(
 ) -> None:
-    from nexus_vllm.integration.step_plan import StepPlan, WorkerReply
+    from nexus_vllm.integration.protocol import StepPlan, WorkerReply
 
-    channel, faults = _channel()
-    channel.record("r", [5, 2])
+    channel, states, faults = _channel("r")
+    r = states.get("r")
+    assert r is not None
+    channel.record(r, [5, 2])
     step1, evict1 = channel.open_step()
     assert (step1, evict1) == (1, {"r": (2, 5)})
     step2, evict2 = channel.open_step()  # plan 1 unanswered: sent again
     assert (step2, evict2) == (2, {"r": (2, 5)})
-    channel.record("r", [7])  # nulled after plan 2 was sent
+    channel.record(r, [7])  # nulled after plan 2 was sent
     assert not channel.acknowledge(StepPlan(step_id=2), WorkerReply(step_id=1))
     assert not channel.acknowledge(StepPlan(step_id=2), None)
     assert faults == ["plan_unacknowledged"] * 2 and channel.unacked == {"r": {2: 1, 5: 1,
@@ -59,12 +67,17 @@ def test_channel_resends_nulls_until_a_reply_acknowledges_the_plan_that_carried_
     assert channel.unacked == {} and channel.open_step() == (4, {})
 
 
-def test_channel_forgets_a_request_whose_block_list_went() -> None:
-    channel, _ = _channel()
-    channel.record("a", [1])
-    channel.record("b", [3])
-    channel.forget("a")
-    channel.forget("gone")  # unknown: nothing to do
+def test_channel_drops_the_nulls_of_a_request_whose_block_list_went() -> None:
+    """Its nulls are part of the request's state: gone when it finishes, cleared when
+    it restarts with a fresh block list."""
+    channel, states, _ = _channel("a", "b", "c")
+    for req_id, j in (("a", 1), ("b", 3), ("c", 4)):
+        st = states.get(req_id)
+        assert st is not None
+        channel.record(st, [j])
+    states.finish("a")
+    states.restart("c")
+    states.finish("gone")  # unknown: nothing to do
     assert channel.open_step() == (1, {"b": (3,)})
 
 
@@ -83,7 +96,7 @@ def test_channel_forgets_a_request_whose_block_list_went() -> None:
 ])
 def test_prefix_hit_cap_ends_before_the_first_event(flags, prompt, want) -> None:  # noqa: ANN001
     from nexus_vllm.core import cdiv
-    from nexus_vllm.integration.prefix_cache import prefix_hit_cap
+    from nexus_vllm.integration.scheduler.prefix_cache import prefix_hit_cap
 
     cfg = _cfg(**flags)
     rule = prefix_hit_cap(cfg, prompt, BS)
@@ -96,21 +109,22 @@ def test_prefix_hit_cap_ends_before_the_first_event(flags, prompt, want) -> None
         assert cdiv(limit, BS) <= int(cfg.target_blocks(limit, prompt))
 
 
-def test_clean_watermark_is_the_first_eviction_until_forgotten() -> None:
-    from nexus_vllm.integration.prefix_cache import CleanWatermarks
+def test_clean_watermark_is_the_first_eviction_until_a_restart() -> None:
+    from nexus_vllm.integration.scheduler.prefix_cache import mark_first_eviction
+    from nexus_vllm.integration.scheduler.request_state import RequestEvictionState
 
-    marks = CleanWatermarks()
-    assert marks.limit("r") is None
-    marks.mark("r", 384)
-    marks.mark("r", 512)  # later evictions do not move it
-    assert marks.limit("r") == 384
-    marks.forget("r")
-    assert marks.limit("r") is None
+    st = RequestEvictionState(req_id="r", cfg=_cfg(), seed=0, prompt_tokens=1000)
+    assert st.clean_watermark is None
+    mark_first_eviction(st, 384)
+    mark_first_eviction(st, 512)  # later evictions do not move it
+    assert st.clean_watermark == 384
+    st.restart()
+    assert st.clean_watermark is None
 
 
 # -- request state -----------------------------------------------------------------------
 def test_request_states_resolve_once_with_overrides_opt_out_and_fallback() -> None:
-    from nexus_vllm.integration.request_state import RequestStates
+    from nexus_vllm.integration.scheduler.request_state import RequestStates
 
     states = RequestStates(_cfg())
     assert states.get("a") is None  # never seen
@@ -122,20 +136,25 @@ def test_request_states_resolve_once_with_overrides_opt_out_and_fallback() -> No
     bad = states.resolve(_request("bad", 600, kv_budget="lots"))
     assert bad is not None and bad.cfg is states.server_cfg
     assert sorted(r for r, _ in states.items()) == ["a", "bad"]
-    states.forget("a")
+    states.finish("a")
     assert states.get("a") is None
 
 
-def test_request_peaks_are_taken_once_and_survive_a_restart() -> None:
-    from nexus_vllm.integration.request_state import RequestStates
+def test_request_peaks_and_admission_survive_a_restart_and_the_rest_does_not() -> None:
+    from nexus_vllm.integration.scheduler.request_state import RequestStates
 
     states = RequestStates(_cfg())
     st = states.resolve(_request("r", 1000, kv_prompt_mode="end"))
     assert st is not None
     st.plan_event(128, 128, list(range(4)), BS)
     st.plan_event(256, 128, list(range(8)), BS)
+    st.admitted_total, st.clean_watermark, st.unacked = 1064, 256, {3: 1}
+    st.policy_state["seen"] = 1
+    draw = torch.rand(4, generator=st.generator)
     states.restart("r")  # preempted: recomputes from token 0, keeps its peak
-    assert st.tokens == 0 and st.peak_live_blocks == 8
+    assert st.tokens == 0 and st.peak_live_blocks == 8 and st.admitted_total == 1064
+    assert st.clean_watermark is None and st.unacked == {} and st.policy_state == {}
+    assert torch.equal(torch.rand(4, generator=st.generator), draw)  # the same draws
     assert states.take_peaks(["r", "unknown"]) == [("end", 8)]
     assert states.take_peaks(["r"]) == []
 
@@ -144,10 +163,10 @@ def test_trigger_fires_after_the_chunk_that_goes_over_budget() -> None:
     """Stream mode, budget 8 blocks, chunk 128: the event follows the chunk ending at 384
     (12 live blocks); it scores the newest prefill window and may evict up to the newest
     ``recent_blocks + 1`` live blocks."""
-    from nexus_vllm.integration.request_state import RequestEvictionState
+    from nexus_vllm.integration.scheduler.request_state import RequestEvictionState
 
     cfg = _cfg()
-    st = RequestEvictionState(cfg=cfg, seed=0, prompt_tokens=1000)
+    st = RequestEvictionState(req_id="r", cfg=cfg, seed=0, prompt_tokens=1000)
     assert st.plan_event(128, 128, list(range(4)), BS) is None
     assert st.plan_event(256, 128, list(range(8)), BS) is None
     live = list(range(12))
@@ -162,10 +181,10 @@ def test_trigger_fires_after_the_chunk_that_goes_over_budget() -> None:
 def test_a_recompute_chunk_past_the_prompt_is_bounded_and_counted_as_decode() -> None:
     """A resumed request's chunk that runs past its prompt's end: its hard limit is the
     prompt's, and the generated tokens in it count toward the decode interval."""
-    from nexus_vllm.integration.request_state import RequestEvictionState
+    from nexus_vllm.integration.scheduler.request_state import RequestEvictionState
 
     cfg = _cfg(prompt_mode="end")
-    st = RequestEvictionState(cfg=cfg, seed=0, prompt_tokens=1000)
+    st = RequestEvictionState(req_id="r", cfg=cfg, seed=0, prompt_tokens=1000)
     assert st.hard_limit(1024, 128) == cfg.hard_limit(1000, 1000)
     assert st.hard_limit(1025, 1) == cfg.hard_limit(1025, 1000)
     for end in range(128, 1024, 128):
@@ -173,6 +192,71 @@ def test_a_recompute_chunk_past_the_prompt_is_bounded_and_counted_as_decode() ->
     sreq = st.plan_event(1024, 128, list(range(32)), BS)
     assert sreq is not None and sreq.prefill  # the prompt-end event
     assert st.trigger.decode_tokens == 24
+
+
+# -- live blocks ---------------------------------------------------------------------------
+def _read_live(single, req_id: str, num_blocks: int | None = None) -> list[int]:  # noqa: ANN001
+    """The live entries as a read of the whole list finds them (the reference)."""
+    blocks = single.req_to_blocks.get(req_id, [])[:num_blocks]
+    return [j for j, b in enumerate(blocks) if not b.is_null]
+
+
+def test_live_blocks_answer_what_reading_the_whole_list_answers() -> None:
+    """After every change (vLLM appending blocks, evictions, a request preempted and
+    resumed on a new list), the kept live blocks equal a read of the list."""
+    import random
+
+    mgr, single, _ = scheduler_side(600, max_tokens=256, chunk_size=128)
+    rng = random.Random(0)
+    tokens = {f"r{i}": 0 for i in range(4)}
+    for req_id in tokens:
+        mgr.states.resolve(_request(req_id, 1000))
+    for _ in range(300):
+        req_id = rng.choice(sorted(tokens))
+        st = mgr.states.get(req_id)
+        assert st is not None
+        action = rng.random()
+        if action < 0.05 and tokens[req_id]:  # preempted: vLLM frees the whole list
+            single.free(req_id)
+            tokens[req_id] = 0
+        elif action < 0.1 and not tokens[req_id]:  # resumed on a new list
+            mgr.states.restart(req_id)
+        elif action < 0.6:
+            tokens[req_id] += rng.randint(1, 3 * BS)
+            single.allocate_new_blocks(req_id, tokens[req_id], tokens[req_id])
+        elif tokens[req_id]:
+            live = list(mgr.blocks.live_indices(st))
+            drop = rng.sample(live, k=min(len(live), rng.randint(0, 3)))
+            mgr.blocks.evict(st, sorted(drop))
+        cut = rng.choice([None, rng.randint(0, 40)])
+        assert list(mgr.blocks.live_indices(st, cut)) == _read_live(single, req_id, cut)
+        assert mgr.blocks.live_count(st, cut) == len(_read_live(single, req_id, cut))
+    for req_id in tokens:
+        single.free(req_id)
+
+
+def test_live_blocks_read_only_the_entries_appended_since_the_last_step(
+        monkeypatch) -> None:  # noqa: ANN001
+    """A long list is read once; after that each step reads the entries vLLM appended,
+    however long the request is (a full read would take the whole list every step)."""
+    from nexus_vllm.integration.compat.vllm_compat import BlockPoolView
+
+    mgr, single, _ = scheduler_side(600, max_tokens=256, chunk_size=128)
+    st = mgr.states.resolve(_request("r", 16_000))
+    assert st is not None
+    single.allocate_new_blocks("r", 400 * BS, 400 * BS)
+    mgr.blocks.evict(st, list(range(1, 380)))  # mostly null, as a long request is
+    reads: list[int] = []
+    is_null = BlockPoolView.is_null
+    monkeypatch.setattr(BlockPoolView, "is_null",
+                        staticmethod(lambda b: reads.append(1) or is_null(b)))
+    assert mgr.blocks.live_count(st) == 21 and len(reads) == 0  # read at the eviction
+    for step in range(1, 11):
+        single.allocate_new_blocks("r", (400 + step) * BS, (400 + step) * BS)
+        assert mgr.blocks.live_count(st) == 21 + step
+        assert list(mgr.blocks.live_indices(st))[-1] == 399 + step
+    assert len(reads) == 10
+    single.free("r")
 
 
 # -- admission -----------------------------------------------------------------------------
@@ -186,16 +270,16 @@ class _Blocks:
     def of(self, req_id: str) -> list[int]:
         return list(range(self.live.get(req_id, 0)))
 
-    def live_count(self, req_id: str, num_tokens: int | None = None) -> int:
-        return self.live.get(req_id, 0)
+    def live_count(self, st, num_blocks: int | None = None) -> int:  # noqa: ANN001
+        return self.live.get(st.req_id, 0)
 
 
 @pytest.mark.parametrize("spare, admitted", [(0, True), (-1, False)])
 def test_admission_reserves_what_admitted_requests_may_still_grow_to(spare, admitted
                                                                      ) -> None:  # noqa: ANN001
-    from nexus_vllm.integration.admission import AdmissionGate
     from nexus_vllm.integration.metrics import SchedulerCounters
-    from nexus_vllm.integration.request_state import RequestStates
+    from nexus_vllm.integration.scheduler.admission import AdmissionGate
+    from nexus_vllm.integration.scheduler.request_state import RequestStates
 
     states, counters = RequestStates(_cfg()), SchedulerCounters()
     first, second = _request("a", 1000), _request("b", 1000)
@@ -211,15 +295,14 @@ def test_admission_reserves_what_admitted_requests_may_still_grow_to(spare, admi
     gate.blocks = _Blocks({"a": 8}, free=need + outstanding + spare)
     assert gate.may_admit(second) is admitted
     assert counters.admission_waits == (0 if admitted else 1)
-    assert ("b" in gate.totals) is admitted
-    gate.forget("a")
-    assert "a" not in gate.totals
+    b = states.get("b")
+    assert b is not None and (b.admitted_total is not None) is admitted
 
 
 def test_admission_bound_stops_at_max_model_len() -> None:
-    from nexus_vllm.integration.admission import AdmissionGate
     from nexus_vllm.integration.metrics import SchedulerCounters
-    from nexus_vllm.integration.request_state import RequestStates
+    from nexus_vllm.integration.scheduler.admission import AdmissionGate
+    from nexus_vllm.integration.scheduler.request_state import RequestStates
 
     states = RequestStates(_cfg(prompt_mode="keep"))
     gate = AdmissionGate(states, _Blocks({}, free=0), SchedulerCounters(), max_model_len=1010)
@@ -248,7 +331,7 @@ def _scored(method: str):  # noqa: ANN202
 def test_evictor_runs_a_scoreless_policy_without_masses() -> None:
     """Streaming reads no mass: the worker sends none and the policy still evicts down to
     the budget, the nulls going to the channel and the watermark set."""
-    from nexus_vllm.integration.step_plan import WorkerReply
+    from nexus_vllm.integration.protocol import WorkerReply
 
     mgr, pool, plan, reqs = _scored("streaming")
     assert not plan.score["r"].needs_mass
@@ -260,13 +343,13 @@ def test_evictor_runs_a_scoreless_policy_without_masses() -> None:
     # Streaming keeps the sinks and the newest blocks: the oldest non-sinks go.
     sinks = int(mgr.server_cfg.sink_blocks)
     assert nulled == list(range(sinks, sinks + 8))
-    assert mgr.watermarks.limit("r") == 512
+    assert mgr.caching_limit(reqs["r"]) == 512
     assert mgr.counters.eviction_events == 1 and mgr.counters.evicted_blocks == 8
 
 
 def test_evictor_frees_nothing_when_the_policy_fails(monkeypatch) -> None:  # noqa: ANN001
     from nexus_vllm.core.policies import StreamingPolicy
-    from nexus_vllm.integration.step_plan import WorkerReply
+    from nexus_vllm.integration.protocol import WorkerReply
 
     def fail(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise RuntimeError("policy bug")
@@ -276,12 +359,12 @@ def test_evictor_frees_nothing_when_the_policy_fails(monkeypatch) -> None:  # no
     free = pool.get_num_free_blocks()
     mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id), reqs)
     assert pool.get_num_free_blocks() == free and mgr.live_count("r") == 16
-    assert mgr.channel.unacked == {} and mgr.watermarks.limit("r") is None
+    assert mgr.channel.unacked == {} and mgr.caching_limit(reqs["r"]) is None
     assert mgr.counters.faults["policy_error"] == 1
 
 
 def test_evictor_skips_a_request_whose_evidence_the_worker_dropped() -> None:
-    from nexus_vllm.integration.step_plan import WorkerReply
+    from nexus_vllm.integration.protocol import WorkerReply
 
     mgr, pool, plan, reqs = _scored("knorm")
     assert plan.score["r"].needs_key_norms

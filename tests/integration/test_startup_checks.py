@@ -11,18 +11,17 @@ from types import SimpleNamespace
 import pytest
 
 from nexus_vllm.core import EvictionConfig
-from nexus_vllm.integration.engine_policy import (
+from nexus_vllm.integration.compat.attention_traits import AttentionTraits, unsupported_attention
+from nexus_vllm.integration.frontend.engine_policy import (
     REFUSALS,
     SCHEDULER_CLS,
     WORKER_CLS,
-    AttentionTraits,
     EngineSettings,
     check_engine_settings,
     check_model,
     forced_cudagraph_mode,
     forced_engine_args,
     restate_vllm_refusal,
-    unsupported_attention,
     with_engine_block_size,
 )
 from tests.integration.conftest import HAS_VLLM
@@ -95,7 +94,7 @@ def test_full_cudagraphs_are_refused_on_gpu_only() -> None:
 
 def test_data_parallelism_is_allowed() -> None:
     """Each DP rank's engine core schedules and evicts on its own (issue 21)."""
-    from nexus_vllm.integration.engine_policy import EngineSettings, check_engine_settings
+    from nexus_vllm.integration.frontend.engine_policy import EngineSettings, check_engine_settings
 
     check_engine_settings("nexus", EngineSettings(data_parallel_size=2))
 
@@ -171,7 +170,7 @@ def test_the_runner_vllm_picks_is_kept(cuda) -> None:  # noqa: ANN001
     adapter): nothing forces or refuses Model Runner V2."""
     import os
 
-    from nexus_vllm.integration.patches.engine_args import translate_engine_args
+    from nexus_vllm.integration.frontend.patches.engine_args import translate_engine_args
 
     cuda.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     assert translate_engine_args(_args()) is not None
@@ -191,13 +190,13 @@ def _args(**kw):  # noqa: ANN003, ANN202
 def test_piecewise_graphs_are_set(cuda) -> None:  # noqa: ANN001
     from vllm.config.compilation import CUDAGraphMode
 
-    from nexus_vllm.integration.patches.engine_args import translate_engine_args
+    from nexus_vllm.integration.frontend.patches.engine_args import translate_engine_args
 
     ea = _args(tensor_parallel_size=2)  # tensor parallelism is allowed
     assert translate_engine_args(ea) is not None
     assert ea.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
     assert ea.async_scheduling is False and ea.enable_chunked_prefill is True
-    assert ea.worker_cls == "nexus_vllm.integration.worker.NexusWorker"
+    assert ea.worker_cls == "nexus_vllm.integration.worker.worker.NexusWorker"
 
 
 @needs_vllm
@@ -205,7 +204,7 @@ def test_piecewise_graphs_are_set(cuda) -> None:  # noqa: ANN001
 def test_explicit_non_full_modes_are_kept(cuda, mode) -> None:  # noqa: ANN001
     from vllm.config.compilation import CompilationConfig, CUDAGraphMode
 
-    from nexus_vllm.integration.patches.engine_args import translate_engine_args
+    from nexus_vllm.integration.frontend.patches.engine_args import translate_engine_args
 
     ea = _args(compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode[mode]))
     translate_engine_args(ea)
@@ -239,7 +238,7 @@ def _refusals():  # noqa: ANN202
 @needs_vllm
 @pytest.mark.parametrize("kwargs, match", _refusals() if HAS_VLLM else [])
 def test_refusals_name_the_flag(cuda, kwargs, match) -> None:  # noqa: ANN001
-    from nexus_vllm.integration.patches.engine_args import translate_engine_args
+    from nexus_vllm.integration.frontend.patches.engine_args import translate_engine_args
 
     with pytest.raises(ValueError, match="--kv-eviction nexus") as err:
         translate_engine_args(_args(**kwargs))
@@ -250,7 +249,7 @@ def test_refusals_name_the_flag(cuda, kwargs, match) -> None:  # noqa: ANN001
 def test_kv_connector_is_refused(cuda) -> None:  # noqa: ANN001
     from vllm.config import KVTransferConfig
 
-    from nexus_vllm.integration.patches.engine_args import translate_engine_args
+    from nexus_vllm.integration.frontend.patches.engine_args import translate_engine_args
 
     ea = _args(kv_transfer_config=KVTransferConfig(kv_connector="ExampleConnector",
                                                    kv_role="kv_both"))
@@ -269,7 +268,7 @@ def test_kv_connector_is_refused(cuda) -> None:  # noqa: ANN001
     ("rswa_window", 512, "reference sliding-window"),
 ])
 def test_model_refusals(attr, value, match) -> None:  # noqa: ANN001
-    from nexus_vllm.integration.patches.engine_args import check_model_config
+    from nexus_vllm.integration.frontend.patches.engine_args import check_model_config
 
     check_model_config(SimpleNamespace(model_config=_model()), CFG)
     model = _model(**{attr: value})
@@ -304,7 +303,7 @@ def test_layers_and_models_share_one_check() -> None:
     through the same :func:`unsupported_attention`, so they name a feature alike."""
     from vllm.v1.attention.backend import AttentionType
 
-    from nexus_vllm.integration.vllm_compat import AttentionLayerView, model_attention_traits
+    from nexus_vllm.integration.compat.vllm_compat import AttentionLayerView, model_attention_traits
 
     assert model_attention_traits(_model()) == AttentionTraits()
     assert AttentionLayerView("l0", _layer()).unsupported_reason() is None

@@ -132,8 +132,8 @@ def _compacted_case(block_size: int, q_len: int, use_3d: bool, seed: int) -> tup
     ref : dict
         What the reference needs: keys, values and kept token indices per request.
     """
-    from nexus_vllm.integration.step_plan import StepPlan
-    from nexus_vllm.integration.worker_state import WorkerEvictionState
+    from nexus_vllm.integration.protocol import StepPlan
+    from nexus_vllm.integration.worker.worker_state import WorkerEvictionState
 
     gen = torch.Generator().manual_seed(seed)
     t_r, t_s = len(PHYS_R) * block_size - 7, block_size + 5  # both last blocks partial

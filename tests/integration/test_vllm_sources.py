@@ -18,9 +18,9 @@ environment variable, and it must never write ``VLLM_USE_V2_MODEL_RUNNER``. The 
 tests are skipped when the installed vLLM is not 0.32.x.
 
 When one fails: re-read the vLLM file named in the assertion message, in that release,
-then the plugin code it names (mostly ``nexus_vllm/integration/vllm_compat.py``,
-``runners.py``, ``worker.py``, ``scheduler.py``, ``attention.py`` and
-``patches/catalogue.py``). Fix the plugin, or, if vLLM's change is harmless, update the
+then the plugin code it names, under ``nexus_vllm/integration/`` (mostly
+``compat/vllm_compat.py``, ``compat/runners.py``, ``compat/catalogue.py``,
+``worker/worker.py``, ``worker/attention.py`` and ``scheduler/scheduler.py``). Fix the plugin, or, if vLLM's change is harmless, update the
 expectation here together with the comment that says why the plugin needs it. A new
 supported release is one more entry in ``RELEASES``.
 """
@@ -413,7 +413,7 @@ def test_scheduler_output_fields(src: VllmSource) -> None:
             f"vLLM {src.label}: re-read how schedule() sends resumed requests")
 
 
-# -- 4. Scheduler overrides (integration/scheduler.py) --------------------------------------
+# -- 4. Scheduler overrides (integration/scheduler/scheduler.py) ----------------------------
 def test_scheduler_methods(src: VllmSource) -> None:
     sigs = {name: _params(src.method(SCHED, "Scheduler", name))
             for name in ("schedule", "update_from_output", "get_request_counts",
@@ -528,7 +528,7 @@ def test_model_runner_v2(src: VllmSource) -> None:
 def test_standalone_cpu_runner(src: VllmSource) -> None:
     rel = "v1/worker/cpu/standalone_model_runner.py"
     if src.minor < 34:
-        assert not src.exists(rel), f"vLLM {src.label}: has {rel}; re-read runners.py"
+        assert not src.exists(rel), f"vLLM {src.label}: has {rel}; re-read compat/runners.py"
         return
     where = f"vLLM {src.label}: StandaloneCPUModelRunner (vllm/{rel})"
     runner = src.cls(rel, "StandaloneCPUModelRunner")
@@ -600,7 +600,7 @@ def test_extend_kv_cache(src: VllmSource) -> None:
     assert "extend_kv_cache" in src.text("v1/executor/abstract.py")
 
 
-# -- 9. worker overrides (integration/worker.py) ---------------------------------------------
+# -- 9. worker overrides (integration/worker/worker.py) ------------------------------------
 def _worker_method(src: VllmSource, cls: str, name: str) -> FuncDef:
     """``cls.name`` resolved through CPUWorker -> Worker -> WorkerBase."""
     chain = [("v1/worker/cpu_worker.py", "CPUWorker"), ("v1/worker/gpu_worker.py", "Worker"),
@@ -681,7 +681,7 @@ def test_api_server_patch_targets(src: VllmSource) -> None:
     for name, deco in (("add_cli_args", "staticmethod"), ("from_cli_args", "classmethod"),
                        ("create_engine_config", None)):
         fn = _method_or_none(engine_args, name)
-        assert fn is not None, f"vLLM {src.label}: EngineArgs.{name} is gone (engine_args.py)"
+        assert fn is not None, f"vLLM {src.label}: EngineArgs.{name} is gone (frontend/patches/engine_args.py)"
         decos = {ast.unparse(d) for d in fn.decorator_list}
         assert deco is None or deco in decos, f"vLLM {src.label}: EngineArgs.{name} {decos}"
     # What patches/engine_args sets and reads (getattr hides renames).

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 
 
 def _layer(i: int, blocks: int) -> Any:
-    from nexus_vllm.integration.attention import NexusAttentionImplMixin
+    from nexus_vllm.integration.worker.attention import NexusAttentionImplMixin
 
     impl = type("Impl", (NexusAttentionImplMixin,), {})()
     impl.head_size = 8
@@ -32,7 +32,7 @@ def _layer(i: int, blocks: int) -> Any:
 
 
 def test_key_views_follow_the_extended_kv_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    from nexus_vllm.integration import worker as worker_mod
+    from nexus_vllm.integration.worker import worker as worker_mod
 
     layers = [_layer(0, 4), _layer(1, 4)]
 

@@ -25,7 +25,7 @@ PHYS = {"a": [3, 7, 8, 2, 5], "b": [9, 10], "c": [11, 12, 13, 14]}
 
 
 def _plan(step_id: int, **kw):  # noqa: ANN003, ANN202
-    from nexus_vllm.integration.step_plan import StepPlan
+    from nexus_vllm.integration.protocol import StepPlan
 
     return StepPlan(step_id=step_id, **kw)
 
@@ -166,8 +166,8 @@ def test_capture_and_scoring_equal_the_oracle() -> None:
     """Plan -> capture over several steps -> one batched score per layer == the core
     oracle on the live keys, averaged over scored layers, for two requests at once."""
     from nexus_vllm.core import block_attention_mass
-    from nexus_vllm.integration.attention import key_view
-    from nexus_vllm.integration.step_plan import ScoreRequest
+    from nexus_vllm.integration.protocol import ScoreRequest
+    from nexus_vllm.integration.worker.attention import key_view
 
     torch.manual_seed(2)
     runner = FakeRunner({"a": PHYS["a"], "b": PHYS["c"]})
@@ -221,7 +221,7 @@ def test_capture_and_scoring_equal_the_oracle() -> None:
 def test_missing_plan_masks_what_may_have_been_freed() -> None:
     """Without a usable plan the worker hides every block the scheduler may have freed
     since its last applied plan, for that step only, and never acknowledges."""
-    from nexus_vllm.integration.step_plan import ScoreRequest
+    from nexus_vllm.integration.protocol import ScoreRequest
 
     runner = FakeRunner({"a": [3, 7, 8, 2, 5, 6, 4], "b": [9, 10]})
     state = make_state(runner)
@@ -272,12 +272,12 @@ def test_reset_requests_ignore_old_nulls() -> None:
 
 def test_scoring_failure_drops_the_event(monkeypatch) -> None:  # noqa: ANN001
     from nexus_vllm.integration import faults
-    from nexus_vllm.integration.step_plan import ScoreRequest
+    from nexus_vllm.integration.protocol import ScoreRequest
 
     monkeypatch.setattr(faults, "_SPECS", faults.parse("score_error"))
     runner = FakeRunner({"a": [3, 7, 8, 2, 5]})
     kv = torch.zeros(16, HKV, BS, 2 * D)
-    from nexus_vllm.integration.attention import key_view
+    from nexus_vllm.integration.worker.attention import key_view
 
     state = make_state(runner, layers={0: key_view("CPU_ATTN", kv, D, "vec")})
     sreq = ScoreRequest(window=2, num_logical_blocks=5, evictable_below=1)
@@ -293,8 +293,8 @@ def test_scoring_failure_drops_the_event(monkeypatch) -> None:  # noqa: ANN001
 
 def test_self_check_catches_a_wrong_key_view(monkeypatch) -> None:  # noqa: ANN001
     """With NEXUS_VLLM_SELF_CHECK=1 a key view that does not hold what vLLM wrote raises."""
-    from nexus_vllm.integration.attention import key_view
-    from nexus_vllm.integration.worker_state import SelfCheckError
+    from nexus_vllm.integration.worker.attention import key_view
+    from nexus_vllm.integration.worker.worker_state import SelfCheckError
 
     monkeypatch.setenv("NEXUS_VLLM_SELF_CHECK", "1")
     runner = FakeRunner({"a": [3, 7]})
@@ -328,3 +328,38 @@ def test_two_block_tables_in_one_step_are_refused() -> None:
     with pytest.raises(RuntimeError, match="one KV cache group"):
         state.compact(common_metadata(runner, [4 * BS + 5, 2 * BS, 4 * BS], [1, 1, 1]))
     state.end_step()
+
+
+def test_scoring_every_request_with_mass_and_key_norms_in_one_step() -> None:
+    """A Nexus config with ``knorm_prior > 0`` reads mass and key norms, so each request
+    due takes a row in both; with every one of ``max_num_seqs`` requests due in one step
+    (more than half is enough), the scorer's row staging must still hold them all, or
+    the whole step's events are dropped as ``score_error``."""
+    from nexus_vllm.core import EvictionConfig
+    from nexus_vllm.integration.protocol import ScoreRequest
+    from nexus_vllm.integration.worker.attention import key_view
+
+    policy = EvictionConfig(method="nexus", max_tokens=192,
+                            policy_args={"knorm_prior": 1.0}).policy()
+    assert policy.needs == {"mass", "key_norms"}
+    torch.manual_seed(3)
+    runner = FakeRunner({"a": PHYS["a"], "b": PHYS["c"]})
+    kv = torch.zeros(16, HKV, BS, 2 * D)
+    write_keys(kv, torch.randn(5 * BS, HKV, D), torch.randn(5 * BS, HKV, D), PHYS["a"])
+    write_keys(kv, torch.randn(4 * BS, HKV, D), torch.randn(4 * BS, HKV, D), PHYS["c"])
+    state = make_state(runner, window=4, max_requests=2,
+                       layers={0: key_view("CPU_ATTN", kv, D, "vec")})
+    lens = {"a": 5 * BS, "b": 4 * BS}
+    score = {r: ScoreRequest(window=4, num_logical_blocks=n // BS, evictable_below=1,
+                             needs_mass=True, needs_key_norms=True)
+             for r, n in lens.items()}
+    state.begin_step(scheduler_output(new=("a", "b")),
+                     _plan(1, track=("a", "b"), score=score))
+    state.compact(common_metadata(runner, list(lens.values()), list(lens.values())))
+    state.capture(0, torch.randn(sum(lens.values()), HQ, D))
+    state.finish_forward()
+    reply = state.reply()
+    state.end_step()
+    assert reply.faults == {}
+    assert {r: m.shape for r, m in reply.masses.items()} == {"a": (4, 5), "b": (4, 4)}
+    assert {r: n.shape for r, n in reply.key_norms.items()} == {"a": (5,), "b": (4,)}

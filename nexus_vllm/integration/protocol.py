@@ -1,0 +1,160 @@
+"""The typed scheduler <-> worker messages of one engine step.
+
+Scheduler -> worker: a :class:`StepPlan` rides on the step's ``SchedulerOutput`` (the
+attribute ``nexus_plan``). Worker -> scheduler: a :class:`WorkerReply` rides on the
+step's ``ModelRunnerOutput`` (``nexus_reply``). Both are frozen dataclasses of plain
+Python and NumPy values, so they survive the multiprocess executor's pickling (vLLM
+0.32 pickles both objects through its shared-memory message queues; the dataclasses have
+no ``__slots__``, so extra attributes travel with them).
+
+The protocol is fail-closed (see ``docs/architecture.md``):
+
+* every plan has a ``step_id``, one more than the previous plan's;
+* ``evict`` holds *every* null the worker has not acknowledged yet, so a lost plan is
+  repaired by the next one (nulling twice is harmless);
+* the worker acknowledges a plan by echoing its ``step_id``; the scheduler takes scores
+  only from a reply that acknowledges the plan they were asked for;
+* a worker that gets no plan, or an old one, masks out every block the scheduler may
+  have freed since its last applied plan (``ScoreRequest.evictable_below``) for that
+  step, so it never reads a block handed to another request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import numpy as np
+
+__all__ = [
+    "PLAN_ATTR",
+    "REPLY_ATTR",
+    "ScoreRequest",
+    "StepPlan",
+    "WorkerReply",
+    "attach_plan",
+    "attach_reply",
+    "read_plan",
+    "read_reply",
+]
+
+PLAN_ATTR = "nexus_plan"
+REPLY_ATTR = "nexus_reply"
+_Output = TypeVar("_Output")
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Score one request after this step's forward.
+
+    Attributes
+    ----------
+    window : int
+        Newest queries to score with (per layer; averaged over the scored layers).
+    num_logical_blocks : int
+        ``ceil(tokens after this step / block_size)``: the masses' columns are the live
+        blocks among the first ``num_logical_blocks`` logical blocks.
+    evictable_below : int
+        Logical index below which this event may evict blocks (the newest
+        ``recent_blocks + 1`` live blocks are never evicted). A worker that misses the
+        next plan masks the live blocks in ``[sink_blocks, evictable_below)``.
+    prefill : bool
+        The step was a prefill chunk (the policy uses its prefill variant).
+    needs_mass : bool
+        The policy reads the window's attention mass (False for streaming and random:
+        the worker computes nothing for them; the event still counts as due, for masking).
+    needs_key_norms : bool
+        The policy reads the mean key norm of each live block (knorm).
+    """
+
+    window: int
+    num_logical_blocks: int
+    evictable_below: int
+    prefill: bool = False
+    needs_mass: bool = True
+    needs_key_norms: bool = False
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the worker must know for one step.
+
+    Attributes
+    ----------
+    step_id : int
+        1, 2, 3, ... in schedule order.
+    evict : dict[str, tuple[int, ...]]
+        Logical block indices nulled by the scheduler and not yet acknowledged, per
+        request (sorted).
+    score : dict[str, ScoreRequest]
+        Requests to score after this step's forward.
+    track : tuple[str, ...]
+        Evicting requests scheduled this step: keep their newest queries.
+    sink_blocks : int
+        Oldest blocks a policy always keeps (the server's forced set).
+    """
+
+    step_id: int
+    evict: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    score: dict[str, ScoreRequest] = field(default_factory=dict)
+    track: tuple[str, ...] = ()
+    sink_blocks: int = 1
+
+
+@dataclass(frozen=True)
+class WorkerReply:
+    """What the output rank's worker reports after one step.
+
+    Attributes
+    ----------
+    step_id : int or None
+        The plan this step applied (its acknowledgement); None when the worker got no
+        usable plan.
+    masses : dict[str, ndarray[W, N] float32]
+        Attention mass of each scored request's ``window`` newest queries on its ``N``
+        live blocks (the live blocks among its first ``num_logical_blocks``, in logical
+        order), averaged over scored layers and all query heads of all ranks.
+    key_norms : dict[str, ndarray[N] float32]
+        Mean key L2 norm of each live block (its tokens, all KV heads, the scored layers)
+        for requests whose policy reads them.
+    scoring_seconds : float
+        Device time spent scoring (wall time on CPU).
+    faults : dict[str, int]
+        Faults seen by the worker this step, by kind (e.g. ``plan_missing``).
+    """
+
+    step_id: int | None
+    masses: dict[str, np.ndarray] = field(default_factory=dict)
+    key_norms: dict[str, np.ndarray] = field(default_factory=dict)
+    scoring_seconds: float = 0.0
+    faults: dict[str, int] = field(default_factory=dict)
+
+
+def attach_plan(scheduler_output: object, plan: StepPlan) -> None:
+    """Graft ``plan`` on vLLM's ``SchedulerOutput`` (pickled whole to the workers)."""
+    setattr(scheduler_output, PLAN_ATTR, plan)
+
+
+def read_plan(scheduler_output: object) -> StepPlan | None:
+    """The plan grafted on a ``SchedulerOutput`` (None: none, or not ours)."""
+    plan = getattr(scheduler_output, PLAN_ATTR, None)
+    return plan if isinstance(plan, StepPlan) else None
+
+
+def attach_reply(model_runner_output: _Output, reply: WorkerReply) -> _Output:
+    """Return a shallow copy of ``model_runner_output`` carrying ``reply``.
+
+    A copy, because the runner returns shared constants such as
+    ``EMPTY_MODEL_RUNNER_OUTPUT`` for steps without work.
+    """
+    import copy
+
+    out = copy.copy(model_runner_output)
+    setattr(out, REPLY_ATTR, reply)
+    return out
+
+
+def read_reply(model_runner_output: object) -> WorkerReply | None:
+    """The reply grafted on a ``ModelRunnerOutput`` (None: none, or not ours)."""
+    reply = getattr(model_runner_output, REPLY_ATTR, None)
+    return reply if isinstance(reply, WorkerReply) else None

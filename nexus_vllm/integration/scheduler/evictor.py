@@ -1,0 +1,126 @@
+"""The worker's scores turned into evictions: each scored request's policy, then null + free.
+
+Run on the reply that acknowledges the plan the scores were asked for. Only full,
+computed blocks are evicted; the policy always keeps the sink blocks (in ``prompt_mode``
+``keep``, every prompt block) and the newest ``recent_blocks + 1`` live blocks
+(``ScoreRequest.evictable_below``). Freeing at once is safe because the worker learns
+every null before it can read a reused block: the next plan carries it
+(:class:`~nexus_vllm.integration.scheduler.plan_channel.PlanChannel`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from nexus_vllm.core.policies import Evidence
+from nexus_vllm.integration import faults
+from nexus_vllm.integration.compat.vllm_types import EngineRequest
+from nexus_vllm.integration.metrics import SchedulerCounters
+from nexus_vllm.integration.protocol import ScoreRequest, StepPlan, WorkerReply
+from nexus_vllm.integration.scheduler.live_blocks import LiveBlocks
+from nexus_vllm.integration.scheduler.plan_channel import PlanChannel
+from nexus_vllm.integration.scheduler.prefix_cache import mark_first_eviction
+from nexus_vllm.integration.scheduler.request_state import RequestEvictionState, RequestStates
+
+__all__ = ["Evictor"]
+
+
+class Evictor:
+    """Runs each scored request's policy on the worker's evidence and evicts the blocks
+    it drops.
+
+    Parameters
+    ----------
+    states : RequestStates
+    blocks : LiveBlocks
+    channel : PlanChannel
+        Records each null, to be sent with the next plan.
+    counters : SchedulerCounters
+    fault : callable
+        ``(kind, message, exc=...)``: count and log a fault.
+    """
+
+    def __init__(self, *, states: RequestStates, blocks: LiveBlocks, channel: PlanChannel,
+                 counters: SchedulerCounters, fault: Callable[..., None]) -> None:
+        self.states = states
+        self.blocks = blocks
+        self.channel = channel
+        self.counters = counters
+        self._fault = fault
+
+    def apply(self, plan: StepPlan, reply: WorkerReply,
+              requests: Mapping[str, EngineRequest]) -> None:
+        """Run the policy of every request ``plan`` scored, on ``reply``'s evidence (a
+        reply that acknowledges ``plan``). A request whose evidence the worker dropped
+        is skipped (a fault the worker counted)."""
+        for req_id, sreq in plan.score.items():
+            request = requests.get(req_id)
+            st = self.states.get(req_id)
+            if request is None or st is None:
+                continue
+            norms = None
+            if sreq.needs_key_norms:
+                norms_np = reply.key_norms.get(req_id)
+                if norms_np is None:
+                    continue  # dropped by the worker (a fault it counted)
+                norms = torch.from_numpy(norms_np)
+            mass = None  # the policy reads no mass
+            if sreq.needs_mass:
+                scores = reply.masses.get(req_id)
+                if scores is None:
+                    continue
+                mass = torch.from_numpy(scores)
+            try:
+                if faults.fires("policy_error"):
+                    raise RuntimeError("injected policy failure")
+                self.evict(st, request, sreq, mass, norms)
+            except Exception:
+                # A policy error skips this event: nothing was freed (freeing is the
+                # last step of evict), so the worker's view stays consistent.
+                self._fault("policy_error", "eviction policy failed; skipping this event",
+                            exc=True)
+
+    def evict(self, st: RequestEvictionState, request: EngineRequest, sreq: ScoreRequest,
+              mass: torch.Tensor | None, key_norms: torch.Tensor | None = None) -> None:
+        """One eviction event: the policy keeps ``target_blocks`` of the request's live
+        blocks; the others that are full and below ``sreq.evictable_below`` are nulled
+        and freed.
+
+        Parameters
+        ----------
+        mass : torch.Tensor or None
+            ``[rows, live blocks]``: attention mass of the window's queries over the
+            live blocks among the first ``sreq.num_logical_blocks``; None for a policy
+            that reads no mass (it gets one uniform row).
+        key_norms : torch.Tensor, optional
+            ``[live blocks]``: mean key norm of each (policies that read them).
+        """
+        live = self.blocks.live_indices(st, sreq.num_logical_blocks)
+        if mass is None:
+            evidence = Evidence.uniform(len(live), key_norms)
+        elif len(live) != mass.shape[1]:
+            self._fault("stale_scores", "scores do not match the request's live blocks; "
+                        "skipping this event")
+            return
+        else:
+            evidence = Evidence(mass, key_norms)
+        tokens = int(request.num_computed_tokens)
+        budget = int(st.cfg.target_blocks(tokens, st.prompt_tokens))
+        if len(live) <= budget:
+            return
+        policy = st.cfg.policy(prefill=sreq.prefill, prompt_tokens=st.prompt_tokens)
+        keep = policy.select(evidence, budget, generator=st.generator,
+                             state=st.policy_state)
+        keep_set = {int(i) for i in keep.tolist()}
+        full_blocks = tokens // self.blocks.block_size
+        evict = [live[j] for j in range(len(live))
+                 if j not in keep_set and live[j] < min(full_blocks, sreq.evictable_below)]
+        if not evict:
+            return
+        mark_first_eviction(st, tokens)
+        self.channel.record(st, evict)
+        self.blocks.evict(st, evict)
+        self.counters.evicted_blocks += len(evict)
+        self.counters.eviction_events += 1

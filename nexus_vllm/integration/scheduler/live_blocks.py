@@ -1,0 +1,95 @@
+"""The requests' block lists in vLLM's full-attention manager, as eviction sees them.
+
+A list stays *logical*: an evicted entry is replaced by the pool's shared null block (as
+vLLM's sliding-window manager does) and the real block goes back to the pool at once.
+Token counts, positions and slot mapping are untouched, so allocation of new blocks keeps
+working. The entries that are not the null block are the request's *live* blocks.
+
+The live blocks are kept per request (its state's ``LiveIndex``) rather than found by
+reading the list: only eviction nulls an entry, so an entry read once stays as read until
+it is evicted here, and each step reads only the entries vLLM appended since the last
+one. A step's work then follows the requests scheduled and the blocks evicted, not the
+sequence length (a 32k-token request holds 2048 logical entries of 16 tokens, most of
+them null; ``benchmarks/scheduler/schedule_overhead.py``).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from nexus_vllm.integration.compat.vllm_compat import BlockPoolView, request_blocks
+from nexus_vllm.integration.compat.vllm_types import KVBlock
+from nexus_vllm.integration.scheduler.request_state import LiveIndex, RequestEvictionState
+
+if TYPE_CHECKING:
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+__all__ = ["LiveBlocks"]
+
+
+class LiveBlocks:
+    """Live entries of each request's block list; nulling and freeing evicted ones.
+
+    Parameters
+    ----------
+    kv_group : vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager
+        The model's one full-attention manager (``vllm_compat.single_type_manager``).
+    pool : BlockPoolView
+    block_size : int
+    """
+
+    def __init__(self, kv_group: SingleTypeKVCacheManager, pool: BlockPoolView,
+                 block_size: int) -> None:
+        self.kv_group = kv_group
+        self.pool = pool
+        self.block_size = int(block_size)
+
+    def of(self, req_id: str) -> list[KVBlock]:
+        """The request's block list (``KVCacheBlock`` per logical block; [] if none)."""
+        return request_blocks(self.kv_group, req_id)
+
+    def _index(self, st: RequestEvictionState) -> LiveIndex:
+        """``st.live`` brought up to date: the entries vLLM appended since the last call
+        are read; a new list (the request restarted) or a shorter one is read anew."""
+        blocks = self.of(st.req_id)
+        index = st.live
+        if index.blocks is not blocks or len(blocks) < index.seen:
+            index.blocks, index.live, index.seen = blocks, [], 0
+        if len(blocks) > index.seen:
+            index.live.extend(j for j in range(index.seen, len(blocks))
+                              if not BlockPoolView.is_null(blocks[j]))
+            index.seen = len(blocks)
+        return index
+
+    def live_indices(self, st: RequestEvictionState,
+                     num_blocks: int | None = None) -> Sequence[int]:
+        """Logical indices of the request's live blocks (among its first ``num_blocks``
+        when given), ascending; read-only, valid until the next call for the request."""
+        index = self._index(st)
+        if num_blocks is not None and num_blocks < index.seen:
+            return index.live[:bisect_left(index.live, num_blocks)]
+        return index.live
+
+    def live_count(self, st: RequestEvictionState, num_blocks: int | None = None) -> int:
+        """How many live blocks the request holds (among its first ``num_blocks``)."""
+        index = self._index(st)
+        if num_blocks is not None and num_blocks < index.seen:
+            return bisect_left(index.live, num_blocks)
+        return len(index.live)
+
+    def evict(self, st: RequestEvictionState, indices: Sequence[int]) -> None:
+        """Null these logical entries of the request's list and free their blocks (each
+        loses this request's reference; one shared through prefix caching stays with its
+        other holders)."""
+        index = self._index(st)
+        blocks = index.blocks
+        assert blocks is not None
+        freed = [blocks[j] for j in indices]
+        for j in indices:
+            blocks[j] = self.pool.null_block
+        self.pool.free(freed)
+        gone = set(indices)
+        # A new list, not an edit in place: a caller may still hold the old one.
+        index.live = [j for j in index.live if j not in gone]

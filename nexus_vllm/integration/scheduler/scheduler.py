@@ -1,0 +1,112 @@
+"""Scheduler subclass selected by ``scheduler_cls`` for evicting configurations.
+
+``schedule()`` attaches the step's :class:`~nexus_vllm.integration.protocol.StepPlan` to
+the ``SchedulerOutput``; ``update_from_output()`` reads the worker's
+:class:`~nexus_vllm.integration.protocol.WorkerReply`, runs each scored request's policy
+and frees the evicted blocks *before* vLLM frees finished requests and schedules the next
+step; ``make_stats()`` adds the ``nexus:*`` metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from nexus_vllm.integration import faults
+from nexus_vllm.integration.compat.vllm_compat import check_vllm_version
+from nexus_vllm.integration.config import config_from_additional
+from nexus_vllm.integration.protocol import StepPlan, attach_plan, read_reply
+from nexus_vllm.integration.scheduler.manager import EvictionManager
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.outputs import ModelRunnerOutput
+
+logger = init_logger(__name__)
+
+__all__ = ["NexusScheduler"]
+
+
+class NexusScheduler(Scheduler):
+    """vLLM's scheduler + streaming KV eviction under a per-request budget."""
+
+    # vLLM's arguments are passed on untouched (their list changes between releases).
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_vllm_version()
+        super().__init__(*args, **kwargs)
+        cfg = config_from_additional(self.vllm_config.additional_config)
+        if cfg is None:
+            raise ValueError("NexusScheduler needs additional_config['nexus'] with a method "
+                             "other than 'none' (use --kv-eviction)")
+        if self.block_size != cfg.block_size:
+            cfg = cfg.replace(block_size=int(self.block_size))
+        self.nexus = EvictionManager(cfg, self.kv_cache_manager, self.block_size,
+                                     max_model_len=self.max_model_len)
+        # The plan of the step in flight (synchronous scheduling: at most one).
+        self._nexus_plan: StepPlan | None = None
+        self._nexus_prev_plan: StepPlan | None = None
+        logger.info("nexus-vllm scheduler: method=%s budget=%s keep_ratio=%s block=%d "
+                    "chunk=%d prompt_mode=%s prefill_budget=%s blocks in pool=%d", cfg.method,
+                    cfg.max_tokens, cfg.keep_ratio, self.block_size, cfg.chunk_size,
+                    cfg.prompt_mode, cfg.prefill_budget, self.nexus.pool.num_usable())
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        self._nexus_step_start: float | None = time.perf_counter()
+        self._nexus_first_count = True
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            self._nexus_first_count = False
+        t0 = time.perf_counter()
+        plan = self.nexus.plan_step(output, self.requests)
+        self.nexus.counters.policy_us += int((time.perf_counter() - t0) * 1e6)
+        sent = plan
+        if faults.fires("plan_duplicate") and self._nexus_prev_plan is not None:
+            sent = self._nexus_prev_plan  # injected: the previous plan arrives again
+        attach_plan(output, sent)
+        self._nexus_prev_plan, self._nexus_plan = plan, plan
+        return output
+
+    def get_request_counts(self) -> tuple[int, int]:
+        running, waiting = super().get_request_counts()
+        # vLLM 0.32 drops the per-request prefill cap (long_prefill_token_threshold)
+        # when only one request is eligible; an evicting request must still prefill in
+        # chunks so it never holds more than budget + one chunk. The first count taken
+        # inside schedule() is the one that decides the cap.
+        if getattr(self, "_nexus_first_count", False):
+            self._nexus_first_count = False
+            if running + waiting == 1:
+                return running, waiting + 1
+        return running, waiting
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput
+                           ) -> dict[int, EngineCoreOutputs]:
+        plan, self._nexus_plan = self._nexus_plan, None
+        t0 = time.perf_counter()
+        # A failure is counted as a fault and skipped inside (EvictionManager.apply_reply).
+        self.nexus.apply_reply(plan, read_reply(model_runner_output), self.requests)
+        t1 = time.perf_counter()
+        out = super().update_from_output(scheduler_output, model_runner_output)
+        counters = self.nexus.counters
+        counters.policy_us += int((t1 - t0) * 1e6)
+        start = getattr(self, "_nexus_step_start", None)
+        if start is not None:
+            counters.step_us += int((time.perf_counter() - start) * 1e6)
+            self._nexus_step_start = None
+        return out
+
+    def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
+        stats = super().make_stats(*args, **kwargs)
+        if stats is not None:
+            # Requests that finished in this step: their peaks go out with its stats.
+            self.nexus.record_finished(getattr(self, "finished_req_ids", ()))
+            counts = dict(stats.num_kv_fetch_reqs_by_stage)
+            counts.update(self.nexus.stats(self.requests))
+            stats.num_kv_fetch_reqs_by_stage = counts
+        return stats

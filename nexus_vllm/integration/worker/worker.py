@@ -1,0 +1,246 @@
+"""Worker subclass selected by ``worker_cls`` for evicting configurations.
+
+The base class is the platform's worker (``CPUWorker`` on CPU, ``Worker`` on CUDA); the
+eviction path on top of it is the same on both:
+
+* ``__init__``: point vLLM's attention-backend registry entries for this platform at
+  their nexus subclasses (``integration/worker/attention.py``) before the model is built;
+* ``load_model``: check every attention layer can be evicted from, and allocate the
+  query ring before vLLM profiles memory for the KV cache;
+* ``initialize_from_config``: pick the adapter of vLLM's model runner
+  (``integration/compat/runners.py``), bind the eviction state to every metadata builder and
+  attention impl, and to each scored layer's key cache; ``extend_kv_cache`` (vLLM 0.34
+  re-binds every layer's KV tensors after warm-up) binds the key views again;
+* ``execute_model``: apply the step's plan, run vLLM's step, score the requests due
+  (with pipeline parallelism each stage scores the layers it holds; the sums meet in
+  ``block_scorer.reduce_over_ranks``);
+* ``sample_tokens``: attach the step's :class:`~nexus_vllm.integration.protocol.WorkerReply`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+
+from nexus_vllm.integration.compat.runners import RunnerAdapter, runner_adapter
+from nexus_vllm.integration.compat.vllm_compat import (
+    attention_groups,
+    attention_layers,
+    check_vllm_version,
+    gpu_sync_check,
+    group_builders,
+    pp_rank_and_size,
+    tp_rank_and_size,
+)
+from nexus_vllm.integration.config import config_from_additional
+from nexus_vllm.integration.protocol import attach_reply, read_plan
+from nexus_vllm.integration.worker.attention import (
+    CPU_BACKENDS,
+    CUDA_BACKENDS,
+    NexusAttentionImplMixin,
+    NexusMetadataBuilderMixin,
+    key_view,
+    register_backends,
+    wrapped_backend_name,
+)
+from nexus_vllm.integration.worker.block_scorer import RankLayout
+from nexus_vllm.integration.worker.worker_state import LayerKeys, WorkerEvictionState, layer_index
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+logger = init_logger(__name__)
+# What a step returns to the executor: vLLM's output, or None (it comes from sample_tokens).
+_StepOutput = TypeVar("_StepOutput", bound="ModelRunnerOutput | AsyncModelRunnerOutput | None")
+
+if current_platform.is_cpu():
+    from vllm.v1.worker.cpu_worker import CPUWorker as _BaseWorker
+else:  # pragma: no cover - CUDA path, exercised by the device check
+    from vllm.v1.worker.gpu_worker import Worker as _BaseWorker  # type: ignore[assignment]
+
+__all__ = ["NexusWorker", "platform_backends"]
+
+
+def platform_backends() -> tuple[str, ...]:
+    """The attention backends eviction supports on this platform."""
+    return CPU_BACKENDS if current_platform.is_cpu() else CUDA_BACKENDS
+
+
+def _model_layers(vllm_config: VllmConfig, local_bound: int) -> int:
+    """Decoder layers of the whole model (every pipeline stage), from the HF config;
+    ``local_bound`` (one past this worker's last layer) when the config does not say."""
+    text = getattr(vllm_config.model_config, "hf_text_config", None)
+    layers = getattr(text, "num_hidden_layers", None)
+    return max(int(layers), local_bound) if isinstance(layers, int) else local_bound
+
+
+class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
+    """Platform worker + eviction plan application + scoring + reply."""
+
+    # vLLM's arguments are passed on untouched (their list changes between releases).
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_vllm_version()
+        register_backends(platform_backends())
+        super().__init__(*args, **kwargs)
+        cfg = config_from_additional(self.vllm_config.additional_config)
+        if cfg is None:
+            raise RuntimeError("NexusWorker needs additional_config['nexus'] with a method "
+                               "other than 'none' (use --kv-eviction)")
+        self.nexus_cfg = cfg
+        self.nexus: WorkerEvictionState | None = None
+        self._nexus_reply_due = False
+        self._nexus_scored: frozenset[int] = frozenset()  # decoder layer numbers scored
+
+    # -- startup -----------------------------------------------------------------------
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        layers = attention_layers(self.vllm_config)
+        if not layers:
+            raise RuntimeError("nexus-vllm: the model has no attention layers to evict from")
+        for view in layers:
+            reason = view.unsupported_reason()
+            if reason is not None:
+                raise RuntimeError(f"nexus-vllm cannot evict from this model: {reason}")
+            if not isinstance(view.impl, NexusAttentionImplMixin):
+                raise RuntimeError(
+                    f"nexus-vllm: layer {view.name} runs attention backend "
+                    f"{type(view.impl).__name__}, which has no eviction support; supported "
+                    f"here: {', '.join(platform_backends())} (choose one with "
+                    "--attention-backend)")
+        cfg = self.nexus_cfg
+        indices = [layer_index(v.name) for v in layers]
+        # With pipeline parallelism this stage holds only some layers: which layers are
+        # scored, and the mean over them, follow the whole model's layer count.
+        total = _model_layers(self.vllm_config, max(indices) + 1)
+        model_scored = cfg.scored_layers(total)
+        self._nexus_scored = frozenset(model_scored)
+        scored = [v for v, i in zip(layers, indices, strict=True) if i in self._nexus_scored]
+        if not model_scored:
+            raise RuntimeError(f"nexus-vllm: skip_layers={cfg.skip_layers} leaves no "
+                               f"attention layer to score (the model has {total})")
+        tp_rank, tp_size = tp_rank_and_size()
+        pp_rank, pp_size = pp_rank_and_size()
+        layout = RankLayout(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+                            pp_size=pp_size)
+        state = WorkerEvictionState(
+            block_size=int(self.cache_config.block_size),
+            window=max(int(cfg.window), int(cfg.prefill_window)),
+            max_requests=int(self.vllm_config.scheduler_config.max_num_seqs),
+            device=torch.device(self.model_runner.device),
+            score_backend="batched" if current_platform.is_cpu() else "auto",
+            layout=layout, scored_layers=len(model_scored))
+        dtype = self.model_runner.dtype
+        assert isinstance(dtype, torch.dtype), dtype
+        # A stage without scored layers gets an empty ring (it still joins every
+        # reduction, adding zeros); the head shape is the same on every layer.
+        impl = layers[0].impl
+        state.allocate_ring(len(scored), int(impl.num_heads), int(impl.head_size), dtype)
+        self.nexus = state
+        logger.info("nexus-vllm worker: %d of %d attention layers scored here (%d in the "
+                    "model), query ring %.1f MiB (%d requests x %d queries), TP rank %d/%d, "
+                    "PP stage %d/%d", len(scored), len(layers), len(model_scored),
+                    state.ring_bytes() / 2**20, state.max_requests, state.window, tp_rank,
+                    tp_size, pp_rank, pp_size)
+
+    def initialize_from_config(self, *args: object, **kwargs: object) -> None:
+        super().initialize_from_config(*args, **kwargs)
+        state = self.nexus
+        assert state is not None
+        # V2 runners create their block tables with the KV cache: adapt to it now.
+        adapter = runner_adapter(self.model_runner)
+        logger.info("nexus-vllm worker: %s model runner (%s)", adapter.name,
+                    type(self.model_runner).__name__)
+        self._bind(adapter)
+
+    def extend_kv_cache(self, *args: object, **kwargs: object) -> object:
+        # vLLM 0.34 (extensible KV cache): every layer's KV tensors are replaced after
+        # warm-up; key views taken before would read the old ones.
+        out: object = super().extend_kv_cache(*args, **kwargs)  # type: ignore[misc]
+        state = self.nexus
+        if state is not None and state.runner is not None:
+            self._bind(state.runner)
+            logger.info("nexus-vllm worker: key views re-bound after the KV cache grew")
+        return out
+
+    def _bind(self, adapter: RunnerAdapter) -> None:
+        state = self.nexus
+        assert state is not None
+        runner = self.model_runner
+        for group in attention_groups(runner):
+            if getattr(group, "kernel_block_size", None) is not None:
+                raise RuntimeError(
+                    f"nexus-vllm: attention backend {group.backend.get_name()} needs kernel "
+                    f"blocks of {group.kernel_block_size} tokens inside the "
+                    f"{self.cache_config.block_size}-token KV blocks; choose a --block-size "
+                    "the backend supports natively")
+            for builder in group_builders(group):
+                if not isinstance(builder, NexusMetadataBuilderMixin):
+                    raise RuntimeError(f"nexus-vllm: metadata builder "
+                                       f"{type(builder).__name__} has no eviction support")
+                builder.nexus_compactor = state.compactor
+        scored: dict[int, LayerKeys] = {}
+        for view in attention_layers(self.vllm_config):
+            idx = layer_index(view.name)
+            impl = view.impl
+            assert isinstance(impl, NexusAttentionImplMixin)  # load_model checked it
+            impl.nexus_ring = state.ring
+            impl.nexus_layer = idx
+            impl.nexus_self_check = state.self_check
+            if idx in self._nexus_scored:
+                backend = wrapped_backend_name(view.layer.attn_backend)
+                keys = key_view(backend, view.kv_cache, int(view.impl.head_size),
+                                getattr(view.layer, "isa", None))
+                scored[idx] = LayerKeys(view.name, keys)
+        state.bind_layers(adapter, scored)
+
+    # -- one step ----------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
+        state = self.nexus
+        assert state is not None
+        self._nexus_hooks(state, scheduler_output, before=True)
+        try:
+            output = super().execute_model(scheduler_output)
+            self._nexus_hooks(state, scheduler_output, before=False)
+        except BaseException:
+            state.end_step()  # never leave masked entries or armed hooks behind
+            raise
+        self._nexus_reply_due = True
+        # None: the ModelRunnerOutput comes from sample_tokens. Otherwise (a step without
+        # tokens returns EMPTY_MODEL_RUNNER_OUTPUT) the reply rides on this output.
+        return output if output is None else self._with_reply(output)
+
+    @gpu_sync_check
+    def _nexus_hooks(self, state: WorkerEvictionState, scheduler_output: SchedulerOutput, *,
+                     before: bool) -> None:
+        if before:
+            state.begin_step(scheduler_output, read_plan(scheduler_output))
+        else:
+            state.finish_forward()
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        state = self.nexus
+        assert state is not None
+        assert state.runner is not None
+        with state.runner.sampling_guard():
+            output = super().sample_tokens(grammar_output)
+        return self._with_reply(output)
+
+    def _with_reply(self, output: _StepOutput) -> _StepOutput:
+        state = self.nexus
+        assert state is not None
+        if not self._nexus_reply_due or output is None:
+            return output
+        if not hasattr(output, "sampled_token_ids"):
+            # AsyncModelRunnerOutput: async scheduling is refused for evicting configs.
+            return output
+        self._nexus_reply_due = False
+        reply = state.reply()
+        state.end_step()
+        return attach_reply(output, reply)
