@@ -134,13 +134,14 @@ def compile_all(arch: int = 90, verbose: bool = False, shapes=SCORING_SHAPES) ->
             k._block_mass_factor_kernel, f_types, consts_f, 4, arch, verbose
         )
         builds.append(Build("factor", name, 4, shared, regs, spill))
-        for acc in (False, True):
+        for acc, head_max in ((False, False), (True, False), (False, True), (True, True)):
             consts_c = {
                 "BS": bs,
                 "CHUNK": _tuning.CHUNK,
                 "W_P": cfg.w_p,
                 "BLOCK_N": _tuning.BLOCK_N,
                 "ACCUMULATE": acc,
+                "HEAD_MAX": head_max,
             }
             c_types = {
                 "seq_ptr": "*i32",
@@ -152,7 +153,8 @@ def compile_all(arch: int = 90, verbose: bool = False, shapes=SCORING_SHAPES) ->
             shared, regs, spill = _compile(
                 k._block_mass_combine_kernel, c_types, consts_c, 4, arch, verbose
             )
-            builds.append(Build(f"combine(acc={acc})", name, 4, shared, regs, spill))
+            kind = f"combine(acc={acc})" if not head_max else f"combine(acc={acc}, max)"
+            builds.append(Build(kind, name, 4, shared, regs, spill))
     for it in ("i32", "i64"):
         types = {
             "bt_ptr": f"*{it}",

@@ -35,8 +35,10 @@ def block_mass_triton(
     out: torch.Tensor,
     kv_layout: str,
     accumulate: bool,
+    head_max: bool = False,
 ) -> None:
-    """Block scoring in three launches (partial, factor, combine); writes or adds into ``out``."""
+    """Block scoring in three launches (partial, factor, combine); writes into ``out``, or
+    combines with it (adds; with ``head_max`` the maximum over heads and with ``out``)."""
     seq_lens = seq_lens.contiguous()  # the kernels index it with stride 1
     r, w, hq, d = queries.shape
     max_blocks = block_tables.shape[1]
@@ -87,6 +89,7 @@ def block_mass_triton(
             *out.stride(),
             w, hq, max_blocks, 1.0 / hq,
             BS=bs, CHUNK=CHUNK, W_P=cfg.w_p, BLOCK_N=BLOCK_N, ACCUMULATE=accumulate,
+            HEAD_MAX=head_max,
         )  # fmt: skip
 
 

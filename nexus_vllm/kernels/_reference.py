@@ -31,8 +31,10 @@ def block_attention_mass_paged_torch(
     seq_lens: torch.Tensor,
     out: torch.Tensor,
     kv_layout: str = "NHD",
+    head_reduce: str = "mean",
 ) -> torch.Tensor:
-    """Torch fallback: ``core.block_attention_mass_paged`` per request, added into ``out``.
+    """Torch fallback: ``core.block_attention_mass_paged`` per request, combined into
+    ``out`` (added; with ``head_reduce="max"`` the elementwise maximum).
 
     ``out`` is float32 ``[R, W, max_blocks]``; rows of requests shorter than the window and
     columns past each request's block count are left unchanged.
@@ -52,9 +54,14 @@ def block_attention_mass_paged_torch(
         if w_live == 0:
             continue
         mass = _core_mass_paged(
-            queries[r, w - w_live :], key_cache, block_tables[r], seq_len, kv_layout=kv_layout
+            queries[r, w - w_live :], key_cache, block_tables[r], seq_len, kv_layout=kv_layout,
+            head_reduce=head_reduce,
         )
-        out[r, w - w_live :, :n] += mass
+        view = out[r, w - w_live :, :n]
+        if head_reduce == "max":
+            torch.maximum(view, mass, out=view)
+        else:
+            view += mass
     return out
 
 
@@ -87,10 +94,11 @@ def block_attention_mass_paged_batched(
     seq_lens: torch.Tensor,
     out: torch.Tensor,
     kv_layout: str = "NHD",
+    head_reduce: str = "mean",
 ) -> torch.Tensor:
-    """The torch path vectorised over requests: added into ``out`` like the others."""
+    """The torch path vectorised over requests: combined into ``out`` like the others."""
     return block_attention_mass_paged_batched_layers(
-        queries[None], [key_cache], block_tables, seq_lens, out, kv_layout
+        queries[None], [key_cache], block_tables, seq_lens, out, kv_layout, head_reduce
     )
 
 
@@ -101,9 +109,12 @@ def block_attention_mass_paged_batched_layers(
     seq_lens: torch.Tensor,
     out: torch.Tensor,
     kv_layout: str = "NHD",
+    head_reduce: str = "mean",
 ) -> torch.Tensor:
     """The batched path over several layers: ``queries[l]`` against ``key_caches[l]``,
-    all summed into ``out`` (float32 ``[R, W, max_blocks]``).
+    all combined into ``out`` (float32 ``[R, W, max_blocks]``): each layer's mean over
+    its query heads summed, or with ``head_reduce="max"`` the maximum over every layer
+    and head (and ``out``).
 
     What depends only on the batch (gather ids, query positions, the mask) is built once
     per chunk of requests, then each layer costs a gather, one ``bmm``, a masked tail, a
@@ -151,8 +162,11 @@ def block_attention_mass_paged_batched_layers(
             if first < t:
                 # A finite floor keeps fully masked rows NaN-free (they are dropped).
                 logits.view(n, hkv, g, w, t)[..., first:].masked_fill_(hidden, _MASKED)
-            probs = torch.softmax(logits, dim=-1).view(n, hq, w, m, bs)
-            out[lo:hi] += probs.sum(dim=-1).mean(dim=1) * live_rows
+            per_head = torch.softmax(logits, dim=-1).view(n, hq, w, m, bs).sum(dim=-1)
+            if head_reduce == "max":
+                torch.maximum(out[lo:hi], per_head.amax(dim=1) * live_rows, out=out[lo:hi])
+            else:
+                out[lo:hi] += per_head.mean(dim=1) * live_rows
     return out
 
 

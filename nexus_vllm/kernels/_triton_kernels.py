@@ -21,7 +21,8 @@ Block scoring is split in three launches so that the key cache is read exactly o
    turns its partial sums into probabilities.
 3. ``_block_mass_combine_kernel`` -- grid ``(R, cdiv(max_blocks, BLOCK_N))``. Sums the
    rescaled partials over query heads (deterministic order, no atomics), divides by ``Hq``
-   and stores (or adds into) ``out[r, i, j]``.
+   and stores (or adds into) ``out[r, i, j]``; with ``HEAD_MAX`` it takes their maximum
+   instead and stores it (or the maximum with ``out``): ``head_reduce="max"``.
 
 Compaction is one launch, ``_compact_block_tables_kernel`` -- grid ``(R,)``.
 """
@@ -240,6 +241,7 @@ def _block_mass_combine_kernel(
     W_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    HEAD_MAX: tl.constexpr,  # max over heads (and with out) instead of mean (and sum)
 ):
     r = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -257,15 +259,22 @@ def _block_mass_combine_kernel(
         for h in range(0, HQ):
             p = tl.load(p_base + h * stride_ph, mask=live, other=0.0)
             f = tl.load(f_base + h * stride_mh, mask=live, other=float("-inf"))
-            acc += p * tl.exp2(f)
-        acc = acc * inv_hq
+            if HEAD_MAX:
+                acc = tl.maximum(acc, p * tl.exp2(f))
+            else:
+                acc += p * tl.exp2(f)
+        if not HEAD_MAX:
+            acc = acc * inv_hq
 
     o_ptrs = (
         out_ptr + r.to(tl.int64) * stride_or + win[:, None] * stride_ow + j[None, :] * stride_oj
     )
     o_mask = (win < W)[:, None] & (j < MAX_BLOCKS)[None, :]
     if ACCUMULATE:
-        acc += tl.load(o_ptrs, mask=o_mask, other=0.0)
+        if HEAD_MAX:
+            acc = tl.maximum(acc, tl.load(o_ptrs, mask=o_mask, other=0.0))
+        else:
+            acc += tl.load(o_ptrs, mask=o_mask, other=0.0)
     tl.store(o_ptrs, acc, mask=o_mask)
 
 

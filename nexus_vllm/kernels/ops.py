@@ -3,7 +3,7 @@
 Public API (also exported by ``nexus_vllm.kernels``)
 ---------------------------------------------------
 ``block_attention_mass_paged(queries, key_cache, block_tables, seq_lens, *, kv_layout="NHD",
-backend="auto", out=None) -> Tensor[R, W, max_blocks] float32``
+backend="auto", out=None, head_reduce="mean") -> Tensor[R, W, max_blocks] float32``
     ``queries`` ``[R, W, Hq, D]`` (fp32/fp16/bf16); ``key_cache`` the K part of a paged cache,
     any strides, ``[num_blocks, block_size, Hkv, D]`` (``"NHD"``) or
     ``[num_blocks, Hkv, block_size, D]`` (``"HND"``), same dtype as ``queries``;
@@ -16,13 +16,16 @@ backend="auto", out=None) -> Tensor[R, W, max_blocks] float32``
     (``i < W - seq_len``, i.e. a request shorter than the window) are all 0, so a request
     with ``seq_len == 0`` gives an all-zero slice; the other rows each sum to 1. With
     ``out`` (float32 ``[R, W, max_blocks]``) the result is *added* into it (one buffer for
-    several layers) and ``out`` is returned.
+    several layers) and ``out`` is returned. ``head_reduce="max"`` takes the maximum over
+    query heads instead of their mean (rows then do not sum to 1: the caller renormalises)
+    and combines with ``out`` by the elementwise maximum instead of adding.
 
 ``block_attention_mass_paged_layers(queries, key_caches, block_tables, seq_lens, *, ...)``
     The same over several layers of one batch (``queries`` ``[L, R, W, Hq, D]``, one key
-    cache per layer), summed: what the vLLM plugin calls once per eviction step. A
-    composition of the op above (one launch per layer), except on the ``"batched"``
-    backend, which builds the batch's gather ids and mask once for all layers.
+    cache per layer), summed (``head_reduce="max"``: their maximum): what the vLLM
+    plugin calls once per eviction step. A composition of the op above (one launch per
+    layer), except on the ``"batched"`` backend, which builds the batch's gather ids and
+    mask once for all layers.
 
 ``compact_block_tables(block_tables, seq_lens, block_size, *, null_block=0, out_tables=None,
 out_seq_lens=None, backend="auto", validate=True) -> (out_tables, out_seq_lens)``
@@ -48,9 +51,9 @@ The Triton and batched results match the torch one to float32 rounding (not bit 
 bit); all are deterministic. Compaction treats ``"batched"`` as ``"torch"``.
 
 Custom ops (what ``torch.compile`` sees; each has a fake implementation):
-``torch.ops.nexus_vllm.block_attention_mass_paged(q, k, bt, sl, kv_layout, backend)``
-(functional), ``torch.ops.nexus_vllm.block_attention_mass_paged_add_(q, k, bt, sl, out,
-kv_layout, backend)`` (mutates ``out``) and ``torch.ops.nexus_vllm.compact_block_tables(bt, sl,
+``torch.ops.nexus_vllm.block_attention_mass_paged(q, k, bt, sl, kv_layout, backend,
+head_reduce)`` (functional), ``torch.ops.nexus_vllm.block_attention_mass_paged_add_(q, k, bt,
+sl, out, kv_layout, backend, head_reduce)`` (mutates ``out``) and ``torch.ops.nexus_vllm.compact_block_tables(bt, sl,
 out_tables, out_seq_lens, block_size, null_block, backend, validate)`` (mutates the two
 outputs).
 This module has no ``from __future__ import annotations``: ``torch.library.custom_op``
@@ -90,6 +93,7 @@ except (ImportError, OSError):  # pragma: no cover - missing or broken (no libtr
 __all__ = [
     "BACKENDS",
     "HAS_TRITON",
+    "HEAD_REDUCES",
     "KV_LAYOUTS",
     "block_attention_mass_paged",
     "block_attention_mass_paged_batched",
@@ -103,6 +107,7 @@ __all__ = [
 
 BACKENDS = ("auto", "triton", "torch", "batched")
 KV_LAYOUTS = ("NHD", "HND")
+HEAD_REDUCES = ("mean", "max")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -139,6 +144,7 @@ def block_attention_mass_paged(
     kv_layout: str = "NHD",
     backend: str = "auto",
     out: torch.Tensor | None = None,
+    head_reduce: str = "mean",
 ) -> torch.Tensor:
     """Attention mass of each request's window queries on each of its live KV blocks.
 
@@ -158,23 +164,27 @@ def block_attention_mass_paged(
     kv_layout : {"NHD", "HND"}
     backend : {"auto", "triton", "torch", "batched"}
     out : Tensor[R, W, max_blocks] (float32), optional
-        If given, the result is added into it (several layers into one buffer).
+        If given, the result is combined into it (several layers into one buffer): added,
+        or with ``head_reduce="max"`` the elementwise maximum.
+    head_reduce : {"mean", "max"}
+        How the query heads combine (``nexus_vllm.core.HEAD_REDUCES``).
 
     Returns
     -------
     Tensor[R, W, max_blocks] (float32)
         ``[r, i, j]``: mass query ``i`` of request ``r`` puts on its ``j``-th block,
-        averaged over query heads; rows sum to 1, except rows at negative positions
-        (requests shorter than ``W``) which are 0; columns past the request's block count
-        are 0 (or unchanged in ``out``).
+        averaged over query heads (rows sum to 1), or their maximum; rows at negative
+        positions (requests shorter than ``W``) are 0; columns past the request's block
+        count are 0 (or unchanged in ``out``).
     """
-    _check_mass_args(queries, key_cache, block_tables, seq_lens, kv_layout, backend, out)
+    _check_mass_args(queries, key_cache, block_tables, seq_lens, kv_layout, backend, out,
+                     head_reduce)
     if out is None:
         return torch.ops.nexus_vllm.block_attention_mass_paged(
-            queries, key_cache, block_tables, seq_lens, kv_layout, backend
+            queries, key_cache, block_tables, seq_lens, kv_layout, backend, head_reduce
         )
     torch.ops.nexus_vllm.block_attention_mass_paged_add_(
-        queries, key_cache, block_tables, seq_lens, out, kv_layout, backend
+        queries, key_cache, block_tables, seq_lens, out, kv_layout, backend, head_reduce
     )
     return out
 
@@ -188,8 +198,10 @@ def block_attention_mass_paged_layers(
     kv_layout: str = "NHD",
     backend: str = "auto",
     out: torch.Tensor | None = None,
+    head_reduce: str = "mean",
 ) -> torch.Tensor:
-    """:func:`block_attention_mass_paged` over several layers of one batch, summed.
+    """:func:`block_attention_mass_paged` over several layers of one batch, summed (with
+    ``head_reduce="max"``: the maximum over every layer and head).
 
     Parameters
     ----------
@@ -197,13 +209,14 @@ def block_attention_mass_paged_layers(
         Layer ``l``'s window queries, scored against ``key_caches[l]``.
     key_caches : sequence of L key caches
         Same shapes, dtype and layout as the single-layer op takes.
-    block_tables, seq_lens, kv_layout, backend, out
+    block_tables, seq_lens, kv_layout, backend, out, head_reduce
         As for :func:`block_attention_mass_paged`; shared by every layer.
 
     Returns
     -------
     Tensor[R, W, max_blocks] (float32)
-        The sum over layers of the single-layer result (added into ``out`` if given).
+        The sum over layers of the single-layer result (or their maximum), combined into
+        ``out`` if given.
         The ``"batched"`` backend builds what depends only on the batch (gather ids,
         positions, the mask) once for all layers; the others run one launch per layer.
     """
@@ -211,7 +224,8 @@ def block_attention_mass_paged_layers(
         raise ValueError(f"queries must be [L={len(key_caches)}, R, W, Hq, D], got shape "
                          f"{tuple(queries.shape)}")
     # The shared arguments once; then only what can differ per layer (on the hot path).
-    _check_mass_args(queries[0], key_caches[0], block_tables, seq_lens, kv_layout, backend, out)
+    _check_mass_args(queries[0], key_caches[0], block_tables, seq_lens, kv_layout, backend, out,
+                     head_reduce)
     first = key_caches[0]
     for li, cache in enumerate(key_caches):
         if (cache.shape != first.shape or cache.dtype != first.dtype
@@ -226,12 +240,12 @@ def block_attention_mass_paged_layers(
                           device=queries.device)
     if resolve_backend(backend, queries.device) == "batched":
         block_attention_mass_paged_batched_layers(
-            queries, key_caches, block_tables, seq_lens, out, kv_layout
+            queries, key_caches, block_tables, seq_lens, out, kv_layout, head_reduce
         )
         return out
     for q, cache in zip(queries, key_caches, strict=True):
         torch.ops.nexus_vllm.block_attention_mass_paged_add_(
-            q, cache, block_tables, seq_lens, out, kv_layout, backend
+            q, cache, block_tables, seq_lens, out, kv_layout, backend, head_reduce
         )
     return out
 
@@ -305,9 +319,12 @@ def _check_mass_args(
     kv_layout: str,
     backend: str,
     out: torch.Tensor | None,
+    head_reduce: str = "mean",
 ) -> None:
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    if head_reduce not in HEAD_REDUCES:
+        raise ValueError(f"head_reduce must be one of {HEAD_REDUCES}, got {head_reduce!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if queries.dim() != 4:
@@ -422,26 +439,30 @@ def _mass_impl(
     kv_layout: str,
     backend: str,
     accumulate: bool,
+    head_reduce: str,
 ) -> None:
     which = resolve_backend(backend, queries.device)
     if which == "batched":
         if not accumulate:
             out.zero_()
         block_attention_mass_paged_batched(
-            queries, key_cache, block_tables, seq_lens, out, kv_layout
+            queries, key_cache, block_tables, seq_lens, out, kv_layout, head_reduce
         )
         return
     if which == "triton":
         bs = block_size_of(key_cache, kv_layout)
         if (bs >= 16 and (bs & (bs - 1)) == 0) or backend == "triton":
             block_mass_triton(
-                queries, key_cache, block_tables, seq_lens, out, kv_layout, accumulate
+                queries, key_cache, block_tables, seq_lens, out, kv_layout, accumulate,
+                head_reduce == "max",
             )
             return
-    # torch path (also "auto" with a block size the kernel does not take)
+    # torch path (also "auto" with a block size the kernel does not take); mass is >= 0,
+    # so a zeroed out is the identity of both the sum and the maximum.
     if not accumulate:
         out.zero_()
-    block_attention_mass_paged_torch(queries, key_cache, block_tables, seq_lens, out, kv_layout)
+    block_attention_mass_paged_torch(queries, key_cache, block_tables, seq_lens, out, kv_layout,
+                                     head_reduce)
 
 
 @torch.library.custom_op("nexus_vllm::block_attention_mass_paged", mutates_args=())
@@ -452,15 +473,17 @@ def _block_mass_op(
     seq_lens: torch.Tensor,
     kv_layout: str,
     backend: str,
+    head_reduce: str,
 ) -> torch.Tensor:
     r, w = queries.shape[:2]
     out = torch.empty((r, w, block_tables.shape[1]), dtype=torch.float32, device=queries.device)
-    _mass_impl(queries, key_cache, block_tables, seq_lens, out, kv_layout, backend, False)
+    _mass_impl(queries, key_cache, block_tables, seq_lens, out, kv_layout, backend, False,
+               head_reduce)
     return out
 
 
 @_block_mass_op.register_fake
-def _(queries, key_cache, block_tables, seq_lens, kv_layout, backend):
+def _(queries, key_cache, block_tables, seq_lens, kv_layout, backend, head_reduce):
     r, w = queries.shape[:2]
     return queries.new_empty((r, w, block_tables.shape[1]), dtype=torch.float32)
 
@@ -474,12 +497,14 @@ def _block_mass_add_op(
     out: torch.Tensor,
     kv_layout: str,
     backend: str,
+    head_reduce: str,
 ) -> None:
-    _mass_impl(queries, key_cache, block_tables, seq_lens, out, kv_layout, backend, True)
+    _mass_impl(queries, key_cache, block_tables, seq_lens, out, kv_layout, backend, True,
+               head_reduce)
 
 
 @_block_mass_add_op.register_fake
-def _(queries, key_cache, block_tables, seq_lens, out, kv_layout, backend):
+def _(queries, key_cache, block_tables, seq_lens, out, kv_layout, backend, head_reduce):
     return None
 
 

@@ -20,6 +20,7 @@ triton_only = pytest.mark.skipif(not ops.HAS_TRITON, reason="triton is not insta
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEAD_REDUCES = ["mean", "max"]
 BLOCK_SIZES = [16, 32, 64]
 KV_LAYOUTS = ["NHD", "HND"]
 # (R, W, Hq, Hkv, D): GQA groups 1/2/3/4, non-power-of-two D and W, W = 1.
@@ -66,7 +67,8 @@ def _make_case(
     return queries.to(device), key_cache.to(device), block_tables.to(device), seq.to(device)
 
 
-def _mass_in_dtype(queries: torch.Tensor, keys: torch.Tensor, block_size: int, dtype: torch.dtype):
+def _mass_in_dtype(queries: torch.Tensor, keys: torch.Tensor, block_size: int, dtype: torch.dtype,
+                   head_reduce: str = "mean"):
     """``block_attention_mass`` math run entirely in ``dtype`` (the error yardstick)."""
     w, hq, d = queries.shape
     t, hkv, _ = keys.shape
@@ -76,13 +78,13 @@ def _mass_in_dtype(queries: torch.Tensor, keys: torch.Tensor, block_size: int, d
     pos = torch.arange(t, device=logits.device)
     future = pos[None, :] > pos[t - w :, None]
     probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
-    probs = probs.mean(dim=0)
     n = num_blocks_for(t, block_size)
     padded = torch.nn.functional.pad(probs, (0, n * block_size - t))
-    return padded.view(w, n, block_size).sum(dim=-1)
+    per_head = padded.view(hq, w, n, block_size).sum(dim=-1)
+    return per_head.mean(dim=0) if head_reduce == "mean" else per_head.amax(dim=0)
 
 
-def _references(queries, key_cache, block_tables, seq_lens, kv_layout):
+def _references(queries, key_cache, block_tables, seq_lens, kv_layout, head_reduce="mean"):
     """Per request: fp64 truth, same math in the input dtype, and core (fp32)."""
     r, w = queries.shape[:2]
     m = block_tables.shape[1]
@@ -98,9 +100,12 @@ def _references(queries, key_cache, block_tables, seq_lens, kv_layout):
         # References run where the inputs live (GPU cases: fast fp64 and native low precision).
         keys = gather_paged_keys(key_cache, block_tables[i], s, kv_layout=kv_layout)
         q = queries[i, w - wl :]
-        exact[i, w - wl :, :n] = _mass_in_dtype(q, keys, block_size, torch.float64).cpu()
-        lowp[i, w - wl :, :n] = _mass_in_dtype(q, keys, block_size, queries.dtype).double().cpu()
-        core[i, w - wl :, :n] = block_attention_mass(q, keys, block_size).cpu()
+        exact[i, w - wl :, :n] = _mass_in_dtype(q, keys, block_size, torch.float64,
+                                                head_reduce).cpu()
+        lowp[i, w - wl :, :n] = _mass_in_dtype(q, keys, block_size, queries.dtype,
+                                               head_reduce).double().cpu()
+        core[i, w - wl :, :n] = block_attention_mass(q, keys, block_size,
+                                                     head_reduce=head_reduce).cpu()
     return exact, lowp, core
 
 
@@ -121,20 +126,23 @@ def test_reference_helper_matches_core():
     )
 
 
+@pytest.mark.parametrize("head_reduce", HEAD_REDUCES)
 @pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
 @pytest.mark.parametrize("seq_lens", SEQ_LEN_SETS)
-def test_torch_backend_equals_core(seq_lens, kv_layout):
+def test_torch_backend_equals_core(seq_lens, kv_layout, head_reduce):
     q, kc, bt, sl = _make_case(seq_lens, 4, 4, 2, 32, 16, torch.float32, kv_layout)
-    got = block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, backend="torch")
-    _, _, core = _references(q, kc, bt, sl, kv_layout)
+    got = block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, backend="torch",
+                                     head_reduce=head_reduce)
+    _, _, core = _references(q, kc, bt, sl, kv_layout, head_reduce)
     assert got.shape == (len(seq_lens), 4, bt.shape[1]) and got.dtype == torch.float32
     torch.testing.assert_close(got, core, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("head_reduce", HEAD_REDUCES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
 @pytest.mark.parametrize("seq_lens", SEQ_LEN_SETS)
-def test_batched_backend_within_bound(seq_lens, kv_layout, dtype):
+def test_batched_backend_within_bound(seq_lens, kv_layout, dtype, head_reduce):
     """The vectorised torch path (the plugin's CPU scorer) against fp64, with the same
     2x-the-input-dtype-error bound as the Triton kernel, and garbage past each row's
     blocks (it gathers whole rows)."""
@@ -142,8 +150,9 @@ def test_batched_backend_within_bound(seq_lens, kv_layout, dtype):
     bt = bt.clone()
     for i, s in enumerate(sl.tolist()):
         bt[i, num_blocks_for(s, 16) :] = kc.shape[0] + 7  # out of range: must not matter
-    got = block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, backend="batched")
-    exact, lowp, core = _references(q, kc, bt, sl, kv_layout)
+    got = block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, backend="batched",
+                                     head_reduce=head_reduce)
+    exact, lowp, core = _references(q, kc, bt, sl, kv_layout, head_reduce)
     _assert_within_bound(got, exact, lowp, dtype)
     torch.testing.assert_close(got, core, rtol=0, atol=2e-6)
 
@@ -166,6 +175,46 @@ def test_triton_matches_reference(dtype, block_size, kv_layout):
         torch.testing.assert_close(
             got[i, max(0, 4 - s) :].sum(-1), torch.ones(min(4, s)), rtol=0, atol=1e-5
         )
+
+
+@triton_only
+@pytest.mark.parametrize("head_reduce", HEAD_REDUCES)
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_max_over_heads_matches_reference(dtype, kv_layout, head_reduce):
+    """``head_reduce``: the combine launch's mean or maximum over the query heads, on
+    GQA groups of 1 and 3 and rows shorter than the window, within the error bound."""
+    for w, hq, hkv in ((4, 4, 4), (3, 6, 2)):
+        seq_lens = [0, 2, 16, 41]
+        q, kc, bt, sl = _make_case(seq_lens, w, hq, hkv, 32, 16, dtype, kv_layout)
+        got = block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, backend="triton",
+                                         head_reduce=head_reduce)
+        exact, lowp, _ = _references(q, kc, bt, sl, kv_layout, head_reduce)
+        _assert_within_bound(got, exact, lowp, dtype)
+
+
+@pytest.mark.parametrize("backend", ["torch", "batched",
+                                     pytest.param("triton", marks=triton_only)])
+def test_max_over_heads_combines_by_max_into_out_and_over_layers(backend):
+    """With ``out`` and over layers, ``max`` takes the elementwise maximum (a sum would
+    grow with the layers); it is at least the mean, and equal to it with one head."""
+    q, kc, bt, sl = _make_case([30, 50], 4, 4, 2, 32, 16, torch.float32, "NHD")
+    one = block_attention_mass_paged(q, kc, bt, sl, backend=backend, head_reduce="max")
+    mean = block_attention_mass_paged(q, kc, bt, sl, backend=backend)
+    assert bool((one >= mean - 1e-6).all()) and bool((one > mean + 1e-4).any())
+    start = torch.full_like(one, 0.5)
+    out = start.clone()
+    block_attention_mass_paged(q, kc, bt, sl, backend=backend, out=out, head_reduce="max")
+    torch.testing.assert_close(out, torch.maximum(start, one), rtol=1e-6, atol=1e-6)
+    q2, kc2, _, _ = _make_case([30, 50], 4, 4, 2, 32, 16, torch.float32, "NHD", q_scale=3.0)
+    layers = block_attention_mass_paged_layers(torch.stack([q, q2]), [kc, kc2], bt, sl,
+                                               backend=backend, head_reduce="max")
+    other = block_attention_mass_paged(q2, kc2, bt, sl, backend=backend, head_reduce="max")
+    torch.testing.assert_close(layers, torch.maximum(one, other), rtol=1e-6, atol=1e-6)
+    q1, kc1, bt1, sl1 = _make_case([30, 50], 4, 1, 1, 32, 16, torch.float32, "NHD")
+    torch.testing.assert_close(
+        block_attention_mass_paged(q1, kc1, bt1, sl1, backend=backend, head_reduce="max"),
+        block_attention_mass_paged(q1, kc1, bt1, sl1, backend=backend), rtol=1e-6, atol=1e-6)
 
 
 @triton_only
@@ -317,6 +366,7 @@ def test_auto_falls_back_to_torch_for_odd_block_size():
         ({"block_tables": torch.zeros(1, 4)}, "block_tables"),
         ({"seq_lens": torch.zeros(1, dtype=torch.float32)}, "seq_lens"),
         ({"out": torch.zeros(1, 2, 5)}, "out"),
+        ({"head_reduce": "sum"}, "head_reduce"),
     ],
 )
 def test_bad_arguments_raise(change, match):
@@ -365,12 +415,12 @@ def test_opcheck_fake_impls():
     q, kc, bt, sl = _make_case([30, 50], 4, 4, 2, 32, 16, torch.float32, "NHD")
     torch.library.opcheck(
         torch.ops.nexus_vllm.block_attention_mass_paged.default,
-        (q, kc, bt, sl, "NHD", "torch"),
+        (q, kc, bt, sl, "NHD", "torch", "mean"),
         test_utils=("test_schema", "test_faketensor"),
     )
     torch.library.opcheck(
         torch.ops.nexus_vllm.block_attention_mass_paged_add_.default,
-        (q, kc, bt, sl, torch.zeros(2, 4, bt.shape[1]), "NHD", "torch"),
+        (q, kc, bt, sl, torch.zeros(2, 4, bt.shape[1]), "NHD", "torch", "max"),
         test_utils=("test_schema", "test_faketensor"),
     )
 
@@ -382,6 +432,7 @@ def test_public_api():
     assert pkg.__all__ == [
         "BACKENDS",
         "HAS_TRITON",
+        "HEAD_REDUCES",
         "KV_LAYOUTS",
         "block_attention_mass_paged",
         "block_attention_mass_paged_batched",
