@@ -40,7 +40,7 @@ def _layers_of_stage(pp_rank: int, pp_size: int) -> range:
 
 
 def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: str,
-               init_file: str, results: Any) -> None:
+               head_reduce: str, init_file: str, results: Any) -> None:
     """One rank: build its share of the model, run two steps, report what it saw."""
     if fault:
         os.environ["NEXUS_VLLM_FAULTS"] = fault
@@ -71,10 +71,11 @@ def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: s
     layout = RankLayout(tp_rank=rank % tp_size, tp_size=tp_size, pp_rank=rank // tp_size,
                         pp_size=pp_size)
 
-    def summed(group: Any) -> Any:
-        def reduce(t: torch.Tensor) -> torch.Tensor:
+    def reduced(group: Any) -> Any:
+        def reduce(t: torch.Tensor, op: str) -> torch.Tensor:
             out = t.clone()
-            dist.all_reduce(out, group=group)
+            dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op],
+                            group=group)
             return out
         return reduce
 
@@ -100,9 +101,10 @@ def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: s
                                    key_view("CPU_ATTN", kv, D, "vec"))
     state = WorkerEvictionState(block_size=BS, window=8, max_requests=4,
                                 device=torch.device("cpu"), score_backend="torch",
-                                layout=layout, scored_layers=len(model_scored))
-    state.scorer._tp_reduce = summed(tp_groups[layout.pp_rank])
-    state.scorer._pp_reduce = summed(pp_groups[layout.tp_rank])
+                                layout=layout, scored_layers=len(model_scored),
+                                head_reduce=head_reduce)
+    state.scorer._tp_reduce = reduced(tp_groups[layout.pp_rank])
+    state.scorer._pp_reduce = reduced(pp_groups[layout.tp_rank])
     state.allocate_ring(len(local), hq, D, torch.float32)
     state.bind_layers(adapter(runner), layer_keys)
 
@@ -132,14 +134,14 @@ def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: s
     dist.destroy_process_group()
 
 
-def _run_ranks(tp_size: int, pp_size: int, *, skip_layers: int = 1,
-               fault: str = "") -> dict[int, dict[str, Any]]:
+def _run_ranks(tp_size: int, pp_size: int, *, skip_layers: int = 1, fault: str = "",
+               head_reduce: str = "mean") -> dict[int, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = str(pathlib.Path(tmp) / "gloo_init")
         procs = [ctx.Process(target=_rank_main, args=(r, tp_size, pp_size, skip_layers,
-                                                      fault, init_file, results))
+                                                      fault, head_reduce, init_file, results))
                  for r in range(tp_size * pp_size)]
         for p in procs:
             p.start()
@@ -160,9 +162,9 @@ def _run_ranks(tp_size: int, pp_size: int, *, skip_layers: int = 1,
     return out
 
 
-def _oracle(skip_layers: int) -> dict[str, torch.Tensor]:
+def _oracle(skip_layers: int, head_reduce: str = "mean") -> dict[str, torch.Tensor]:
     """What one rank holding every layer and head reports (the ``core`` oracle)."""
-    from nexus_vllm.core import block_attention_mass
+    from nexus_vllm.core import block_attention_mass, combine_layer_masses
 
     torch.manual_seed(2)
     key_a, key_b = torch.randn(T_A, HKV, D), torch.randn(T_B, HKV, D)
@@ -170,17 +172,16 @@ def _oracle(skip_layers: int) -> dict[str, torch.Tensor]:
     queries = {li: torch.randn(T_A + T_B, HQ, D) for li in range(NUM_LAYERS)}
     scored = range(skip_layers, NUM_LAYERS)
     live_a = torch.cat([key_a[:32], key_a[64:]])  # block 1 of "a" evicted
-    return {
-        "a": sum(block_attention_mass(queries[li][T_A - 6:T_A], live_a, 32)
-                 for li in scored) / len(scored),
-        "b": sum(block_attention_mass(queries[li][T_A + T_B - 8:T_A + T_B], key_b, 32)
-                 for li in scored) / len(scored),
-    }
+    rows = {"a": (queries, T_A - 6, T_A, live_a), "b": (queries, T_A + T_B - 8, T_A + T_B,
+                                                          key_b)}
+    return {req: combine_layer_masses(
+        [block_attention_mass(q[li][lo:hi], keys, 32, head_reduce=head_reduce)
+         for li in scored], head_reduce) for req, (q, lo, hi, keys) in rows.items()}
 
 
 def _check_output_rank_matches_oracle(out: dict[int, dict[str, Any]],
-                                      skip_layers: int) -> None:
-    want = _oracle(skip_layers)
+                                      skip_layers: int, head_reduce: str = "mean") -> None:
+    want = _oracle(skip_layers, head_reduce)
     assert sum(seen["output"] for seen in out.values()) == 1
     for rank, seen in out.items():
         # Every rank applied the same plan to its own block table.
@@ -217,6 +218,14 @@ def test_two_stages_of_two_tensor_parallel_ranks() -> None:
     out = _run_ranks(tp_size=2, pp_size=2)
     assert [r for r, seen in out.items() if seen["output"]] == [2]
     _check_output_rank_matches_oracle(out, skip_layers=1)
+
+
+def test_head_max_over_two_stages_of_two_tensor_parallel_ranks() -> None:
+    """head_reduce max, TP=2 x PP=2: each rank's maximum over its heads and layers,
+    reduced by max over the ranks (the key norms and the flag still summed), is the
+    oracle's maximum over every head and layer, renormalised."""
+    out = _run_ranks(tp_size=2, pp_size=2, head_reduce="max")
+    _check_output_rank_matches_oracle(out, skip_layers=1, head_reduce="max")
 
 
 def test_scoring_failure_on_one_stage_drops_the_event_everywhere() -> None:

@@ -481,6 +481,24 @@ def test_first_request_count_decides_the_prefill_cap(src: VllmSource) -> None:
         "longer off by default")
 
 
+def test_prefill_chunk_is_the_cap_or_the_step_budget(src: VllmSource) -> None:
+    """``vllm_compat.prefill_chunk_tokens``: a prompt's chunk is the per-request cap when
+    it is set (> 0), else the step's token budget (``max_num_batched_tokens``)."""
+    fields = _fields(src.cls("config/scheduler.py", "SchedulerConfig"))
+    assert {"long_prefill_token_threshold", "max_num_batched_tokens",
+            "max_num_scheduled_tokens"} <= fields
+    init = ast.unparse(src.method(SCHED, "Scheduler", "__init__"))
+    assert ("self.max_num_scheduled_tokens = self.scheduler_config.max_num_scheduled_tokens "
+            "if self.scheduler_config.max_num_scheduled_tokens is not None else "
+            "self.scheduler_config.max_num_batched_tokens") in init, (
+        f"vLLM {src.label}: the step's token budget is derived differently")
+    schedule = ast.unparse(src.method(SCHED, "Scheduler", "schedule"))
+    assert "token_budget = self.max_num_scheduled_tokens" in schedule, (
+        f"vLLM {src.label}: Scheduler.schedule no longer budgets tokens per step")
+    assert re.search(r"num_new_tokens = min\(num_new_tokens, token_budget\b", schedule), (
+        f"vLLM {src.label}: a request's step is no longer bounded by the token budget")
+
+
 # -- 5. the engine's step order (plan out with schedule, reply back with the output) -----
 def test_engine_core_step_order(src: VllmSource) -> None:
     step = src.method("v1/engine/core.py", "EngineCore", "step")
@@ -771,7 +789,10 @@ def test_cpu_attention_internals(src: VllmSource) -> None:
 def test_distributed_and_debug_helpers(src: VllmSource) -> None:
     ps = "distributed/parallel_state.py"
     src.function(ps, "get_tp_group")
-    assert {"rank_in_group", "world_size"} <= _self_attrs(src.cls(ps, "GroupCoordinator"))
+    # Scores are summed with the coordinator's all_reduce; a maximum (head_reduce: max)
+    # and the pipeline reduction go through its device_group (vllm_compat).
+    assert {"rank_in_group", "world_size", "device_group"} <= _self_attrs(
+        src.cls(ps, "GroupCoordinator"))
     assert _params(src.method(ps, "GroupCoordinator", "all_reduce")) == ["self", "input_"]
     src.function("utils/gpu_sync_debug.py", "with_gpu_sync_check")
     src.cls("model_executor/layers/attention/attention.py", "Attention")

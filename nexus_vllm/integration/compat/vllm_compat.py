@@ -75,7 +75,7 @@ from nexus_vllm.integration.compat.versions import (
 from nexus_vllm.integration.compat.vllm_types import EngineRequest, KVBlock, StepSchedule
 
 if TYPE_CHECKING:
-    from vllm.config import ModelConfig, VllmConfig
+    from vllm.config import ModelConfig, SchedulerConfig, VllmConfig
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -97,6 +97,7 @@ __all__ = [
     "model_attention_traits",
     "pp_all_reduce",
     "pp_rank_and_size",
+    "prefill_chunk_tokens",
     "reset_request_ids",
     "request_blocks",
     "single_type_manager",
@@ -370,12 +371,29 @@ def tp_rank_and_size() -> tuple[int, int]:
     return int(group.rank_in_group), int(group.world_size)
 
 
-def tp_all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` over the tensor-parallel group (out of place)."""
+def prefill_chunk_tokens(scheduler_config: SchedulerConfig) -> int:
+    """The most prompt tokens vLLM's scheduler gives one request in a step: its
+    per-request cap (``long_prefill_token_threshold``) when set, else the step's token
+    budget (``max_num_scheduled_tokens``, which defaults to ``max_num_batched_tokens``)."""
+    cap = int(scheduler_config.long_prefill_token_threshold or 0)
+    if cap > 0:
+        return cap
+    budget = getattr(scheduler_config, "max_num_scheduled_tokens", None)
+    return int(budget or scheduler_config.max_num_batched_tokens)
+
+
+def tp_all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Reduce ``t`` over the tensor-parallel group by ``op`` ("sum" or "max"; out of
+    place). A sum goes through vLLM's coordinator (its custom all-reduce where there is
+    one); a maximum, which the coordinator does not offer, through the group's
+    ``device_group``."""
     from vllm.distributed.parallel_state import get_tp_group
 
-    out: torch.Tensor = get_tp_group().all_reduce(t)
-    return out
+    group = get_tp_group()
+    if op == "sum":
+        out: torch.Tensor = group.all_reduce(t)
+        return out
+    return _device_group_reduce(t, op, group.device_group)
 
 
 def pp_rank_and_size() -> tuple[int, int]:
@@ -387,19 +405,28 @@ def pp_rank_and_size() -> tuple[int, int]:
     return int(group.rank_in_group), int(group.world_size)
 
 
-def pp_all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` over the pipeline-parallel group (out of place).
+def pp_all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Reduce ``t`` over the pipeline-parallel group by ``op`` ("sum" or "max"; out of
+    place).
 
     Through ``torch.distributed`` on the group's ``device_group`` (gloo on CPU, NCCL on
     GPU), not the coordinator's ``all_reduce``: on CPU that one goes through vLLM's
     shared-memory communicator, which also carries the stages' activations (a
     non-blocking send may still be in flight); the device group keeps the two apart.
     """
-    import torch.distributed as dist
     from vllm.distributed.parallel_state import get_pp_group
 
+    return _device_group_reduce(t, op, get_pp_group().device_group)
+
+
+def _device_group_reduce(t: torch.Tensor, op: str, device_group: Any) -> torch.Tensor:
+    import torch.distributed as dist
+
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+    if op not in ops:
+        raise ValueError(f"op must be one of {tuple(ops)}, got {op!r}")
     out = t.clone()
-    dist.all_reduce(out, group=get_pp_group().device_group)
+    dist.all_reduce(out, op=ops[op], group=device_group)
     return out
 
 

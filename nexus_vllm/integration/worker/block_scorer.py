@@ -100,16 +100,21 @@ class RankLayout:
         return self.tp_rank == 0 and self.pp_rank == self.pp_size - 1
 
 
-Reduce = Callable[[torch.Tensor], torch.Tensor]
+# (tensor, op) -> the tensor reduced over a group, out of place; op is "sum" or "max".
+Reduce = Callable[[torch.Tensor, str], torch.Tensor]
 
 
 def reduce_over_ranks(flat: torch.Tensor, layout: RankLayout, *, tp_reduce: Reduce,
-                      pp_reduce: Reduce) -> torch.Tensor:
-    """Sum ``flat`` over every TP rank and every stage (out of place).
+                      pp_reduce: Reduce, max_prefix: int = 0) -> torch.Tensor:
+    """Sum ``flat`` over every TP rank and every stage (out of place); its first
+    ``max_prefix`` values are reduced by their maximum instead.
 
     Every rank must call this for the same steps with the same shape, failed or not: the
-    TP sum runs inside each stage, then the stages' sums are added across the PP group
-    (one rank per TP position in each PP group, so each rank's part is counted once).
+    TP reduction runs inside each stage, then the stages' results are combined across the
+    PP group (one rank per TP position in each PP group, so each rank's part is counted
+    once). Each rank holds some heads (TP) and some layers (PP), so a sum over ranks of
+    each rank's share is the mean over the model's heads and layers, and a maximum over
+    ranks of each rank's maximum is the model's maximum (``head_reduce: max``).
 
     Parameters
     ----------
@@ -117,17 +122,26 @@ def reduce_over_ranks(flat: torch.Tensor, layout: RankLayout, *, tp_reduce: Redu
         This rank's masses, key norms and validity flag (see ``_Pending``).
     layout : RankLayout
     tp_reduce, pp_reduce : callable
-        Sum over the TP group / the PP group (vLLM's group coordinators in a server).
+        ``(tensor, op)``: reduce over the TP group / the PP group (vLLM's groups in a
+        server).
+    max_prefix : int
+        Leading values reduced by ``max`` (the masses under ``head_reduce: max``); the
+        rest (key norms, the flag) are summed.
 
     Returns
     -------
     Tensor [n] float32
-        The sum over ``layout.world`` ranks (the flag then counts the ranks that scored).
+        The reduction over ``layout.world`` ranks (the flag then counts the ranks that
+        scored).
     """
-    if layout.tp_size > 1:
-        flat = tp_reduce(flat)
-    if layout.pp_size > 1:
-        flat = pp_reduce(flat)
+    for size, reduce in ((layout.tp_size, tp_reduce), (layout.pp_size, pp_reduce)):
+        if size == 1:
+            continue
+        if max_prefix:
+            flat = torch.cat([reduce(flat[:max_prefix], "max"),
+                              reduce(flat[max_prefix:], "sum")])
+        else:
+            flat = reduce(flat, "sum")
     return flat
 
 
@@ -188,6 +202,10 @@ class BlockScorer:
         Scored layers of the whole model (all stages): each stage's sum is divided by it,
         so the sum over stages is the mean over every scored layer. 0: as many as this
         worker's ring holds (one stage).
+    head_reduce : {"mean", "max"}
+        How heads and layers combine (``EvictionConfig.head_reduce``): a mean (summed over
+        ranks), or a maximum (reduced by max over ranks, each row renormalised on the
+        host).
     fault : callable
         ``(kind, message, exc=...)``: count and log a fault.
     self_check : bool
@@ -199,9 +217,10 @@ class BlockScorer:
     def __init__(self, ring: QueryRing, *, block_size: int, max_requests: int,
                  device: torch.device, backend: str, layout: RankLayout,
                  fault: Callable[..., None], self_check: bool, scored_layers: int = 0,
-                 tp_reduce: Reduce = tp_all_reduce, pp_reduce: Reduce = pp_all_reduce
-                 ) -> None:
+                 head_reduce: str = "mean", tp_reduce: Reduce = tp_all_reduce,
+                 pp_reduce: Reduce = pp_all_reduce) -> None:
         self.ring = ring
+        self.head_reduce = head_reduce
         self.block_size = int(block_size)
         self.device = device
         self.backend = backend
@@ -279,7 +298,8 @@ class BlockScorer:
         # Every rank of every stage reaches the collectives, failed or not (no deadlock);
         # the event is used only if every rank's flag made it (sum == TP x PP size).
         flat = reduce_over_ranks(flat, self.layout, tp_reduce=self._tp_reduce,
-                                 pp_reduce=self._pp_reduce)
+                                 pp_reduce=self._pp_reduce,
+                                 max_prefix=n_mass if self.head_reduce == "max" else 0)
         if not self.layout.is_output:
             return
         if self.device.type == "cuda":
@@ -322,7 +342,8 @@ class BlockScorer:
 
     def _score_into(self, out: torch.Tensor, batch: Batch, rows: torch.Tensor,
                     qidx: torch.Tensor, n_max: int, backend: str) -> None:
-        """Every scored layer for all requests due in one call, summed into ``out``."""
+        """Every scored layer for all requests due in one call, into ``out``: this rank's
+        share of the mean over the model's layers and heads, or its maximum over them."""
         from nexus_vllm.kernels import block_attention_mass_paged_layers
 
         ring = self.ring.ring
@@ -335,8 +356,10 @@ class BlockScorer:
         keys = self.ring.layer_keys
         block_attention_mass_paged_layers(
             q.view(layers, r_due, w_s, heads, dim), [layer.key_cache for layer in keys],
-            tables, lens, kv_layout="HND", backend=backend, out=out)
-        out.div_(self._layers_divisor())
+            tables, lens, kv_layout="HND", backend=backend, out=out,
+            head_reduce=self.head_reduce)
+        if self.head_reduce == "mean":
+            out.div_(self._layers_divisor())
 
     def _key_norms_into(self, out: torch.Tensor, batch: Batch, rows: torch.Tensor,
                         n_max: int) -> None:
@@ -382,7 +405,11 @@ class BlockScorer:
                 block = values[:n_mass].reshape(len(pending.mass_due), pending.rows,
                                                 pending.cols)
                 for r, d in enumerate(pending.mass_due):
-                    masses[d.req_id] = block[r, pending.rows - d.window:, :d.live].copy()
+                    mass = block[r, pending.rows - d.window:, :d.live].copy()
+                    if self.head_reduce == "max":  # rows of maxima: back to distributions
+                        sums = mass.sum(axis=1, keepdims=True)
+                        mass /= np.where(sums > 0, sums, 1.0)
+                    masses[d.req_id] = mass
                 per_block = values[n_mass:-1].reshape(len(pending.norm_due), pending.cols)
                 for r, d in enumerate(pending.norm_due):
                     norms[d.req_id] = per_block[r, :d.live].copy()

@@ -133,7 +133,7 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
             max_requests=int(self.vllm_config.scheduler_config.max_num_seqs),
             device=torch.device(self.model_runner.device),
             score_backend="batched" if current_platform.is_cpu() else "auto",
-            layout=layout, scored_layers=len(model_scored))
+            layout=layout, scored_layers=len(model_scored), head_reduce=cfg.head_reduce)
         dtype = self.model_runner.dtype
         assert isinstance(dtype, torch.dtype), dtype
         # A stage without scored layers gets an empty ring (it still joins every

@@ -90,11 +90,14 @@ class WorkerEvictionState:
         is vLLM's output rank.
     scored_layers : int
         Scored layers of the whole model, over every stage (0: those this worker holds).
+    head_reduce : {"mean", "max"}
+        How the scored heads and layers combine (``EvictionConfig.head_reduce``).
     """
 
     def __init__(self, *, block_size: int, window: int, max_requests: int,
                  device: torch.device, score_backend: str,
-                 layout: RankLayout | None = None, scored_layers: int = 0) -> None:
+                 layout: RankLayout | None = None, scored_layers: int = 0,
+                 head_reduce: str = "mean") -> None:
         self.max_requests = int(max_requests)
         self.runner: RunnerAdapter | None = None
         self.fault = faults.FaultLog(logger)
@@ -106,8 +109,8 @@ class WorkerEvictionState:
         self.scorer = BlockScorer(self.ring, block_size=block_size,
                                   max_requests=max_requests, device=device,
                                   backend=score_backend, layout=layout or RankLayout(),
-                                  scored_layers=scored_layers, fault=self.fault,
-                                  self_check=self.self_check)
+                                  scored_layers=scored_layers, head_reduce=head_reduce,
+                                  fault=self.fault, self_check=self.self_check)
         # Logical block indices nulled per request (shared with the compactor).
         self.evicted: dict[str, set[int]] = self.compactor.evicted
         self.last_step = 0
