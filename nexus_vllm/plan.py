@@ -27,9 +27,10 @@ prompt keeps only its decode hard limit, so a burst runs more of them than
 ``pool // bound``. Stock vLLM 0.32 admits a request when its whole prompt fits in the
 free blocks (``scheduler_reserve_full_isl``) and keeps no other reserve (its
 ``--watermark`` defaults to 0, and so does this plan); it preempts when decode runs out
-of blocks. Each request prefills at most ``chunk_size`` tokens a step when evicting (the
-plugin sets vLLM's ``long_prefill_token_threshold``) and at most the step's token budget
-(``--max-num-batched-tokens``) on stock vLLM; decode adds one token a step.
+of blocks. Each request prefills at most ``chunk_size`` tokens a step when its prompt
+mode evicts during the prompt (the plugin sets vLLM's ``long_prefill_token_threshold``)
+and at most the step's token budget (``--max-num-batched-tokens``) otherwise, as on stock
+vLLM; decode adds one token a step.
 
 Only the standard library, ``nexus_vllm.core`` and the budget parser are imported: no
 vLLM, so a laptop can plan a GPU deployment.
@@ -48,6 +49,7 @@ from typing import Any
 
 from nexus_vllm.argtypes import int_at_least
 from nexus_vllm.core import ConfigError, EvictionConfig, cdiv
+from nexus_vllm.core.admission import admission_room
 from nexus_vllm.core.config import PROMPT_MODES
 from nexus_vllm.eval.budget import parse_budget
 
@@ -285,7 +287,9 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
     limits).
     """
     total = prompt_tokens + output_tokens
-    chunk = cfg.chunk_size if cfg is not None else prompt_tokens
+    # The plugin caps a request's prompt chunk where events fire mid-prompt; otherwise
+    # vLLM's step budget alone does (engine_policy.forced_engine_args).
+    chunk = cfg.chunk_size if cfg is not None and cfg.evicts_mid_prompt else prompt_tokens
     bound = (cfg.bound_blocks(prompt_tokens, total) if cfg is not None
              else stock_admission_blocks(prompt_tokens, block_size))
     waiting: deque[_Request] = deque(_Request() for _ in range(requests))
@@ -318,10 +322,10 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
             scheduled.append((r, n))
         admitted = False
         while waiting and budget > 0 and len(running) < max_num_seqs:
-            if cfg is not None:
-                room = usable_blocks - sum(reserve(r) for r in running)
-            else:
-                room = free
+            # Evicting requests' held blocks are within their reserve: the room is the
+            # pool less every reserve (the plugin's rule, core.admission).
+            room = admission_room(usable_blocks, ((reserve(r), 0) for r in running)) \
+                if cfg is not None else free
             if room < bound:
                 break
             r = waiting.popleft()
@@ -476,7 +480,8 @@ def format_plan(plan: Plan) -> str:
         f"  with eviction:                 {v['concurrent']}",
         "  ratio:                         "
         + (f"{plan.ratio:.2f}x" if plan.ratio is not None else "- (stock fits none)"),
-        f"  ceiling (all at the decode hard limit, budget + chunk): {v['ceiling']}",
+        f"  ceiling (all at the decode hard limit, budget + one decode interval): "
+        f"{v['ceiling']}",
         f"  guaranteed (all at their bound at once): {v['guaranteed']}",
     ]
     lines += [f"note: {n}" for n in plan.notes]

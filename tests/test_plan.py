@@ -157,17 +157,22 @@ def test_every_prompt_mode_reproduces_the_headline(capsys, mode, measured):
 
 def test_bounds_by_hand(capsys):
     out = _plan(capsys, *CPU_RUN)
-    # budget 416 // 32 = 13 blocks + one 64-token chunk (2 blocks) = 15; 132 // 15 = 8.
+    # budget 416 // 32 = 13 blocks + one 64-token chunk (2 blocks) = 15 while the prompt
+    # is computed; 132 // 15 = 8. Decoding, 13 + the one block a 16-token decode interval
+    # can add = 14; 132 // 14 = 9, capped by --max-num-seqs 8.
     assert out["evicting"]["bound_blocks"] == 15 and out["evicting"]["guaranteed"] == 8
+    assert out["evicting"]["decode_hard_limit_blocks"] == 14
     assert out["evicting"]["ceiling"] == 8
     # stock: 2080 tokens -> 65 blocks at the end, 64 for the prompt at admission.
     assert out["stock"]["bound_blocks"] == 65 and out["stock"]["admission_blocks"] == 64
     out = _plan(capsys, *CPU_RUN, "--prompt-mode", "end")
     # end: the prompt's peak min(64, 64 + 2) = 64 is the bound; 132 // 64 = 2 guaranteed,
-    # but past its prompt a request reserves only 13 + 2 = 15: 132 // 15 = 8 ceiling.
+    # but past its prompt a request reserves only 13 + 1 = 14: 132 // 14 = 9, capped at 8.
     assert out["evicting"]["bound_blocks"] == 64 and out["evicting"]["guaranteed"] == 2
-    assert out["evicting"]["decode_hard_limit_blocks"] == 15
+    assert out["evicting"]["decode_hard_limit_blocks"] == 14
     assert out["evicting"]["ceiling"] == 8
+    out = _plan(capsys, *CPU_RUN, "--prompt-mode", "end", "--max-num-seqs", "16")
+    assert out["evicting"]["ceiling"] == 9
 
 
 def test_ratio_and_token_budgets_agree(capsys):
@@ -177,9 +182,10 @@ def test_ratio_and_token_budgets_agree(capsys):
     assert by_ratio["eviction"]["keep_ratio"] == 0.2 and by_ratio["eviction"]["max_tokens"] is None
     assert by_tokens["eviction"]["max_tokens"] == 416
     assert by_ratio["evicting"] == by_tokens["evicting"]
-    # 0.5 of 65 -> 33 blocks + 2 = 35; 132 // 35 = 3.
+    # 0.5: the prompt's peak ceil(0.5 x 64) = 32 blocks + 2 = 34; decoding, 0.5 of the
+    # 65 blocks at the end, 33 + 1 = 34 too. 132 // 34 = 3.
     half = _plan(capsys, *CPU_RUN, "--budget", "0.5")
-    assert half["evicting"]["bound_blocks"] == 35 and half["evicting"]["concurrent"] == 3
+    assert half["evicting"]["bound_blocks"] == 34 and half["evicting"]["concurrent"] == 3
 
 
 def test_stock_preempting_falls_back_to_whole_sequences(capsys):

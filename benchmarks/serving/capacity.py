@@ -43,6 +43,15 @@ table and the headline) and the plots, and with ``--update-docs`` into the secti
 
 ``--smoke`` (with ``--model`` a tiny checkpoint) runs short lengths, concurrency 1,2 and one
 baseline: a check of the script, not a measurement.
+
+``--workload gpu`` is the shape of serving on a GPU, per prompt mode: ~1k-token prompts
+computed in one or two steps (``--max-num-batched-tokens 1024``), 128-token answers, 12
+requests at once in a 161-block pool, a 256-token budget, ``stream`` (512-token chunks)
+against ``end`` (the prompt chunked as vLLM chunks it) and stock vLLM. There, most of a
+request's life is decoding, so what a decoding request reserves decides how many run at
+once (``EvictionConfig.peak_from``: the budget plus one decode interval).
+
+    python benchmarks/serving/capacity.py --workload gpu      # ~15 min on 2 CPU cores
 """
 
 from __future__ import annotations
@@ -101,6 +110,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=64,
                    help="prefill chunk of evicting requests (--kv-chunk-size), tokens")
     p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="vLLM's step token budget for every config (default: vLLM's)")
+    p.add_argument("--workload", choices=("cpu", "gpu"), default="cpu",
+                   help="gpu: the GPU-shaped preset of the module docstring (sets the "
+                        "lengths, pool, budget, configs and levels)")
     p.add_argument("--pool-blocks", type=int, default=None,
                    help="--num-gpu-blocks-override for every config (default: two full "
                         "requests of --max-model-len, plus vLLM's null block)")
@@ -121,6 +135,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="run nothing: rewrite the table, plots (and with --update-docs the "
                         "docs section) from a capacity.json of an earlier run")
     args = p.parse_args(argv)
+    if args.workload == "gpu":
+        args.input_len, args.output_len, args.keep, args.chunk = 1024, 128, 0.25, 512
+        args.pool_blocks, args.max_num_batched_tokens = 161, 1024
+        args.concurrency, args.prompts_per_slot, args.min_prompts = "12", 1, 12
+        args.configs = "stock;nexus:prompt_mode=stream;nexus:prompt_mode=end"
+        if args.out == REPO / "runs" / "serving_capacity":
+            args.out = REPO / "runs" / "serving_capacity_gpu"
     if args.smoke:
         args.input_len, args.output_len, args.chunk = 1024, 16, 64
         args.concurrency, args.configs = "1,2", "stock,nexus,streaming"
@@ -203,11 +224,14 @@ def derive(args: argparse.Namespace) -> dict[str, int]:
         raise SystemExit(f"--pool-blocks {pool}: vLLM needs at least {full_blocks + 1} "
                          f"(one --max-model-len {max_model_len} request plus the null block)")
     seq_blocks = _cdiv(seq_tokens, bs)
-    bound = min(seq_blocks, budget_blocks + _cdiv(args.chunk, bs))
+    # The default method's bound (the server's own rule); each config's is in its rows.
+    bound = EvictionConfig(block_size=bs, max_tokens=budget_blocks * bs,
+                           chunk_size=args.chunk).bound_blocks(args.input_len, seq_tokens)
     return {
         "block_size": bs, "budget_tokens": budget_blocks * bs, "budget_blocks": budget_blocks,
         "chunk_tokens": args.chunk, "bound_blocks": bound, "seq_blocks": seq_blocks,
         "prompt_blocks": _cdiv(args.input_len, bs), "max_model_len": max_model_len,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         "pool_blocks": pool, "usable_blocks": pool - 1,
         # What admission alone allows: stock by whole prompts (vLLM 0.32 reserves the full
         # input at admission), evicting servers by their bound.
@@ -240,6 +264,8 @@ def server_flags(name: str, d: dict[str, int], max_seqs: int, gpu: bool) -> list
     flags = [*base, "--max-model-len", str(d["max_model_len"]), "--max-num-seqs", str(max_seqs),
              "--block-size", str(d["block_size"]), "--num-gpu-blocks-override",
              str(d["pool_blocks"]), "--no-enable-prefix-caching"]
+    if d.get("max_num_batched_tokens"):
+        flags += ["--max-num-batched-tokens", str(d["max_num_batched_tokens"])]
     if name in STOCK:
         flags += [f.format(chunk=d["chunk_tokens"]) for f in STOCK[name]]
     else:

@@ -35,7 +35,7 @@ from .scoring import (
     normalize_rows,
     num_blocks_for,
 )
-from .trigger import EvictionTrigger
+from .trigger import EvictionTrigger, first_prompt_event
 from .weights import INDIRECT_MODES, WALK_ROWS, direct_scores, indirect_scores, nexus_weights
 
 __all__ = [
@@ -64,6 +64,7 @@ __all__ = [
     "cdiv",
     "combine_layer_masses",
     "direct_scores",
+    "first_prompt_event",
     "forced_blocks",
     "gather_paged_keys",
     "get_policy",

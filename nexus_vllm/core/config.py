@@ -70,7 +70,10 @@ class EvictionConfig:
         W, the newest queries scored at decode and at prefill events (after a prompt
         chunk; at the prompt-end event, the prompt's last ``prefill_window`` tokens).
     chunk_size : int
-        Prefill chunk in tokens; an event follows each chunk.
+        Prefill chunk in tokens; an event follows each chunk (that leaves the sequence
+        over its target). Where no event can fire before the prompt's end
+        (:attr:`evicts_mid_prompt` false) a server leaves the chunking to vLLM and runs
+        with vLLM's own per-step cap here, which bounds nothing but the last chunk.
     skip_layers : int
         Layers below this index are not scored.
     layer_stride : int
@@ -346,6 +349,14 @@ class EvictionConfig:
     def prompt_blocks(self, prompt_tokens: int) -> int:
         """Blocks forced to stay besides the forced set: the prompt's, in ``keep`` mode."""
         return cdiv(prompt_tokens, self.block_size) if self.prompt_mode == "keep" else 0
+
+    @property
+    def evicts_mid_prompt(self) -> bool:
+        """Whether events can fire before the prompt's end (``stream``, or ``end`` under a
+        ``prefill_budget``): only then does the prompt's chunking bound what a request
+        holds, so only then must a server chunk it at ``chunk_size``."""
+        return self.prompt_mode == "stream" or (self.prompt_mode == "end"
+                                                and self.prefill_budget is not None)
 
     @property
     def chunk_blocks(self) -> int:

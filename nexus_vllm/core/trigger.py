@@ -18,7 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EvictionTrigger"]
+from .scoring import cdiv
+
+__all__ = ["EvictionTrigger", "first_prompt_event"]
 
 
 @dataclass
@@ -62,3 +64,18 @@ class EvictionTrigger:
         due = self.decode_due(new_tokens, tokens, live_blocks)
         self.decode_tokens = 0 if due else self.decode_tokens + new_tokens
         return due
+
+
+def first_prompt_event(config: Any, prompt_tokens: int) -> tuple[int, int] | None:
+    """``(start, end)``: the prompt chunk after which the first eviction event fires, for
+    a prompt of ``prompt_tokens`` streamed in ``config.chunk_size`` chunks with nothing
+    evicted before it (the trigger's own rule, :meth:`EvictionTrigger.prefill_chunk`);
+    None when no event fires during the prompt (``keep`` mode, or a prompt within its
+    budget)."""
+    trigger = EvictionTrigger(config, prompt_tokens)
+    end = 0
+    while end < prompt_tokens:
+        start, end = end, min(end + int(config.chunk_size), prompt_tokens)
+        if trigger.prefill_chunk(end, cdiv(end, config.block_size)):
+            return start, end
+    return None

@@ -361,9 +361,10 @@ def test_admission_reserves_the_config_bound(xargs, want) -> None:  # noqa: ANN0
 
 
 @pytest.mark.parametrize("prompt, xargs, want", [
-    (2000, {"kv_prompt_mode": "end"}, 1920),   # the hit may cover all but the last chunk
-    (1930, {"kv_prompt_mode": "end"}, 1792),   # a 10-token last chunk: its 32-row window
-                                               # reaches into the chunk before
+    # end: only the prompt's end fires, so chunk boundaries do not matter; the hit stops
+    # on a block boundary before the prompt-end event's 32-row window.
+    (2000, {"kv_prompt_mode": "end"}, 1952),
+    (1930, {"kv_prompt_mode": "end"}, 1888),
     (2000, {"kv_prompt_mode": "end", "kv_prefill_budget": 1024}, 1024),  # first cap event
     (2000, {"kv_prompt_mode": "keep"}, None),  # no event during the prompt
     (520, {}, 384),                            # stream, the first event's chunk is short

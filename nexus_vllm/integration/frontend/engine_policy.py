@@ -232,21 +232,24 @@ def with_engine_block_size(cfg: EvictionConfig, block_size: int | None) -> Evict
 def forced_engine_args(cfg: EvictionConfig) -> dict[str, object]:
     """``EngineArgs`` field -> the value an evicting server runs with. Prefix caching stays
     as the user set it: an evicting request publishes only the blocks it computed before
-    its first eviction (``manager.py``, the clean watermark)."""
-    return {
+    its first eviction (``scheduler/prefix_cache.py``, the clean watermark)."""
+    forced: dict[str, object] = {
         "scheduler_cls": SCHEDULER_CLS,
         "worker_cls": WORKER_CLS,
         "block_size": cfg.block_size,
         "enable_chunked_prefill": True,
-        # Each evicting request prefills at most one chunk per step; an eviction event
-        # follows each chunk, so a request never holds more than budget + one chunk.
-        "long_prefill_token_threshold": int(cfg.chunk_size),
         # The block list of a request is bounded by the budget, not the prompt.
         "scheduler_reserve_full_isl": False,
         # Evictions decided after step N must reach the worker before step N+1 is built
         # (with async scheduling, step N+1 is scheduled before step N's scores return).
         "async_scheduling": False,
     }
+    if cfg.evicts_mid_prompt:
+        # Each request prefills at most one chunk per step and an event follows each
+        # chunk, so it never holds more than budget + one chunk. A mode that evicts at the
+        # prompt's end only holds the prompt anyway: vLLM chunks it as it would.
+        forced["long_prefill_token_threshold"] = int(cfg.chunk_size)
+    return forced
 
 
 def forced_cudagraph_mode(settings: EngineSettings) -> str | None:

@@ -9,6 +9,7 @@ is its state's ``admitted_total`` (its longest sequence), with its progress.
 
 from __future__ import annotations
 
+from nexus_vllm.core.admission import admits
 from nexus_vllm.integration.compat.vllm_types import EngineRequest
 from nexus_vllm.integration.metrics import SchedulerCounters
 from nexus_vllm.integration.scheduler.live_blocks import LiveBlocks
@@ -61,13 +62,12 @@ class AdmissionGate:
         need = self.bound_blocks(request)
         if need is None:
             return True  # not evicting: vLLM's own admission rules
-        outstanding = 0
-        for req_id, st in self.states.items():
-            total = st.admitted_total
-            if total is not None and req_id != request.request_id and self.blocks.of(req_id):
-                peak = int(st.cfg.peak_from(st.tokens, st.prompt_tokens, total))
-                outstanding += max(0, peak - self.blocks.live_count(st))
-        if self.blocks.pool.num_free() - outstanding < need:
+        reserved = ((st.cfg.peak_from(st.tokens, st.prompt_tokens, st.admitted_total),
+                     self.blocks.live_count(st))
+                    for req_id, st in self.states.items()
+                    if st.admitted_total is not None and req_id != request.request_id
+                    and self.blocks.of(req_id))
+        if not admits(need, self.blocks.pool.num_free(), reserved):
             self.counters.admission_waits += 1
             return False
         admitted = self.states.get(request.request_id)

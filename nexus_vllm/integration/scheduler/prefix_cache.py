@@ -7,16 +7,17 @@ clean_watermark``, set by :func:`mark_first_eviction`), the tokens it had comput
 first evicted (those saw the full context). The watermark is cleared when the request
 restarts (preempted and resumed, possibly from a prefix hit).
 
-The other way round, an evicting request starts from a prefix hit only up to the last
-chunk boundary before its first eviction, and before that event's query window
-(:func:`prefix_hit_cap`), so it gives the same tokens with prefix caching on or off.
+The other way round, an evicting request starts from a prefix hit only up to its first
+eviction event's query window, and where events fire during the prompt, up to the chunk
+boundary before that event (:func:`prefix_hit_cap`), so it evicts the same blocks with
+prefix caching on or off.
 """
 
 from __future__ import annotations
 
 import math
 
-from nexus_vllm.core import EvictionConfig, cdiv
+from nexus_vllm.core import EvictionConfig, first_prompt_event
 from nexus_vllm.integration.scheduler.request_state import RequestEvictionState
 
 __all__ = ["mark_first_eviction", "prefix_hit_cap"]
@@ -26,13 +27,13 @@ def prefix_hit_cap(cfg: EvictionConfig, prompt_tokens: int,
                    block_size: int) -> tuple[int, int] | None:
     """``(limit, multiple)`` for an evicting request's prefix hit (None: no cap).
 
-    Its prompt is computed in ``chunk_size`` chunks with an event after the first chunk
-    that leaves it over its target (:meth:`EvictionConfig.target_blocks`: in ``end`` mode
-    without ``prefill_budget`` that is the prompt's last chunk, in ``keep`` mode none). A
-    hit must end at a chunk boundary before that event (and on a block boundary), and
-    early enough that the event's window, the newest ``prefill_window`` queries, is
-    computed in this run (a short last chunk takes rows of the chunk before it), so the
-    request evicts exactly as it would with prefix caching off.
+    The hit must leave the request's first prompt event as it would be with prefix
+    caching off (:func:`~nexus_vllm.core.first_prompt_event`, the trigger's rule): that
+    event's window, the newest ``prefill_window`` queries, must be computed in this run
+    (a short last chunk takes rows of the chunk before it). Where events fire during the
+    prompt (:attr:`EvictionConfig.evicts_mid_prompt`), each follows a ``chunk_size``
+    chunk, so the hit must also end on a chunk boundary before the event's chunk; where
+    only the prompt's end fires, any block boundary before the window will do.
 
     Parameters
     ----------
@@ -42,15 +43,15 @@ def prefix_hit_cap(cfg: EvictionConfig, prompt_tokens: int,
     block_size : int
     """
     bs = int(block_size)
-    chunk, prompt = int(cfg.chunk_size), int(prompt_tokens)
-    step = math.lcm(chunk, bs)
-    end = 0
-    while end < prompt:
-        start, end = end, min(end + chunk, prompt)
-        if cdiv(end, bs) > int(cfg.target_blocks(end, prompt)):
-            limit = max(0, min(start, end - int(cfg.prefill_window)))
-            return (limit // step) * step, step
-    return None  # no event during the prompt: any hit is safe
+    event = first_prompt_event(cfg, int(prompt_tokens))
+    if event is None:
+        return None  # no event during the prompt: any hit is safe
+    start, end = event
+    limit = end - int(cfg.prefill_window)
+    step = bs
+    if cfg.evicts_mid_prompt:
+        limit, step = min(start, limit), math.lcm(int(cfg.chunk_size), bs)
+    return (max(0, limit) // step) * step, step
 
 
 def mark_first_eviction(st: RequestEvictionState, tokens: int) -> None:

@@ -16,7 +16,7 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from nexus_vllm.integration import faults
-from nexus_vllm.integration.compat.vllm_compat import check_vllm_version
+from nexus_vllm.integration.compat.vllm_compat import check_vllm_version, prefill_chunk_tokens
 from nexus_vllm.integration.config import config_from_additional
 from nexus_vllm.integration.protocol import StepPlan, attach_plan, read_reply
 from nexus_vllm.integration.scheduler.manager import EvictionManager
@@ -45,6 +45,14 @@ class NexusScheduler(Scheduler):
                              "other than 'none' (use --kv-eviction)")
         if self.block_size != cfg.block_size:
             cfg = cfg.replace(block_size=int(self.block_size))
+        # The chunk a prompt is computed in: ours where the plugin set vLLM's per-request
+        # cap (modes that evict mid-prompt), else vLLM's own; every bound counts it.
+        chunk = prefill_chunk_tokens(self.scheduler_config)
+        if chunk != cfg.chunk_size:
+            cfg = cfg.replace(chunk_size=chunk)
+        # vLLM drops the per-request cap when one request is eligible (see
+        # get_request_counts): only a server that set the cap needs it kept.
+        self._nexus_keep_cap = cfg.evicts_mid_prompt
         self.nexus = EvictionManager(cfg, self.kv_cache_manager, self.block_size,
                                      max_model_len=self.max_model_len)
         # The plan of the step in flight (synchronous scheduling: at most one).
@@ -80,7 +88,7 @@ class NexusScheduler(Scheduler):
         # inside schedule() is the one that decides the cap.
         if getattr(self, "_nexus_first_count", False):
             self._nexus_first_count = False
-            if running + waiting == 1:
+            if running + waiting == 1 and self._nexus_keep_cap:
                 return running, waiting + 1
         return running, waiting
 
