@@ -109,6 +109,13 @@ REQUEST_CASES = [
     ({"kv_prefill_budget": NAN, "kv_prompt_mode": "end"}, "kv_prefill_budget", "got nan"),
     ({"kv_prefill_budget": True, "kv_prompt_mode": "end"}, "kv_prefill_budget",
      "(a boolean)"),
+    ({"kv_question_tokens": 0}, "kv_question_tokens", POSITIVE),
+    ({"kv_question_tokens": "12"}, "kv_question_tokens", f"{POSITIVE}; got '12'"),
+    ({"kv_question_tokens": 12.5}, "kv_question_tokens", POSITIVE),
+    ({"kv_question_tokens": 33}, "kv_question_tokens",
+     "33 is above the 32 query rows this server keeps per request"),
+    ({"kv_question_tokens": 10**9}, "kv_question_tokens", "allowed: 1..32"),
+    ({"kv_question_tokenz": 12}, "kv_question_tokenz", "did you mean 'kv_question_tokens'?"),
 ]
 # On a server started with --kv-eviction none.
 OFF_SERVER_CASES = [
@@ -119,6 +126,7 @@ OFF_SERVER_CASES = [
     ({"kv_prompt_mode": "end"}, "kv_prompt_mode", "started with --kv-eviction none"),
     ({"kv_prompt_mode": "end", "kv_prefill_budget": 1024}, "kv_prompt_mode",
      "started with --kv-eviction none"),
+    ({"kv_question_tokens": 12}, "kv_question_tokens", "started with --kv-eviction none"),
 ]
 GOOD_XARGS = [
     {"kv_budget": FLOOR}, {"kv_budget": MAX_LEN}, {"kv_budget": 512.0},
@@ -131,6 +139,8 @@ GOOD_XARGS = [
     {"kv_prompt_mode": "end", "kv_prefill_budget": 10**6},
     {"kv_prompt_mode": "end", "kv_prefill_budget": 2048.0, "kv_budget": 1024},
     {"kv_eviction": "none", "kv_prompt_mode": "keep", "kv_prefill_budget": 5},
+    {"kv_question_tokens": 1}, {"kv_question_tokens": 32.0},
+    {"kv_prompt_mode": "end", "kv_question_tokens": 12},
     # Other plugins' keys, and vLLM's own kv_transfer_params, pass untouched.
     {"session_id": "s", "kv_transfer_params": {"do_remote_prefill": False},
      "kvpress_ratio": 0.5, "my_logits_processor": [1, 2]},

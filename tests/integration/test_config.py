@@ -200,6 +200,18 @@ def test_prompt_mode_from_every_source(tmp_path) -> None:  # noqa: ANN001
         resolve_config(file=str(f), flags={"max_tokens": 1024})
 
 
+def test_request_question_tokens_set_the_prompt_window() -> None:
+    server = resolve_config(flags={"method": "nexus", "max_tokens": 256, "prompt_mode": "end"})
+    assert request_config(server, {"kv_question_tokens": 12}).prefill_window == 12
+    assert request_config(server, {"kv_question_tokens": 12.0}).prefill_window == 12
+    assert request_config(server, {}).prefill_window == server.prefill_window == 32
+    # The workers keep max(window, prefill_window) rows per request: no more can score.
+    wide = server.replace(prefill_window=48)
+    validate_request_args({"kv_question_tokens": 48}, wide)
+    with pytest.raises(ValueError, match="^vllm_xargs.kv_question_tokens: 49 is above"):
+        validate_request_args({"kv_question_tokens": 49}, wide)
+
+
 def test_request_prompt_mode_overrides() -> None:
     end = resolve_config(flags={"method": "nexus", "max_tokens": 256, "prompt_mode": "end",
                                 "prefill_budget": 1024})

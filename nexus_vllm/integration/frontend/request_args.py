@@ -108,6 +108,17 @@ def _check_budget_fits(extra_args: dict[str, Any], server_cfg: EvictionConfig,
             ", or send \"kv_eviction\": \"none\" to serve this request without eviction")
 
 
+def _check_question_fits(rows: int, server_cfg: EvictionConfig) -> None:
+    """The workers keep the newest ``max(window, prefill_window)`` queries of each request
+    (the server's, fixed at start-up): a question longer than that cannot be scored."""
+    most = max(server_cfg.window, server_cfg.prefill_window)
+    if rows > most:
+        raise RequestArgError(
+            "kv_question_tokens", f"{rows} is above the {most} query rows this server keeps "
+            f"per request (its prefill_window; start it with a larger one in "
+            f"--kv-eviction-config to score longer questions); allowed: 1..{most}")
+
+
 def _budget_span(server_cfg: EvictionConfig, max_model_len: int | None) -> str:
     floor = forced_tokens(server_cfg)
     return f"{floor}..{max_model_len}" if max_model_len else f">= {floor}"
@@ -210,6 +221,12 @@ def validate_request_args(extra_args: dict[str, Any] | None,
     if "kv_prefill_budget" in extra_args:
         _tokens("kv_prefill_budget", extra_args["kv_prefill_budget"])
         _needs_eviction("kv_prefill_budget", server_cfg, opt_out)
+    if "kv_question_tokens" in extra_args:
+        rows = _tokens("kv_question_tokens", extra_args["kv_question_tokens"])
+        _needs_eviction("kv_question_tokens", server_cfg, opt_out)
+        if evicts:
+            assert server_cfg is not None
+            _check_question_fits(rows, server_cfg)
     if not evicts:
         return
     assert server_cfg is not None
