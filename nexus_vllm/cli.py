@@ -18,6 +18,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                  "block survival across events on a real model: topk vs pps vs ares"),
     "parity": ("nexus_vllm.eval.server_parity",
                "a running server vs. the transformers path, token for token"),
+    "server-eval": ("nexus_vllm.eval.server_eval",
+                    "the chat-shaped suite through a running server's chat API"),
     "prepare-model": ("nexus_vllm.models", "build the embedded default model checkpoint"),
     "serve": ("nexus_vllm.integration.frontend.serve", "vllm serve with Nexus eviction on"),
     "presets": ("nexus_vllm.presets", "list the --kv-eviction-config presets (--show NAME)"),

@@ -11,7 +11,10 @@ the vLLM plugin does and seeds the sampler like a request without a seed. With t
 weights, dtype and eviction config the two paths evict the same blocks and produce the
 same token ids; this command shows per sample whether they do. With ``--task multiturn``
 every turn of each conversation is a request (the conversation so far, as the evaluation
-streams it: :mod:`nexus_vllm.eval.dialogues`).
+streams it: :mod:`nexus_vllm.eval.dialogues`). ``--protocol chat`` sends the chat shape
+through ``/v1/chat/completions`` as messages (``chat_multiturn``: each turn's conversation
+so far), as a user's client does: the server renders the chat template and tokenizes, and
+the prompt ids it reports must be the suite's own (``prompt_match``).
 
 The HF side must be told the server's eviction config. Per request the server gets the
 method (``vllm_xargs.kv_eviction``) and, for a token budget (an int), the budget
@@ -61,6 +64,8 @@ class SampleParity:
     index: int
     turn: int | None  # the conversation turn (multi-turn tasks), else None
     prompt_tokens: int
+    # chat requests: whether the server's rendering of the messages is the suite's prompt
+    prompt_match: bool | None
     server_text: str
     hf_text: str
     server_score: float
@@ -82,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default="niah_single_noise",
                    help="a task of the suite, or multiturn (a request per turn)")
     p.add_argument("--context", type=int, default=1024, help="target prompt tokens")
+    p.add_argument("--protocol", default="question-last",
+                   help="question-last or question-first (token ids to /v1/completions), "
+                        "or chat (messages to /v1/chat/completions)")
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--data-seed", type=int, default=1, help="which set of generated samples")
     p.add_argument("--method", default="nexus", help="eviction method, or none")
@@ -89,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int = tokens (sent per request); float = keep ratio (start the "
                         "server with --kv-keep-ratio of the same value)")
     p.add_argument("--block-size", type=int, default=None, help="the server's --block-size")
-    p.add_argument("--chunk-size", type=int, default=None, help="the server's --kv-chunk-size")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="the server's prefill chunk: --kv-chunk-size where its mode evicts "
+                        "during the prompt (stream), else vLLM's --max-num-batched-tokens")
     p.add_argument("--eviction-seed", type=int, default=None,
                    help="the server's --kv-eviction-seed")
     p.add_argument("--knobs", default=None,
@@ -142,6 +152,7 @@ class _Request:
     ids: list[int]
     max_new_tokens: int
     score: Callable[[str], float]
+    messages: list[dict[str, str]] | None = None  # sent as a chat when given
 
 
 def _requests(args: argparse.Namespace, tok: Any) -> Iterator[_Request]:
@@ -150,19 +161,48 @@ def _requests(args: argparse.Namespace, tok: Any) -> Iterator[_Request]:
     from nexus_vllm.eval.tasks import make_sample
     from nexus_vllm.hf import encode_prompt
 
+    chat = args.protocol == "chat"
     for index in range(args.samples):
         if args.task in DIALOGUE_TASKS:
             d = make_dialogue(args.task, seed=args.data_seed, index=index,
                               target_tokens=args.context, tokenizer=tok)
             for t, turn in enumerate(d.turns):
                 yield _Request(index, t, list(d.ids[:turn.probe.prompt_end]),
-                               turn.probe.max_new_tokens, functools.partial(d.score, t))
+                               turn.probe.max_new_tokens, functools.partial(d.score, t),
+                               list(turn.messages) if chat else None)
             continue
         sample = make_sample(args.task, seed=args.data_seed, index=index,
-                             target_tokens=args.context, tokenizer=tok)
+                             target_tokens=args.context, tokenizer=tok,
+                             protocol=args.protocol)
         ids = encode_prompt(tok, sample.context, sample.question,
                             preamble=sample.preamble).ids.tolist()
-        yield _Request(index, None, ids, sample.max_new_tokens, sample.score)
+        yield _Request(index, None, ids, sample.max_new_tokens, sample.score,
+                       sample.meta.get("messages") if chat else None)
+
+
+def _send(base: str, model: str, req: _Request, xargs: dict[str, Any],
+          timeout: float) -> tuple[str, list[int] | None, list[int] | None]:
+    """``(text, generated ids, prompt ids)`` of one request: token ids to
+    ``/v1/completions``, or messages to ``/v1/chat/completions`` (the prompt ids are then
+    the server's rendering of them)."""
+    import requests
+
+    body: dict[str, Any] = {"model": model, "max_tokens": req.max_new_tokens,
+                            "temperature": 0.0, "return_token_ids": True,
+                            "vllm_xargs": xargs}
+    if req.messages is not None:
+        r = requests.post(base + "/v1/chat/completions", timeout=timeout,
+                          json={**body, "messages": req.messages})
+        r.raise_for_status()
+        out = r.json()
+        choice = out["choices"][0]
+        return (str(choice["message"]["content"] or ""), choice.get("token_ids"),
+                out.get("prompt_token_ids"))
+    r = requests.post(base + "/v1/completions", timeout=timeout,
+                      json={**body, "prompt": req.ids})
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    return str(choice["text"]), choice.get("token_ids"), None
 
 
 def compare(args: argparse.Namespace) -> list[SampleParity]:
@@ -188,13 +228,8 @@ def compare(args: argparse.Namespace) -> list[SampleParity]:
     rows: list[SampleParity] = []
     for req in _requests(args, tok):
         before = _evicted(base)
-        r = requests.post(base + "/v1/completions", timeout=args.timeout, json={
-            "model": served, "prompt": req.ids, "max_tokens": req.max_new_tokens,
-            "temperature": 0.0, "return_token_ids": True, "vllm_xargs": xargs})
-        r.raise_for_status()
-        choice = r.json()["choices"][0]
+        server_text, server_ids, prompt_ids = _send(base, served, req, xargs, args.timeout)
         after = _evicted(base)
-        server_ids = choice.get("token_ids")
         hf_ids, session = generate_ids(model, req.ids, config,
                                        max_new_tokens=req.max_new_tokens, eos_token_ids=stop)
         hf_text = str(tok.decode(hf_ids, skip_special_tokens=True))
@@ -204,8 +239,9 @@ def compare(args: argparse.Namespace) -> list[SampleParity]:
                          min(len(server_ids), len(hf_ids)))
         rows.append(SampleParity(
             index=req.index, turn=req.turn, prompt_tokens=len(req.ids),
-            server_text=str(choice["text"]), hf_text=hf_text,
-            server_score=req.score(str(choice["text"])), hf_score=req.score(hf_text),
+            prompt_match=None if req.messages is None else prompt_ids == req.ids,
+            server_text=server_text, hf_text=hf_text,
+            server_score=req.score(server_text), hf_score=req.score(hf_text),
             ids_match=None if server_ids is None else server_ids == hf_ids,
             first_difference=first,
             # No nexus series before the first request a fresh server runs: 0 so far.
@@ -234,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.samples < 1:
         parser.error(f"--samples must be >= 1, got {args.samples}")
+    from nexus_vllm.eval.tasks import PROTOCOLS
+
+    if args.protocol not in PROTOCOLS:
+        parser.error(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {args.protocol!r}")
+    if args.task.startswith("chat_") and args.protocol != "chat":
+        parser.error(f"--task {args.task} is chat-shaped: give --protocol chat")
     if args.task == "longgen":
         parser.error("--task longgen cannot be sent to a server: its long answer is the "
                      "model's own output, teacher-forced, which a completion request cannot "
@@ -247,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(json.dumps(dataclasses.asdict(row)), flush=True)
     print(json.dumps({"summary": summarize(args, rows)}), flush=True)
-    return 0 if all(r.ids_match for r in rows) else 1
+    return 0 if all(r.ids_match and r.prompt_match is not False for r in rows) else 1
 
 
 if __name__ == "__main__":

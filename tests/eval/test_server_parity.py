@@ -21,6 +21,7 @@ torch.set_num_threads(1)
 
 # The stand-in server's eviction config (what a server started with these flags runs).
 SERVER_KNOBS = {"block_size": 8, "chunk_size": 64, "seed": 3}
+SERVER_BUDGET = 256  # its --kv-budget, for requests that send none
 FLAGS = ["--block-size", "8", "--chunk-size", "64", "--eviction-seed", "3"]
 
 
@@ -67,7 +68,10 @@ class _Server:
 
             def do_POST(self) -> None:  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                self._send(json.dumps(owner.complete(body)))
+                if self.path == "/v1/chat/completions":
+                    self._send(json.dumps(owner.chat(body)))
+                else:
+                    self._send(json.dumps(owner.complete(body)))
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -78,7 +82,7 @@ class _Server:
         self.requests.append(body)
         xargs = body["vllm_xargs"]
         cfg = None if xargs["kv_eviction"] == "none" else EvictionConfig.from_budget(
-            xargs["kv_eviction"], xargs["kv_budget"], **SERVER_KNOBS)
+            xargs["kv_eviction"], xargs.get("kv_budget", SERVER_BUDGET), **SERVER_KNOBS)
         ids, session = generate_ids(self.model, body["prompt"], cfg,
                                     max_new_tokens=body["max_tokens"],
                                     eos_token_ids={self.tok.eos_token_id})
@@ -87,6 +91,18 @@ class _Server:
             ids = [*ids[:-1], (ids[-1] + 1) % len(self.tok)]
         return {"choices": [{"text": self.tok.decode(ids, skip_special_tokens=True),
                              "token_ids": ids}]}
+
+    def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """As vLLM's chat endpoint: render the template, tokenize without special tokens,
+        complete; the prompt ids come back with the answer."""
+        text = self.tok.apply_chat_template(body["messages"], tokenize=False,
+                                            add_generation_prompt=True)
+        prompt = list(self.tok(text, add_special_tokens=False)["input_ids"])
+        out = self.complete({**body, "prompt": prompt})
+        choice = out["choices"][0]
+        return {"prompt_token_ids": prompt,
+                "choices": [{"message": {"role": "assistant", "content": choice["text"]},
+                             "token_ids": choice["token_ids"]}]}
 
     def stop(self) -> None:
         self.httpd.shutdown()
@@ -160,8 +176,67 @@ def test_multiturn_sends_every_turn_as_a_request(server, capsys) -> None:
                for r in rows)
 
 
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory):
+    """The stand-in with a chat template (the trained test tokenizer's)."""
+    path = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny_chat"), tokenizer="trained")
+    s = _Server(str(path))
+    yield s, str(path)
+    s.stop()
+
+
+@pytest.mark.parametrize("task, context, turns", [("niah_single_prose", 1500, None),
+                                                  ("chat_multiturn", 4000, list(range(6)))])
+def test_chat_protocol_sends_messages_and_checks_the_server_prompt(chat_server, capsys, task,
+                                                                   context, turns) -> None:
+    """``--protocol chat``: each request goes to /v1/chat/completions as messages; the
+    server's rendering of them is the suite's own prompt, and the answer's ids match."""
+    s, path = chat_server
+    n = len(s.requests)
+    rc = cli_main(["parity", "--base-url", s.base_url, "--model", path, "--task", task,
+                   "--protocol", "chat", "--context", str(context), "--samples", "1",
+                   "--method", "nexus", "--budget", "256", *FLAGS])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    rows = lines[:-1]
+    assert rc == 0, rows
+    assert [r["turn"] for r in rows] == (turns or [None])
+    assert all(r["prompt_match"] and r["ids_match"] for r in rows), rows
+    sent = s.requests[n:]
+    assert all(b["messages"][-1]["role"] == "user" for b in sent)
+    assert all(b["messages"][-1]["content"].rstrip().endswith("?") for b in sent)
+
+
+def test_server_eval_scores_the_chat_suite_and_resumes(chat_server, tmp_path) -> None:
+    """``nexus-vllm server-eval``: every (sample, method) is one chat request with the
+    method in ``vllm_xargs``; dense runs first and is the reference of ``summary``; the
+    records resume."""
+    from nexus_vllm.eval.records import read_records
+
+    s, path = chat_server
+    out = tmp_path / "server_eval"
+    argv = ["server-eval", "--base-url", s.base_url, "--model", path, "--budget", "256",
+            "--tasks", "niah_single_prose,summary", "--methods", "nexus;tova;dense",
+            "--samples", "1", "--context", "1500", "--data-seed", "0", "--out", str(out),
+            "--no-progress"]
+    n = len(s.requests)
+    assert cli_main(argv) == 0
+    sent = s.requests[n:]
+    assert [b["vllm_xargs"]["kv_eviction"] for b in sent] == ["none", "nexus", "tova"] * 2
+    records = read_records(out / "records.jsonl")
+    assert [(r.task, r.method) for r in records] == [
+        (t, m) for t in ("niah_single_prose", "summary") for m in ("dense", "nexus", "tova")]
+    summary = {r.method: r for r in records if r.task == "summary"}
+    assert summary["dense"].score == 1.0 and summary["dense"].budget is None
+    assert summary["nexus"].budget == 256 and summary["nexus"].answers == ()
+    assert all(r.protocol == "chat" for r in records)
+    assert (out / "table.md").exists() and (out / "config.yaml").exists()
+    assert cli_main(argv) == 0 and len(s.requests) == n + 6  # resumed: nothing re-sent
+
+
 @pytest.mark.parametrize("flags, match", [
     (["--task", "longgen"], "cannot be sent to a server"),
+    (["--protocol", "dialogue"], "--protocol must be one of"),
+    (["--task", "chat_multiturn"], "give --protocol chat"),
     (["--budget", "lots"], "budget must be a keep ratio"),
     (["--budget", "1.5"], "ratio must be in"),
     (["--knobs", "[1]"], "JSON object"),

@@ -1,0 +1,333 @@
+"""What makes the prompt-end event work on chat-shaped prompts: every candidate of issue 27
+side by side, on the tuning set, on the transformers path.
+
+    python scripts/chat_shape_candidates.py                     # 8 samples x 4 tasks
+    python scripts/chat_shape_candidates.py --samples 2 --tasks facts --out /tmp/c
+
+A chat-shaped prompt (``eval.tasks``, protocol ``chat``: instruction, document and
+question in one user message, the chat template up to the assistant's header, no answer
+prefix) is prefilled once, uncompressed; every candidate then runs its eviction on a
+copy of that state, down to a 20% budget (of the tokens seen when it fires), and decodes
+greedily with the shipped decode events. Candidates (block scores are top-K'd over the
+blocks outside the forced set, as the prompt-end event does):
+
+* ``window rows``: which query rows score: the prompt's last 32 (shipped), the question's
+  own rows (without the template's markup), or the newest row only (TOVA);
+* ``heads``: the rows' mass averaged over heads and layers (shipped), its maximum (the
+  shipped ``head_reduce: max``), or each head nominating its best blocks in turn (the
+  ``union`` of TensorRT-LLM's KV-cache compression);
+* ``carry``: each block's weight raised to its predecessor's (the shipped ``carry: 1``);
+* ``defer d``: the event waits for the model's first ``d`` answer tokens and scores their
+  rows (the prompt is held ``d`` decode steps longer); ``graded``: the prompt-end event
+  keeps twice the budget (scored as the candidate scores), then the deferred one brings it
+  down to the budget;
+* ``knorm``: key norms, which need no query at all.
+
+Prints a table (score per task, pooled, and the paired comparison of each candidate
+against the first one that wins) and writes it to ``--out`` as ``candidates.md`` and
+``candidates.json``. docs/algorithm.md ("The chat shape") quotes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DEFAULT_TASKS = "niah_single_prose,niah_multikey,niah_multivalue,facts,chat_multiturn"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way of running the decisive event."""
+
+    name: str
+    rows: str = "last"  # "last" (the newest `window`), "question", "answer"
+    window: int = 32
+    heads: str = "mean"  # "mean", "max", "union"
+    carry: int = 0
+    defer: int = 0  # answer tokens decoded before the event
+    graded: float = 0.0  # > 0: a prompt-end event to graded x budget first
+    knorm: bool = False
+
+
+CANDIDATES = [
+    Candidate("shipped end (last 32 rows, mean)"),
+    Candidate("question rows, mean", rows="question"),
+    Candidate("newest row (TOVA), mean", window=1),
+    Candidate("union of heads, question rows", rows="question", heads="union"),
+    Candidate("max over heads", heads="max"),
+    Candidate("carry 1, mean", carry=1),
+    Candidate("max over heads + carry 1", heads="max", carry=1),
+    Candidate("max + carry 1, question rows", rows="question", heads="max", carry=1),
+    Candidate("max + carry 1, newest row", window=1, heads="max", carry=1),
+    Candidate("max + carry 1, 64 rows", window=64, heads="max", carry=1),
+    Candidate("defer 8, answer rows, mean", rows="answer", defer=8),
+    Candidate("defer 8, answer rows, max + carry 1", rows="answer", defer=8, heads="max",
+              carry=1),
+    Candidate("defer 16, answer rows, mean", rows="answer", defer=16),
+    Candidate("graded 2x, defer 8, mean", rows="answer", defer=8, graded=2.0),
+    Candidate("defer 12, answer rows, max + carry 1", rows="answer", defer=12, heads="max",
+              carry=1),
+    Candidate("graded 2x, defer 16 (the first decode event), max + carry 1", rows="answer",
+              defer=16, graded=2.0, heads="max", carry=1),
+    Candidate("key norms (knorm)", knorm=True),
+]
+RATIO = 0.2
+# Captured query rows: the widest window, or the question plus the deferred answer.
+_CAPTURE_ROWS = 160
+
+
+@dataclass
+class _Prompt:
+    ids: torch.Tensor
+    question: tuple[int, int]  # token range of the question's own words
+    score: Callable[[str], float]
+    max_new_tokens: int
+    dense_states: dict[int, tuple[Any, torch.Tensor, list[int]]] = field(default_factory=dict)
+
+
+def _prompts(task: str, index: int, seed: int, tokenizer: Any, context: int) -> list[_Prompt]:
+    """The chat-shaped requests of a sample: one, or one per turn of a conversation."""
+    from nexus_vllm.eval.dialogues import DIALOGUE_TASKS, make_dialogue
+    from nexus_vllm.eval.tasks import make_sample
+
+    if task in DIALOGUE_TASKS:
+        d = make_dialogue(task, seed=seed, index=index, target_tokens=context,
+                          tokenizer=tokenizer)
+        return [_prompt_of(tokenizer.decode(list(d.ids[:t.probe.prompt_end])),
+                           tokenizer, functools.partial(d.score, i), t.probe.max_new_tokens)
+                for i, t in enumerate(d.turns)]
+    s = make_sample(task, seed=seed, index=index, target_tokens=context, tokenizer=tokenizer,
+                    protocol="chat")
+    return [_prompt_of(s.preamble + s.context + s.question, tokenizer, s.score,
+                       s.max_new_tokens)]
+
+
+def _prompt_of(text: str, tokenizer: Any, score: Callable[[str], float],
+               max_new_tokens: int) -> _Prompt:
+    enc = tokenizer(text, return_offsets_mapping=True)
+    q_start_char = text.rindex("Question: ") + len("Question: ")
+    q_end_char = text.rindex("?") + 1
+    starts = [a for a, _ in enc["offset_mapping"]]
+    q0 = sum(1 for a in starts if a < q_start_char)
+    q1 = sum(1 for a in starts if a < q_end_char)
+    return _Prompt(torch.tensor(enc["input_ids"]), (q0, q1), score, max_new_tokens)
+
+
+def _per_head_mass(session: Any, rows: list[int]) -> torch.Tensor:
+    """``[layers x heads, len(rows), N]``: each scored layer's and query head's block mass
+    of the given absolute query positions."""
+    from nexus_vllm.core import num_blocks_for
+
+    bs = session.config.block_size if session.config is not None else 32
+    out = []
+    rel = torch.tensor([r - session.seen for r in rows])
+    qpos = torch.tensor(rows)
+    for li in range(2, session.num_layers):
+        q = session._queries[li][:, rel]  # [Hq, W, D]
+        k = session.cache.layers[li].keys[0]  # [Hkv, T, D]
+        hq, _, d = q.shape
+        kk = k.repeat_interleave(hq // k.shape[0], 0).float()
+        logits = torch.matmul(q.float(), kk.transpose(1, 2)) / math.sqrt(d)
+        future = session.positions[None, :] > qpos[:, None]
+        probs = torch.softmax(logits.masked_fill(future[None], float("-inf")), -1)
+        t = probs.shape[-1]
+        n = num_blocks_for(t, bs)
+        probs = torch.nn.functional.pad(probs, (0, n * bs - t))
+        out.append(probs.view(hq, len(rows), n, bs).sum(-1))
+    return torch.cat(out)
+
+
+def _weights(c: Candidate, session: Any, p: _Prompt) -> torch.Tensor:
+    from nexus_vllm.core import carry_forward, normalize_rows
+
+    if c.knorm:
+        return -session.key_norms()
+    seen = session.seen
+    if c.rows == "question":
+        rows = list(range(*p.question))
+    elif c.rows == "answer":
+        rows = list(range(len(p.ids), seen))
+    else:
+        rows = list(range(seen - c.window, seen))
+    mass = _per_head_mass(session, rows)  # [H, W, N]
+    if c.heads == "union":
+        per = mass.mean(1)  # [H, N]: each head's view of the blocks
+        rank = torch.argsort(torch.argsort(-per, dim=1), dim=1).float()
+        w = -rank.min(0).values + 1e-3 * per.mean(0) / per.mean(0).max()
+    elif c.heads == "max":
+        w = normalize_rows(mass.amax(0)).mean(0)
+    else:
+        w = mass.mean(0).mean(0)
+    return carry_forward(w.double(), c.carry)
+
+
+def _evict_to(session: Any, weights: torch.Tensor, budget: int) -> None:
+    """Keep the forced set and the top-``budget`` blocks by ``weights`` (as a top-K
+    policy's select does), dropping the rest from every layer."""
+    from nexus_vllm.core.policies import forced_blocks
+    from nexus_vllm.core.sampling import top_k_indices
+
+    cfg = session.config
+    n = weights.numel()
+    if n <= budget:
+        return
+    forced = forced_blocks(n, cfg.sink_blocks, cfg.recent_blocks)
+    candidate = torch.ones(n, dtype=torch.bool)
+    candidate[forced] = False
+    idx = torch.nonzero(candidate).flatten()
+    keep = torch.sort(torch.cat([forced, idx[top_k_indices(weights[idx],
+                                                            budget - forced.numel())]])).values
+    b = cfg.block_size
+    tok = (keep.view(-1, 1) * b + torch.arange(b)).view(-1)
+    tok = tok[tok < session.cache_len]
+    for layer in session.cache.layers:
+        layer.keys = layer.keys.index_select(-2, tok)
+        layer.values = layer.values.index_select(-2, tok)
+    session.positions = session.positions[tok]
+
+
+def _greedy(session: Any, logits: torch.Tensor, n: int, eos: set[int],
+            decode_events: bool) -> list[int]:
+    out: list[int] = []
+    for i in range(n):
+        t = int(torch.argmax(logits))
+        out.append(t)
+        if t in eos or i == n - 1:
+            break
+        logits = session.forward(torch.tensor([t]))[-1]
+        if decode_events:
+            session.decode_step_done()
+    return out
+
+
+def _dense_states(model: Any, p: _Prompt, defers: set[int], eos: set[int]) -> None:
+    """The uncompressed state after the prompt and after each deferred answer length."""
+    from nexus_vllm.hf.streaming import StreamingSession
+
+    session = StreamingSession(model, None, prompt_tokens=len(p.ids),
+                               capture_rows=_CAPTURE_ROWS)
+    logits = None
+    for start in range(0, len(p.ids), 512):
+        logits = session.forward(p.ids[start:start + 512])
+    assert logits is not None
+    last, generated = logits[-1], []
+    for d in range(max(defers) + 1):
+        if d in defers:
+            p.dense_states[d] = (session.clone(), last, list(generated))
+        tok = int(torch.argmax(last))
+        generated.append(tok)
+        if tok in eos:
+            break
+        last = session.forward(torch.tensor([tok]))[-1]
+
+
+def run_candidate(c: Candidate, model: Any, tokenizer: Any, p: _Prompt,
+                  eos: set[int]) -> str:
+    from nexus_vllm.core import EvictionConfig, EvictionTrigger, cdiv
+
+    cfg = EvictionConfig(method="nexus", keep_ratio=RATIO, prompt_mode="end")
+    if c.defer not in p.dense_states:  # the answer ended before d tokens: nothing to defer
+        return str(tokenizer.decode(p.dense_states[0][2] or [], skip_special_tokens=True))
+    base, logits, generated = p.dense_states[0 if c.graded else c.defer]
+    session = base.clone()
+    session.config = cfg
+    if c.graded:
+        budget = math.ceil(c.graded * RATIO * cdiv(session.seen, cfg.block_size))
+        first = Candidate("graded", heads=c.heads, carry=c.carry)  # the prompt's last rows
+        _evict_to(session, _weights(first, session, p), budget)
+        generated = _greedy(session, logits, c.defer + 1, eos, decode_events=False)
+        if len(generated) <= c.defer:  # ended before the deferred event
+            return str(tokenizer.decode(generated, skip_special_tokens=True))
+        generated, following = generated[:c.defer], generated[c.defer]
+        logits = torch.zeros_like(logits)
+        logits[following] = 1.0  # the token it just predicted, fed next as usual
+    _evict_to(session, _weights(c, session, p), cfg.budget_blocks(session.seen))
+    session.trigger = EvictionTrigger(cfg, len(p.ids))
+    session.generator = cfg.generator(0)
+    rest = _greedy(session, logits, p.max_new_tokens - len(generated), eos,
+                   decode_events=True)
+    return str(tokenizer.decode(generated + rest, skip_special_tokens=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--tasks", default=DEFAULT_TASKS)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--data-seed", type=int, default=0, help="0: the tuning set")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/chat_candidates"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from tqdm import tqdm
+
+    from nexus_vllm.eval.stats import bootstrap_ci, sign_test
+    from nexus_vllm.hf.generate import eos_ids
+    from nexus_vllm.models import load_causal_lm
+
+    _, tokenizer, model = load_causal_lm(None)
+    eos = eos_ids(model, tokenizer)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    scores: dict[str, dict[str, list[float]]] = {c.name: {} for c in CANDIDATES}
+    scores["dense"] = {}
+    defers = {0} | {c.defer for c in CANDIDATES}
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for task, index in tqdm([(t, i) for t in tasks for i in range(args.samples)],
+                                desc="candidates"):
+            # A conversation's turns count as one sample: the mean of its turns.
+            per: dict[str, list[float]] = {}
+            for p in _prompts(task, index, args.data_seed, tokenizer, args.context):
+                _dense_states(model, p, defers, eos)
+                base, logits, _ = p.dense_states[0]
+                dense = _greedy(base.clone(), logits, p.max_new_tokens, eos, False)
+                per.setdefault("dense", []).append(
+                    p.score(str(tokenizer.decode(dense, skip_special_tokens=True))))
+                for c in CANDIDATES:
+                    text = run_candidate(c, model, tokenizer, p, eos)
+                    per.setdefault(c.name, []).append(p.score(text))
+            for name, vals in per.items():
+                scores[name].setdefault(task, []).append(sum(vals) / len(vals))
+    lines = [f"Chat-shaped tuning set (data_seed {args.data_seed}, {args.samples} samples per "
+             f"task, {args.context}-token prompts, 20% budget), SmolLM2-135M, transformers "
+             f"path; {time.perf_counter() - t0:.0f} s.", "",
+             "| candidate | " + " | ".join(tasks) + " | pooled [95% CI] |",
+             "|---|" + "---|" * (len(tasks) + 1)]
+    pooled: dict[str, list[float]] = {}
+    for name, by_task in scores.items():
+        pooled[name] = [x for t in tasks for x in by_task.get(t, [])]
+        mean, lo, hi = bootstrap_ci(pooled[name])
+        cells = " | ".join(f"{sum(v) / len(v):.2f}" for v in (by_task[t] for t in tasks))
+        lines.append(f"| {name} | {cells} | {mean:.2f} [{lo:.2f}, {hi:.2f}] |")
+    ref = "max over heads + carry 1"
+    lines += ["", f"Paired against `{ref}` (per sample; wins/losses/ties, sign test):", ""]
+    for name, vals in pooled.items():
+        if name == ref:
+            continue
+        diffs = [a - b for a, b in zip(pooled[ref], vals)]
+        wins = sum(d > 0 for d in diffs)
+        losses = sum(d < 0 for d in diffs)
+        lines.append(f"- vs {name}: {wins} wins, {losses} losses, "
+                     f"{len(diffs) - wins - losses} ties (p = {sign_test(wins, losses):.3f})")
+    report = "\n".join(lines)
+    print(report)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "candidates.md").write_text(report + "\n")
+    (args.out / "candidates.json").write_text(json.dumps(
+        {"args": {k: str(v) for k, v in vars(args).items()}, "scores": scores}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
