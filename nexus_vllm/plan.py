@@ -554,8 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=_budget, required=True,
                    help="a keep ratio in (0, 1] like 0.2, or tokens like 4096")
     p.add_argument("--method", default="nexus", help="eviction policy (default nexus)")
-    p.add_argument("--prompt-mode", choices=PROMPT_MODES, default="stream",
-                   help="when the budget holds (default stream)")
+    default_mode = EvictionConfig.prompt_mode  # the server's default
+    p.add_argument("--prompt-mode", choices=PROMPT_MODES, default=default_mode,
+                   help=f"when the budget holds (default {default_mode}, as the server's)")
     p.add_argument("--prefill-budget", type=int_at_least(1), default=None,
                    help="prompt_mode end: tokens kept while the prompt is computed")
     p.add_argument("--chunk-size", type=int_at_least(1), default=512,

@@ -1,9 +1,10 @@
 """The sizing table of docs/deploy.md, computed by ``nexus-vllm plan`` (not measured).
 
 For Llama-3.1-8B, Llama-3.1-70B and Qwen2.5-72B on one H200 node (8 GPUs x 141 GiB) and
-on two, at 32k and 128k context and 10% / 20% keep-ratio budgets (prompt_mode stream, the
-default; every other flag at its ``nexus-vllm plan`` default). 8B runs one replica per
-GPU (tp=1); 70B/72B one replica of tp=8 on a node, tp=8 pp=2 on two. Prints the Markdown
+on two, at 32k and 128k context and 10% / 20% keep-ratio budgets, per prompt mode
+(``stream`` and ``end``, the default), every other flag at its ``nexus-vllm plan``
+default (no per-step token budget: the pool binds, not the prefill throughput). 8B runs one replica per GPU (tp=1); 70B/72B one replica of tp=8 on a node, tp=8
+pp=2 on two. Prints the Markdown
 table; ``--update-docs`` writes it between ``<!-- plan-table:begin -->`` and
 ``<!-- plan-table:end -->`` in docs/deploy.md.
 
@@ -32,6 +33,7 @@ LAYOUTS = {
 }
 CONTEXTS = (32768, 131072)
 BUDGETS = ("0.1", "0.2")
+MODES = ("stream", "end")
 
 
 def plan(argv: list[str]) -> Plan:
@@ -40,27 +42,31 @@ def plan(argv: list[str]) -> Plan:
 
 
 def rows() -> list[str]:
+    mode_cols = "".join(f"| {m} | {m} ratio " for m in MODES)
     lines = ["| model | nodes | layout | context | budget | KV blocks / GPU | prompt + output "
-             "| stock requests | with eviction | ratio |", "|" + "---|" * 10]
+             f"| stock requests {mode_cols}|", "|" + "---|" * (8 + 2 * len(MODES))]
     for model, layouts in LAYOUTS.items():
         for nodes, (tp, pp) in layouts.items():
             replicas = nodes * GPUS_PER_NODE // (tp * pp)
             layout = f"{replicas} x tp={tp}" + (f" pp={pp}" if pp > 1 else "")
             for context in CONTEXTS:
                 for budget in BUDGETS:
-                    argv = ["--model", model, "--gpu-memory-gib", str(GPU_GIB), "--tp",
-                            str(tp), "--pp", str(pp), "--context", str(context), "--budget",
-                            budget]
-                    p = plan(argv)
-                    stock = p.stock["concurrent"] * replicas
-                    evict = p.evicting["concurrent"] * replicas
-                    ratio = f"{evict / stock:.1f}x" if stock else "-"
+                    cells = []
+                    for mode in MODES:
+                        argv = ["--model", model, "--gpu-memory-gib", str(GPU_GIB), "--tp",
+                                str(tp), "--pp", str(pp), "--context", str(context),
+                                "--budget", budget, "--prompt-mode", mode]
+                        p = plan(argv)
+                        stock = p.stock["concurrent"] * replicas
+                        evict = p.evicting["concurrent"] * replicas
+                        ratio = f"{evict / stock:.1f}x" if stock else "-"
+                        cells.append(f"{evict:,} | {ratio}")
+                        print(f"  nexus-vllm plan {shlex.join(argv)}", file=sys.stderr)
                     lines.append(
                         f"| {model} | {nodes} | {layout} | {context // 1024}k "
                         f"| {float(budget):.0%} | {p.pool_blocks:,} "
-                        f"| {p.prompt_tokens:,} + {p.output_tokens:,} | {stock:,} "
-                        f"| {evict:,} | {ratio} |")
-                    print(f"  nexus-vllm plan {shlex.join(argv)}", file=sys.stderr)
+                        f"| {p.prompt_tokens:,} + {p.output_tokens:,} | {stock:,} | "
+                        + " | ".join(cells) + " |")
     return lines
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces docs/results.md on a CPU box (the numbers there come from these commands).
-#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|docs|all]
+#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|docs|all]
 #   (default: all)
 # Each run resumes from its records.jsonl if interrupted. 1 torch thread per run.
 set -euo pipefail
@@ -15,7 +15,7 @@ run() {  # name, extra args...
 what=${1:-all}
 want() { [ "$what" = all ] || [ "$what" = "$1" ]; }
 case "$what" in
-  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|docs|all) ;;
+  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|docs|all) ;;
   *) echo "unknown target $what" >&2; exit 2 ;;
 esac
 want calibration && run calibration
@@ -112,6 +112,40 @@ want prompt_modes && per_task prompt_modes paired niah_single_noise niah_single_
 want prompt_modes_capped && per_task prompt_modes_capped none niah_single_noise niah_single_prose niah_multikey
 want prompt_modes_multiturn && per_task prompt_modes_multiturn dialogues multiturn
 want prompt_modes_longgen && per_task prompt_modes_longgen dialogues longgen
+want chat_tuning && run chat_tuning
+want completion_tuning && run completion_tuning
+if want chat_report; then
+  # Two processes (one core each) split by task, then one report over all tasks.
+  run chat_report --tasks niah_single_prose,niah_multikey,niah_multivalue,facts \
+    --out "$OUT/chat_report_a" &
+  run chat_report --tasks niah_multiquery,summary,chat_multiturn --out "$OUT/chat_report_b" &
+  wait
+  "$PY" -m nexus_vllm.cli records "$OUT/chat_report_a/records.jsonl" \
+    "$OUT/chat_report_b/records.jsonl" --out "$OUT/chat_report/records.jsonl"
+  run chat_report --report-only
+fi
+if want completion_report; then
+  # The former defaults' records are prompt_modes' (identical samples), relabelled with
+  # their knobs spelled out; only the new default runs. One process per half of the tasks.
+  src="$OUT/prompt_modes/records.jsonl"
+  [ -e "$src" ] || src=docs/figures/prompt_modes/records.jsonl
+  for part in a b; do
+    mkdir -p "$OUT/completion_report_$part"
+    "$PY" -m nexus_vllm.cli records "$src" --exclude-method-prefix "nexus:prompt_mode=end," \
+      --exclude-method-prefix snapkv --exclude-method-prefix tova \
+      --exclude-method-prefix knorm \
+      --rename-method nexus "nexus:prompt_mode=stream,head_reduce=mean,carry=0" \
+      --rename-method "nexus:prompt_mode=end" "nexus:head_reduce=mean,carry=0" \
+      --if-missing --out "$OUT/completion_report_$part/records.jsonl"
+  done
+  run completion_report --tasks niah_single_noise,niah_single_prose \
+    --out "$OUT/completion_report_a" &
+  run completion_report --tasks niah_multikey --out "$OUT/completion_report_b" &
+  wait
+  "$PY" -m nexus_vllm.cli records "$OUT/completion_report_a/records.jsonl" \
+    "$OUT/completion_report_b/records.jsonl" --out "$OUT/completion_report/records.jsonl"
+  run completion_report --report-only
+fi
 if want docs; then
   # Ours and kvpress's presses side by side: headline records + the peer's records.
   if [ -e "$OUT/headline/records.jsonl" ] && [ -e "$OUT/kvpress/kvpress_records.jsonl" ]; then
@@ -121,7 +155,7 @@ if want docs; then
       --report-only --publish docs/figures/peer_compare
   fi
   # Rebuild each run's reports from its records and copy them into docs/figures.
-  for name in calibration headline ablation prefill knorm_prior paired dialogues dialogues_pps scoring_cost scoring_cost_report scoring_cost_dialogues kvpress sweep prompt_end_tuning prompt_modes prompt_modes_capped prompt_modes_multiturn prompt_modes_longgen; do
+  for name in calibration headline ablation prefill knorm_prior paired dialogues dialogues_pps scoring_cost scoring_cost_report scoring_cost_dialogues kvpress sweep prompt_end_tuning prompt_modes prompt_modes_capped prompt_modes_multiturn prompt_modes_longgen chat_tuning completion_tuning chat_report completion_report; do
     [ -d "$OUT/$name" ] || continue
     "$PY" -m nexus_vllm.cli eval --config "configs/eval/$name.yaml" --out "$OUT/$name" \
       --report-only --publish "docs/figures/$name"

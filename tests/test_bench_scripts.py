@@ -115,6 +115,6 @@ def test_capacity_report_from_saved_json(tmp_path: pathlib.Path) -> None:
                        figures=tmp_path / "figures" / "serving")
     section = docs.read_text().split(report.BEGIN, 1)[1]
     assert "| nexus:prompt_mode=end,prefill_budget=832 | 8 | 8 | 0 | 6 | 0 |" in section
-    assert "stock **2**, nexus **8**" in section and "- **Knobs:**" in section
+    assert "stock **2**, nexus:prompt_mode=stream **9**" in section and "- **Knobs:**" in section
     assert "stock-chunked" not in section  # not among this run's configs
     assert "![running](figures/serving/running.png)" in section

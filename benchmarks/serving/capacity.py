@@ -47,7 +47,8 @@ baseline: a check of the script, not a measurement.
 ``--workload gpu`` is the shape of serving on a GPU, per prompt mode: ~1k-token prompts
 computed in one or two steps (``--max-num-batched-tokens 1024``), 128-token answers, 12
 requests at once in a 161-block pool, a 256-token budget, ``stream`` (512-token chunks)
-against ``end`` (the prompt chunked as vLLM chunks it) and stock vLLM. There, most of a
+against ``end`` (the prompt chunked as vLLM chunks it), ``keep`` and stock vLLM (the
+modes the README's rule for the default mode compares). There, most of a
 request's life is decoding, so what a decoding request reserves decides how many run at
 once (``EvictionConfig.peak_from``: the budget plus one decode interval).
 
@@ -139,7 +140,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         args.input_len, args.output_len, args.keep, args.chunk = 1024, 128, 0.25, 512
         args.pool_blocks, args.max_num_batched_tokens = 161, 1024
         args.concurrency, args.prompts_per_slot, args.min_prompts = "12", 1, 12
-        args.configs = "stock;nexus:prompt_mode=stream;nexus:prompt_mode=end"
+        args.configs = ("stock;nexus:prompt_mode=stream;nexus:prompt_mode=end;"
+                        "nexus:prompt_mode=keep")
         if args.out == REPO / "runs" / "serving_capacity":
             args.out = REPO / "runs" / "serving_capacity_gpu"
     if args.smoke:

@@ -200,6 +200,25 @@ def test_prompt_mode_from_every_source(tmp_path) -> None:  # noqa: ANN001
         resolve_config(file=str(f), flags={"max_tokens": 1024})
 
 
+def test_evidence_knobs_from_every_source(tmp_path) -> None:  # noqa: ANN001
+    """head_reduce and carry (issue 27) reach the server from a preset or
+    --additional-config, and a bad value fails at startup naming its source and field."""
+    f = tmp_path / "mean.yaml"
+    f.write_text("method: nexus\nhead_reduce: mean\ncarry: 0\n")
+    cfg = resolve_config(file=str(f), flags={"max_tokens": 1024})
+    assert (cfg.head_reduce, cfg.carry) == ("mean", 0)
+    default = resolve_config(flags={"max_tokens": 1024})
+    assert (default.prompt_mode, default.head_reduce, default.carry) == ("end", "max", 1)
+    assert config_from_additional({"nexus": cfg.to_dict()}) == cfg  # reaches every process
+    with pytest.raises(ValueError, match="^--additional-config nexus: .*head_reduce"):
+        resolve_config(additional={"head_reduce": "sum"}, flags={"max_tokens": 1024})
+    with pytest.raises(ValueError, match="^--additional-config nexus: .*carry"):
+        resolve_config(additional={"carry": -1}, flags={"max_tokens": 1024})
+    with pytest.raises(ValueError, match="^--kv-eviction-config: .*carry"):
+        f.write_text("carry: 9\n")
+        resolve_config(file=str(f), flags={"max_tokens": 1024})
+
+
 def test_request_question_tokens_set_the_prompt_window() -> None:
     server = resolve_config(flags={"method": "nexus", "max_tokens": 256, "prompt_mode": "end"})
     assert request_config(server, {"kv_question_tokens": 12}).prefill_window == 12
