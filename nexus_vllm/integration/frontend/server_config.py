@@ -106,13 +106,14 @@ def add_cli_flags(parser: _Parser) -> _Parser:
                        help="Seed of the block sampler (per request: mixed with the "
                             "request's seed).")
     group.add_argument("--kv-chunk-size", type=_positive_int, default=None, metavar="TOKENS",
-                       help="Prefill chunk of evicting requests (default 512): a request "
-                            "never holds more than budget + one chunk.")
+                       help="Prefill chunk where events fire mid-prompt (prompt mode "
+                            "stream, or end under --kv-prefill-budget; default 512): such a "
+                            "request never holds more than budget + one chunk.")
     group.add_argument("--kv-prompt-mode", choices=PROMPT_MODES, default=None,
-                       help="When the budget holds: 'stream' (default) from the first "
-                            "prompt chunk, an event after each; 'end' keeps the prompt "
+                       help="When the budget holds: 'end' (default) keeps the prompt "
                             "(up to --kv-prefill-budget) until its last chunk, then one "
                             "event, with the question in its window, evicts to the budget; "
+                            "'stream' from the first prompt chunk, an event after each; "
                             "'keep' never evicts the prompt (the budget counts generated "
                             "tokens). Per request: vllm_xargs kv_prompt_mode.")
     group.add_argument("--kv-prefill-budget", type=_positive_int, default=None,
