@@ -17,7 +17,9 @@ part to the last stage, which replies. Servers of the tiny model, one after anot
    applied, nothing freed by eviction, the failure counted;
 4. ``--pipeline-parallel-size 2`` with async scheduling (kept on through the build's
    ``NEXUS_VLLM_CPU_ASYNC_SCHEDULING``: three steps in flight): one stage's tokens and
-   evictions again.
+   evictions again;
+5. ``--tensor-parallel-size 2 --pipeline-parallel-size 2``: four ranks on the box's two
+   cores (unbound threads; ~3 min), one stage's tokens and evictions again.
 """
 
 from __future__ import annotations
@@ -115,4 +117,13 @@ def test_two_stages_with_async_scheduling_match_one(tiny_model, serve_tmp,  # no
     env = {**TP_ENV, "NEXUS_VLLM_CPU_ASYNC_SCHEDULING": "1"}
     run, log = _serve(tiny_model, serve_tmp, [*PP2, "--async-scheduling"], env)
     assert "NexusAsyncScheduler" in log and "3 steps in flight" in log
+    _assert_one_stage(run, one_stage)
+
+
+def test_two_stages_of_two_tensor_parallel_ranks_match_one(tiny_model, serve_tmp,  # noqa: ANN001
+                                                           one_stage) -> None:
+    # Four ranks on two cores: vLLM's per-rank core binding needs a core each.
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    run, log = _serve(tiny_model, serve_tmp, [*PP2, "--tensor-parallel-size", "2"], env)
+    assert "TP rank 1/2, PP stage 1/2" in log
     _assert_one_stage(run, one_stage)

@@ -875,6 +875,53 @@ def test_distributed_and_debug_helpers(src: VllmSource) -> None:
     assert "static_forward_context" in cc
 
 
+# -- 12b. the Ray executor's workers (tests/integration/test_ray_worker.py) ---------------
+def test_ray_worker_runs_the_worker_proc_loop(src: VllmSource) -> None:
+    """RayExecutorV2's actors hold a RayWorkerProc(WorkerProc): initialize_worker calls
+    WorkerProc.__init__ (the wrapper loads the general plugins and resolves worker_cls;
+    init_device, load_model), run() enters worker_busy_loop, which calls the worker's
+    method by name. test_ray_worker.py builds that WorkerProc in-process, without Ray."""
+    where = f"vLLM {src.label}: vllm/v1/executor/ray_executor_v2.py"
+    rel = "v1/executor/ray_executor_v2.py"
+    proc = src.cls(rel, "RayWorkerProc")
+    assert [ast.unparse(b) for b in proc.bases] == ["WorkerProc"], where
+    init = src.source(rel, src.method(rel, "RayWorkerProc", "initialize_worker"))
+    assert "super().__init__(" in init and "**self._init_kwargs" in init, where
+    kwargs = src.source(rel, src.method(rel, "RayWorkerProc", "__init__"))
+    assert "shared_worker_lock=None" in kwargs and "input_shm_handle=input_shm_handle" in (
+        kwargs), where
+    assert "self.worker_busy_loop()" in src.source(rel, src.method(rel, "RayWorkerProc",
+                                                                   "run")), where
+    assert [ast.unparse(b) for b in src.cls(rel, "RayExecutorV2").bases] == [
+        "MultiprocExecutor"], where
+    mp = "v1/executor/multiproc_executor.py"
+    worker_init = src.method(mp, "WorkerProc", "__init__")
+    _assert_call_order(worker_init, ["wrapper.init_worker", "self.worker.init_device",
+                                     "self.worker.load_model", "self._init_message_queues"],
+                       f"vLLM {src.label}: WorkerProc.__init__ (vllm/{mp})")
+    rpc = src.source(mp, src.method(mp, "WorkerProc", "_execute_worker_rpc"))
+    assert "func = getattr(self.worker, method)" in rpc and "self.handle_output(output)" in rpc
+    wrapper = src.source("v1/worker/worker_base.py", src.method(
+        "v1/worker/worker_base.py", "WorkerWrapperBase", "init_worker"))
+    assert "load_general_plugins()" in wrapper
+    assert "resolve_obj_by_qualname(\n                parallel_config.worker_cls" in wrapper \
+        or "resolve_obj_by_qualname(parallel_config.worker_cls" in wrapper, wrapper
+    get_class = src.source("v1/executor/abstract.py", src.method(
+        "v1/executor/abstract.py", "Executor", "get_class"))
+    assert 'distributed_executor_backend == "ray"' in get_class
+    if not src.exists("v1/executor/ray_executor.py"):
+        assert "RayExecutorV2" in get_class  # the only Ray executor
+        return
+    # 0.32: the compiled-graph executor, with VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0, whose
+    # workers call the model runner directly: refused (engine_policy.check_executor).
+    ray_utils = src.source("v1/executor/ray_utils.py", src.method(
+        "v1/executor/ray_utils.py", "RayWorkerWrapper", "execute_model_ray"))
+    assert "self.worker.model_runner.execute_model(" in ray_utils
+    assert "envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND" in get_class
+    assert re.search(r'"VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "1"', src.text("envs.py")), (
+        f"vLLM {src.label}: RayExecutorV2 is no longer the default")
+
+
 # -- 13. VLLM_USE_V2_MODEL_RUNNER and the other VLLM_* variables -----------------------------
 @functools.cache
 def _plugin_trees() -> tuple[tuple[str, ast.Module], ...]:

@@ -41,6 +41,10 @@ accessor                      vLLM internal                         why
                                                                     is dropped
 ``steps_in_flight``           ``VllmConfig.max_concurrent_batches`` k: the steps vLLM schedules
                                                                     before the first reply
+``executor_skipping_worker``  ``Executor.get_class``; 0.32's        an executor whose workers
+                              ``v1/executor/ray_executor.py``       never call the worker's
+                              (``RayWorkerWrapper.                  execute_model: eviction
+                              execute_model_ray``)                  would never apply a plan
 ``attention_layers``          ``compilation_config.                 per-layer impl, KV cache,
                               static_forward_context``              window / ALiBi / sharing
 ``model_attention_traits``    ``ModelConfig.get_sliding_window /    models eviction refuses at
@@ -68,6 +72,7 @@ through its ``wrap_instance``. Where releases differ, the code detects the featu
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -105,6 +110,7 @@ __all__ = [
     "cap_prefix_hits",
     "gate_admission",
     "check_vllm_version",
+    "executor_skipping_worker",
     "model_attention_traits",
     "StageLink",
     "hold_request",
@@ -331,6 +337,31 @@ def preemption_count(request: EngineRequest) -> int:
     """How many times vLLM preempted the request (``Request.num_preemptions``, counted
     when it is preempted, before it is resumed)."""
     return int(request.num_preemptions)
+
+
+def executor_skipping_worker(vllm_config: VllmConfig) -> str | None:
+    """The name of the executor vLLM will run when its workers call the model runner
+    directly, past ``Worker.execute_model`` / ``sample_tokens`` (None: they call the
+    worker's methods).
+
+    That is vLLM 0.32's compiled-graph Ray executor (``RayDistributedExecutor``, with
+    ``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``): ``RayWorkerWrapper.execute_model_ray`` runs
+    ``worker.model_runner.execute_model``. Its default ``RayExecutorV2`` (the only one
+    from 0.33) is built on the multiprocess executor: each Ray actor runs ``WorkerProc``'s
+    loop, which calls the worker's methods.
+    """
+    if vllm_config.parallel_config.distributed_executor_backend != "ray":
+        return None
+    if importlib.util.find_spec("vllm.v1.executor.ray_executor") is None:
+        return None  # RayExecutorV2 only
+    from vllm.v1.executor.abstract import Executor
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    try:
+        executor = Executor.get_class(vllm_config)
+    except Exception:  # noqa: BLE001 - e.g. Ray missing: vLLM refuses it on its own
+        return None
+    return None if issubclass(executor, MultiprocExecutor) else executor.__name__
 
 
 def steps_in_flight(vllm_config: VllmConfig) -> int:

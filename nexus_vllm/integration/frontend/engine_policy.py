@@ -34,6 +34,7 @@ __all__ = [
     "WORKER_CLS",
     "EngineSettings",
     "check_engine_settings",
+    "check_executor",
     "check_max_model_len",
     "check_model",
     "forced_cudagraph_mode",
@@ -213,6 +214,25 @@ def check_engine_settings(method: str, settings: EngineSettings) -> None:
             what, instead = refusal
             raise ValueError(f"--kv-eviction {method}: {what} is not supported with "
                              f"eviction; {instead}")
+
+
+def check_executor(method: str, skipping: str | None) -> None:
+    """Refuse an executor whose workers never call the worker's ``execute_model`` and
+    ``sample_tokens`` (``skipping``: its name, ``vllm_compat.executor_skipping_worker``):
+    no plan would ever be applied, nothing evicted.
+
+    Raises
+    ------
+    ValueError
+        Naming the flag and what to use instead.
+    """
+    if skipping is not None:
+        raise ValueError(
+            f"--kv-eviction {method}: --distributed-executor-backend ray with vLLM's "
+            f"{skipping} is not supported with eviction (its compiled graph calls the "
+            "model runner directly, past the worker's eviction hooks); unset "
+            "VLLM_USE_RAY_V2_EXECUTOR_BACKEND or set it to 1 (vLLM's default "
+            "RayExecutorV2, whose workers run the worker's own methods)")
 
 
 def with_engine_block_size(cfg: EvictionConfig, block_size: int | None) -> EvictionConfig:

@@ -21,7 +21,8 @@ How
       and step and, on CUDA, PIECEWISE CUDA graphs; the model runner stays the one vLLM
       picks, every family has an adapter in ``integration/compat/runners.py``); after
       vLLM builds its config, pick our async scheduler where vLLM settled on async
-      scheduling (its default on CUDA from 0.34), refuse models whose
+      scheduling (its default on CUDA from 0.34), refuse an executor whose workers skip
+      the worker's methods (vLLM 0.32's compiled-graph Ray executor), refuse models whose
       attention eviction cannot run on (``vllm_compat.model_attention_traits``, the same
       check the worker makes per layer) and settings that cannot work within its
       ``max_model_len``; vLLM's own refusal of the chunk size is restated naming
@@ -42,10 +43,12 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 
 from nexus_vllm.integration.compat.catalogue import swap
+from nexus_vllm.integration.compat.vllm_compat import executor_skipping_worker
 from nexus_vllm.integration.config import ADDITIONAL_CONFIG_KEY, config_from_additional
 from nexus_vllm.integration.frontend.engine_policy import (
     EngineSettings,
     check_engine_settings,
+    check_executor,
     check_model,
     forced_cudagraph_mode,
     forced_engine_args,
@@ -207,6 +210,7 @@ def apply() -> None:
                 raise ValueError(ours) from exc
             if cfg is not None:
                 match_scheduler(vllm_config)
+                check_executor(cfg.method, executor_skipping_worker(vllm_config))
                 check_model_config(vllm_config, cfg)
         except ValueError as exc:
             if getattr(self, "_nexus_from_cli", False) and "--kv-eviction" in str(exc):
