@@ -56,8 +56,8 @@ BUDGETS = (192, 256, 384, 512)
 # Server flags of the default run: eviction on at a budget most prompts exceed, chunks
 # small enough that a prompt streams in several of them, and 64 sequences so that
 # --concurrency 64 all run at once (the 2 GiB pool holds 64 requests without eviction).
-DEFAULT_SERVER_ARGS = ("--kv-eviction nexus --kv-budget 256 --kv-chunk-size 128 "
-                       "--kv-eviction-seed 0 --max-num-seqs 64")
+DEFAULT_SERVER_ARGS = ("--kv-eviction nexus --kv-budget 256 --kv-prompt-mode stream "
+                       "--kv-chunk-size 128 --kv-eviction-seed 0 --max-num-seqs 64")
 _WORDS = [
     "river", "stone", "bread", "market", "window", "garden", "letter", "silver", "morning",
     "harbor", "engine", "candle", "winter", "forest", "lantern", "quiet", "copper",

@@ -97,13 +97,13 @@ class EvictionConfig:
     method: str = "nexus"
     max_tokens: int | None = None
     keep_ratio: float | None = None
-    prompt_mode: str = "stream"
+    prompt_mode: str = "end"
     prefill_budget: int | None = None
     block_size: int = 32
     sink_blocks: int = 1
     recent_blocks: int = 4
-    carry: int = 0
-    head_reduce: str = "mean"
+    carry: int = 1
+    head_reduce: str = "max"
     interval: int = 16
     window: int = 16
     prefill_window: int = 32

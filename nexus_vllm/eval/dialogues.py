@@ -39,7 +39,7 @@ from typing import Any
 from nexus_vllm.eval.tasks import _key, _number, _prose, string_match_all
 from nexus_vllm.hf.dialogue import Probe
 
-__all__ = ["DIALOGUE_TASKS", "Dialogue", "Turn", "make_dialogue"]
+__all__ = ["DIALOGUE_TASKS", "Dialogue", "Turn", "dialogue_protocol", "make_dialogue"]
 
 DIALOGUE_TASKS = ("multiturn", "longgen", "chat_multiturn")
 _FACTS = 4
@@ -83,6 +83,12 @@ class Dialogue:
     def score(self, turn: int, prediction: str) -> float:
         """String match (every reference found) of ``prediction`` for turn ``turn``."""
         return string_match_all(prediction, self.turns[turn].answers)
+
+
+def dialogue_protocol(task: str) -> str:
+    """The protocol a family's records carry: ``chat`` for the chat-shaped ones (their
+    requests end at the assistant's header), else ``question-last``."""
+    return "chat" if task.startswith("chat_") else "question-last"
 
 
 def _fact(key: str, value: str) -> str:
@@ -229,7 +235,7 @@ def make_dialogue(task: str, *, seed: int, index: int, target_tokens: int,
     """
     if task not in DIALOGUE_TASKS:
         raise ValueError(f"task must be one of {DIALOGUE_TASKS}, got {task!r}")
-    answer_tokens = _CHAT_ANSWER_TOKENS if task.startswith("chat_") else _ANSWER_TOKENS
+    answer_tokens = _CHAT_ANSWER_TOKENS if dialogue_protocol(task) == "chat" else _ANSWER_TOKENS
     limit = target_tokens - answer_tokens
     lo = _BUILDERS[task][1]
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from nexus_vllm.core import EvictionConfig
-from nexus_vllm.eval.dialogues import DIALOGUE_TASKS, Dialogue, make_dialogue
+from nexus_vllm.eval.dialogues import DIALOGUE_TASKS, Dialogue, dialogue_protocol, make_dialogue
 from nexus_vllm.eval.records import Record, SampleId, read_records, record_key, record_writer
 from nexus_vllm.eval.tasks import CHAT_ONLY_TASKS, Sample, make_sample
 from nexus_vllm.hf import SampleResult, make_config
@@ -132,15 +132,16 @@ class Run:
 def iter_samples(cfg: RunConfig) -> Iterator[SampleId]:
     """Every sample of ``cfg`` in execution order (contexts, tasks, indices, protocols).
 
-    A multi-turn family runs once per sample, as ``question-last`` whatever ``protocols``
-    says: each of its questions follows the material it is asked after (its chat-shaped
-    variants are families of their own). A chat-only task runs in the ``chat`` protocol
+    A multi-turn family runs once per sample whatever ``protocols`` says, as
+    ``question-last`` (each of its questions follows the material it is asked after), or
+    ``chat`` for its chat-shaped variants. A chat-only task runs in the ``chat`` protocol
     only.
     """
     for context in cfg.contexts:
         for task in cfg.tasks:
             if task in DIALOGUE_TASKS:
-                protocols: tuple[str, ...] = ("question-last",)
+                # A conversation runs in its own shape (chat_multiturn is chat-shaped).
+                protocols: tuple[str, ...] = (dialogue_protocol(task),)
             elif task in CHAT_ONLY_TASKS:
                 protocols = tuple(p for p in cfg.protocols if p == "chat")
             else:

@@ -106,11 +106,11 @@ def request_xargs(spec: str) -> tuple[str, dict[str, Any]]:
 def chat_requests(task: str, *, index: int, seed: int, context: int,
                   tokenizer: Any) -> ChatSample:
     """The chat-shaped request(s) of sample ``index`` of ``task``."""
-    from nexus_vllm.eval.dialogues import DIALOGUE_TASKS, make_dialogue
+    from nexus_vllm.eval.dialogues import DIALOGUE_TASKS, dialogue_protocol, make_dialogue
     from nexus_vllm.eval.tasks import make_sample
 
     if task in DIALOGUE_TASKS:
-        if not task.startswith("chat_"):
+        if dialogue_protocol(task) != "chat":
             raise ValueError(f"task {task!r} is completion-shaped; the chat variant of "
                              f"multiturn is chat_multiturn")
         d = make_dialogue(task, seed=seed, index=index, target_tokens=context,

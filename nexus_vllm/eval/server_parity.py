@@ -274,7 +274,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.protocol not in PROTOCOLS:
         parser.error(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {args.protocol!r}")
-    if args.task.startswith("chat_") and args.protocol != "chat":
+    from nexus_vllm.eval.dialogues import DIALOGUE_TASKS, dialogue_protocol
+
+    if args.task in DIALOGUE_TASKS and dialogue_protocol(args.task) == "chat" \
+            and args.protocol != "chat":
         parser.error(f"--task {args.task} is chat-shaped: give --protocol chat")
     if args.task == "longgen":
         parser.error("--task longgen cannot be sent to a server: its long answer is the "

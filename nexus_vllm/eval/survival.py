@@ -32,6 +32,10 @@ from nexus_vllm.core import EvictionConfig, inclusion_probabilities
 from nexus_vllm.core.policies import Evidence, forced_blocks
 
 SAMPLERS = ("topk", "pps", "ares")
+# The paper's streaming setting (an event after every prompt chunk) and its evidence (the
+# mean over heads and layers, no carry): the regime this figure is about, and the one it
+# was published in, not the served defaults.
+STREAMING = {"prompt_mode": "stream", "head_reduce": "mean", "carry": 0}
 # Bins of the inclusion probability for the calibration curve.
 BIN_EDGES = np.linspace(0.0, 1.0, 11)
 
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                             preamble=sample.preamble).ids.tolist()
         for t in traces:
             cfg = EvictionConfig.from_budget("nexus", args.budget, chunk_size=args.chunk,
-                                             sampler=t.sampler)
+                                             sampler=t.sampler, **STREAMING)
             with torch.no_grad():
                 events = trace_sample(model, ids, cfg, max_new_tokens=args.max_new_tokens,
                                       request_seed=index)

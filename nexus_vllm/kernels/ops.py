@@ -17,8 +17,12 @@ backend="auto", out=None, head_reduce="mean") -> Tensor[R, W, max_blocks] float3
     with ``seq_len == 0`` gives an all-zero slice; the other rows each sum to 1. With
     ``out`` (float32 ``[R, W, max_blocks]``) the result is *added* into it (one buffer for
     several layers) and ``out`` is returned. ``head_reduce="max"`` takes the maximum over
-    query heads instead of their mean (rows then do not sum to 1: the caller renormalises)
-    and combines with ``out`` by the elementwise maximum instead of adding.
+    query heads of each head's block mass instead of their mean (rows then do not sum to
+    1: the caller renormalises) and combines with ``out`` by the elementwise maximum
+    instead of adding (mass is >= 0, so a zeroed ``out`` is the identity of both). A
+    caller that splits heads or layers across ranks combines the ranks' results the same
+    way: a sum (then divides) for ``"mean"``, a maximum (all-reduce with MAX) for
+    ``"max"``.
 
 ``block_attention_mass_paged_layers(queries, key_caches, block_tables, seq_lens, *, ...)``
     The same over several layers of one batch (``queries`` ``[L, R, W, Hq, D]``, one key
@@ -53,9 +57,9 @@ bit); all are deterministic. Compaction treats ``"batched"`` as ``"torch"``.
 Custom ops (what ``torch.compile`` sees; each has a fake implementation):
 ``torch.ops.nexus_vllm.block_attention_mass_paged(q, k, bt, sl, kv_layout, backend,
 head_reduce)`` (functional), ``torch.ops.nexus_vllm.block_attention_mass_paged_add_(q, k, bt,
-sl, out, kv_layout, backend, head_reduce)`` (mutates ``out``) and ``torch.ops.nexus_vllm.compact_block_tables(bt, sl,
-out_tables, out_seq_lens, block_size, null_block, backend, validate)`` (mutates the two
-outputs).
+sl, out, kv_layout, backend, head_reduce)`` (mutates ``out``) and
+``torch.ops.nexus_vllm.compact_block_tables(bt, sl, out_tables, out_seq_lens, block_size,
+null_block, backend, validate)`` (mutates the two outputs).
 This module has no ``from __future__ import annotations``: ``torch.library.custom_op``
 infers the schemas from real annotations.
 

@@ -70,8 +70,8 @@ def _bound(prompt_tokens: int) -> int:
     """``EvictionConfig.bound_blocks`` of a request of these servers (``ARGS``)."""
     from nexus_vllm.core import EvictionConfig
 
-    cfg = EvictionConfig(method="nexus", max_tokens=256, chunk_size=128, block_size=32,
-                         seed=7)
+    cfg = EvictionConfig(method="nexus", max_tokens=256, prompt_mode="stream",
+                         chunk_size=128, block_size=32, seed=7)
     return int(cfg.bound_blocks(prompt_tokens, prompt_tokens + MAX_TOKENS))
 
 
@@ -97,9 +97,9 @@ def test_two_stages_match_one(tiny_model, serve_tmp, one_stage) -> None:  # noqa
     run, log = _serve(tiny_model, serve_tmp, PP2, TP_ENV)
     assert "PP stage 0/2" in log and "PP stage 1/2" in log
     assert "NexusScheduler" in log and "2 steps in flight" in log
-    # The masses are the mean over every scored layer either way (added up on the last
-    # stage here), so the same blocks are evicted and greedy decoding gives the same
-    # tokens.
+    # The masses are the maximum over every scored layer and head either way (each
+    # stage's maximum, reduced by max on the last stage here; key norms and validity
+    # summed), so the same blocks are evicted and greedy decoding gives the same tokens.
     _assert_one_stage(run, one_stage)
 
 

@@ -82,7 +82,8 @@ def test_case_knobs_through_the_config(case: PolicyCase):
     cfg = EvictionConfig.from_dict({"method": case.name, "max_tokens": 1024, **case.knobs})
     assert cfg.policy_args == dict(case.knobs)
     assert cfg.policy() == get_policy(case.name, sink_blocks=cfg.sink_blocks,
-                                      recent_blocks=cfg.recent_blocks, **case.knobs)
+                                      recent_blocks=cfg.recent_blocks, carry=cfg.carry,
+                                      **case.knobs)
     assert EvictionConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     if case.bad_knob is not None:  # refused when the config is built, naming the knob
         knob, value = case.bad_knob
@@ -258,7 +259,12 @@ def test_eviction_config():
     ratio = EvictionConfig(keep_ratio=0.2)
     assert ratio.budget_blocks(64) == ratio.num_forced  # never below the forced set
     assert ratio.budget_blocks(32 * 100) == 20
-    assert ratio.policy(prefill=True).indirect == "walk" and ratio.policy().indirect == "walk"
+    # The defaults: prompt mode end (direct attention and top-K at the prompt-end event,
+    # the walk at decode), heads and layers by their maximum, one block of carry.
+    assert (ratio.prompt_mode, ratio.head_reduce, ratio.carry) == ("end", "max", 1)
+    assert ratio.policy(prefill=True).indirect == "none" and ratio.policy().indirect == "walk"
+    streaming = ratio.replace(prompt_mode="stream")
+    assert streaming.policy(prefill=True).indirect == "walk"
     assert EvictionConfig.from_dict({"method": "tova", "max_tokens": 512}).method == "tova"
     g1, g2 = cfg.generator("req-1"), cfg.generator("req-1")
     assert torch.equal(torch.rand(3, generator=g1), torch.rand(3, generator=g2))
@@ -318,7 +324,8 @@ def test_knobs_live_with_the_policy():
     assert cfg.policy(prefill=True).steps == 5  # a knob not overridden stays the decode one
     # The declared defaults: walk (and the decode sampler) after a prompt chunk; none and
     # top-K at the prompt-end event.
-    ares = EvictionConfig.from_dict({"sampler": "ares", "indirect": "none"})
+    ares = EvictionConfig.from_dict({"sampler": "ares", "indirect": "none",
+                                     "prompt_mode": "stream"})
     assert (ares.policy(prefill=True).indirect, ares.policy(prefill=True).sampler) \
         == ("walk", "ares")
     end = ares.replace(prompt_mode="end")

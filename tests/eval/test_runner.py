@@ -179,7 +179,8 @@ def test_dialogue_tasks_one_record_per_stream_every_turn_scored(tiny_dir, tmp_pa
             "--context", "7000", "--samples", "1", "--seeds", "1",
             "--protocol", "question-last,question-first", "--chunk-size", "256",
             "--no-progress", "--out", str(out),
-            "--knobs", json.dumps({"block_size": 32, "skip_layers": 1})]
+            "--knobs", json.dumps({"block_size": 32, "skip_layers": 1,
+                                   "prompt_mode": "stream"})]
     assert main(argv) == 0
     records = read_records(out / "records.jsonl")
     # One protocol per stream (its questions follow their material), three methods.

@@ -153,9 +153,9 @@ def test_parity_reports_a_difference_and_fails(server, capsys) -> None:
 
 
 def test_a_different_server_config_shows_up(server, capsys) -> None:
-    # Told the wrong chunk size, the HF side evicts at other steps than the server.
+    # Told the wrong block size, the HF side evicts other blocks than the server.
     rc, rows, _ = _run(capsys, server, "--method", "nexus", "--budget", "96",
-                       "--block-size", "8", "--chunk-size", "32", "--eviction-seed", "3")
+                       "--block-size", "16", "--chunk-size", "64", "--eviction-seed", "3")
     assert any(r["server_evicted_blocks"] != r["hf_evicted_blocks"] or not r["ids_match"]
                for r in rows)
 

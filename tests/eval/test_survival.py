@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nexus_vllm.core import EvictionConfig
-from nexus_vllm.eval.survival import SamplerTrace, plot_survival, trace_sample
+from nexus_vllm.eval.survival import STREAMING, SamplerTrace, plot_survival, trace_sample
 from nexus_vllm.hf.testing import tiny_llama
 
 PROMPT = [int(x) for x in torch.randint(3, 250, (700,), generator=torch.Generator().manual_seed(0))]
@@ -24,7 +24,7 @@ def model():
 
 def _trace(model, sampler: str) -> tuple[SamplerTrace, EvictionConfig]:
     cfg = EvictionConfig.from_budget("nexus", 0.3, block_size=16, chunk_size=32,
-                                     sampler=sampler)
+                                     sampler=sampler, **STREAMING)
     trace = SamplerTrace(sampler)
     with torch.no_grad():
         trace.add_events(trace_sample(model, PROMPT, cfg, max_new_tokens=40, request_seed=0),

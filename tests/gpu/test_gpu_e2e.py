@@ -30,8 +30,10 @@ BACKENDS = ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"]
 BLOCK, BUDGET, CHUNK = 32, 512, 256
 GPU_FLAGS = ["--max-model-len", "8192", "--gpu-memory-utilization", "0.25",
              "--max-num-seqs", "64", "--block-size", str(BLOCK), "--dtype", "bfloat16"]
-EVICT = ["--kv-eviction", "nexus", "--kv-budget", str(BUDGET), "--kv-chunk-size", str(CHUNK),
-         "--kv-eviction-seed", "7"]
+# The streaming setting: an event after every prompt chunk, the chunking the transformers
+# path repeats exactly.
+EVICT = ["--kv-eviction", "nexus", "--kv-budget", str(BUDGET), "--kv-prompt-mode", "stream",
+         "--kv-chunk-size", str(CHUNK), "--kv-eviction-seed", "7"]
 CHECK_ENV = {"VLLM_GPU_SYNC_CHECK": "error", "NEXUS_VLLM_SELF_CHECK": "1",
              "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 _TEXT = ("The lighthouse keeper wrote the tide tables by hand every evening. "
@@ -113,7 +115,7 @@ def test_evictions_equal_the_transformers_path(nexus_server, prompts, check_mode
     evicted = nexus_server.metrics()["vllm:nexus_evicted_blocks_total"] - before
     model = AutoModelForCausalLM.from_pretrained(check_model, dtype=torch.bfloat16).cuda().eval()
     cfg = EvictionConfig(method=method, max_tokens=BUDGET, chunk_size=CHUNK, seed=7,
-                         block_size=BLOCK)
+                         block_size=BLOCK, prompt_mode="stream")
     hf_ids, session = generate_ids(model, prompts["long"], cfg, max_new_tokens=24)
     hf_evicted = sum(e.blocks_before - e.blocks_after for e in session.events)
     _save(check_out, f"hf_parity_{nexus_server.backend}_{method}",

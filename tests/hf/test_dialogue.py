@@ -19,15 +19,17 @@ torch.set_num_threads(1)
 
 TEXT = ("Facts first: the magic number for the red kite is 4815162. Then a long stream of "
         "prose follows, turn after turn, about rivers, hills and the people who walk them. ")
-# (method, budget, knobs): ratio and token budgets; a long interval, where only the hard
-# limit (budget + one chunk) fires events while decoding.
+# (method, budget, knobs): ratio and token budgets; an interval longer than a block, where
+# the decode hard limit (the target plus the blocks one interval crosses) fires events
+# before the interval has passed whenever a boundary comes early.
 CONFIGS = [
     ("nexus", 0.3, {"interval": 4}),
     ("h2o", 160, {"interval": 4}),
-    ("tova", 160, {"interval": 200}),
+    ("tova", 160, {"interval": 12}),
 ]
+# The streaming setting: a conversation's prompt chunks each followed by an event.
 BASE = {"block_size": 8, "recent_blocks": 2, "window": 4, "prefill_window": 8,
-        "skip_layers": 1, "chunk_size": 48}
+        "skip_layers": 1, "chunk_size": 48, "prompt_mode": "stream"}
 
 
 def _ids(tok, repeats: int) -> torch.Tensor:
@@ -81,7 +83,7 @@ def test_probes_equal_one_request_each(model, tok, method: str, mode: dict) -> N
     # probe with forced model output before its answer.
     probes = [Probe(100, 100, 108, 6), Probe(144, 144, 150, 6), Probe(150, 150, 156, 5),
               Probe(230, 300, 310, 6)]
-    cfg = None if method == "dense" else make_config(method, 0.3, **BASE, **mode)
+    cfg = None if method == "dense" else make_config(method, 0.3, **{**BASE, **mode})
     got = run_probes(model, ids, probes, cfg, chunk_size=48)
     for probe, res in zip(probes, got):
         if probe.forced_end == probe.prompt_end:

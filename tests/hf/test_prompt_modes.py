@@ -88,7 +88,7 @@ def test_fork_refuses_what_it_cannot_reproduce(model, tok) -> None:
     dense = prefill_sample(model, tok, CONTEXT, QUESTION, ANSWER, config=None,
                            chunk_size=64, capture_rows=4)
     with pytest.raises(ValueError, match="prompt_mode"):
-        dense.fork(make_config("nexus", 0.3, **KNOBS), seed=0)
+        dense.fork(make_config("nexus", 0.3, prompt_mode="stream", **KNOBS), seed=0)
     with pytest.raises(ValueError, match="query rows"):
         dense.fork(make_config("nexus", 0.3, prompt_mode="end", **KNOBS), seed=0)
 

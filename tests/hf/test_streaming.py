@@ -17,8 +17,9 @@ QUESTION = " Question: what is the magic number? Answer:"
 # Every registered policy, from the case table (a new policy is tested here by its row).
 METHODS = [case.name for case in POLICY_CASES]
 # Small blocks and chunks so a ~900-token prompt sees many events.
+# The streaming setting (an event after every prompt chunk): what these tests exercise.
 KNOBS = {"block_size": 8, "recent_blocks": 2, "interval": 4, "window": 4,
-         "prefill_window": 8, "skip_layers": 1}
+         "prefill_window": 8, "skip_layers": 1, "prompt_mode": "stream"}
 
 
 def test_byte_tokenizer_round_trips(tok) -> None:
@@ -114,7 +115,10 @@ def test_run_sample_teacher_forcing_matches_token_by_token_decode(model, tok) ->
                       max_new_tokens=10, **KNOBS)
     assert res.text == greedy
     split = encode_prompt(tok, CONTEXT, QUESTION, answer=answer)
-    session = StreamingSession(model, make_config("h2o", 0.3, chunk_size=64, **KNOBS))
+    # The reference knows where the prompt ends, as run_sample's session does: decode
+    # events are bounded by one decode interval, prompt chunks by one chunk.
+    session = StreamingSession(model, make_config("h2o", 0.3, chunk_size=64, **KNOBS),
+                               prompt_tokens=split.n_prompt)
     ids = split.ids
     for start in range(0, split.n_context, 64):
         last = session.forward(ids[start:min(start + 64, split.n_context)])[-1]
@@ -166,8 +170,9 @@ def test_other_llama_family_models(tok, family: str) -> None:
 
 
 def test_layer_stride_scores_every_other_layer(model, tok) -> None:
-    """``layer_stride=2`` averages the mass of layers 0 and 2 of 3 only."""
-    from nexus_vllm.core import block_attention_mass
+    """``layer_stride=2`` combines the mass of layers 0 and 2 of 3 only (by the config's
+    ``head_reduce``)."""
+    from nexus_vllm.core import block_attention_mass, combine_layer_masses
 
     cfg = make_config("nexus", 0.3, **{**KNOBS, "skip_layers": 0, "layer_stride": 2})
     session = StreamingSession(model, cfg)
@@ -178,8 +183,9 @@ def test_layer_stride_scores_every_other_layer(model, tok) -> None:
         q = session._queries[li]
         assert q is not None
         k = session.cache.layers[li].keys[0].transpose(0, 1)
-        want.append(block_attention_mass(q[:, -8:].transpose(0, 1), k, cfg.block_size))
-    torch.testing.assert_close(session.block_mass(8), (want[0] + want[1]) / 2)
+        want.append(block_attention_mass(q[:, -8:].transpose(0, 1), k, cfg.block_size,
+                                         head_reduce=cfg.head_reduce))
+    torch.testing.assert_close(session.block_mass(8), combine_layer_masses(want, cfg.head_reduce))
     every = StreamingSession(model, cfg.replace(layer_stride=1))
     every.forward(torch.tensor(tok(CONTEXT)["input_ids"][:200]))
     assert list(every._scored_layers()) == [0, 1, 2]

@@ -123,7 +123,9 @@ def cpu_ops() -> Any:
 def scheduler_side(num_blocks: int = 64, **flags: Any) -> tuple[Any, Any, Any]:
     """``(EvictionManager, FullAttentionManager, BlockPool)``: the scheduler side over
     vLLM's real block pool, with a stand-in for the parts of ``KVCacheManager`` the
-    manager hooks (prefix hits, admission). ``flags`` are ``EvictionConfig`` fields."""
+    manager hooks (prefix hits, admission). ``flags`` are ``EvictionConfig`` fields; the
+    server streams (``prompt_mode`` ``stream``, an event after every prompt chunk) unless
+    they say otherwise, since the tests step prompts chunk by chunk."""
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -139,5 +141,6 @@ def scheduler_side(num_blocks: int = 64, **flags: Any) -> tuple[Any, Any, Any]:
                           block_pool=pool, get_computed_blocks=lambda r: ((), 0, 0),
                           truncate_computed_blocks=lambda blocks, n: blocks,
                           allocate_slots=lambda *a, **k: None)
-    cfg = resolve_config(flags={"method": "nexus", "seed": 3, **flags})
+    cfg = resolve_config(flags={"method": "nexus", "seed": 3, "prompt_mode": "stream",
+                                **flags})
     return EvictionManager(cfg, kvm, BS), single, pool

@@ -40,7 +40,8 @@ FLOOR = 192
 
 
 def _server_cfg():  # noqa: ANN202
-    return resolve_config(flags={"method": "nexus", "max_tokens": 256})
+    # A streaming server: the mode the prompt-mode cases below are refused against.
+    return resolve_config(flags={"method": "nexus", "max_tokens": 256, "prompt_mode": "stream"})
 
 
 # -- per-request vllm_xargs -------------------------------------------------------------
@@ -171,6 +172,15 @@ def test_request_field_refused_by_server_without_eviction(xargs, field,
 @pytest.mark.parametrize("xargs", GOOD_XARGS, ids=[json.dumps(x)[:60] for x in GOOD_XARGS])
 def test_good_request_fields_pass(xargs) -> None:  # noqa: ANN001
     validate_request_args(xargs, _server_cfg(), max_model_len=MAX_LEN)
+    # ... and on a server with the defaults (prompt mode end).
+    default = resolve_config(flags={"method": "nexus", "max_tokens": 256})
+    validate_request_args(xargs, default, max_model_len=MAX_LEN)
+
+
+def test_prefill_budget_alone_is_good_on_a_default_server() -> None:
+    """The default mode is end, so a request's prefill budget needs no mode with it."""
+    default = resolve_config(flags={"method": "nexus", "max_tokens": 256})
+    validate_request_args({"kv_prefill_budget": 1024}, default, max_model_len=MAX_LEN)
 
 
 def test_rules_between_request_fields_are_eviction_configs(monkeypatch) -> None:  # noqa: ANN001
@@ -339,7 +349,7 @@ BUILD_CASES = [
      "did you mean 'window' for 'widow'?"),
     (["--kv-budget", "1024", "--kv-prompt-mode", "end", "--kv-prefill-budget", "512"],
      "--kv-prefill-budget: prefill_budget must be at least the budget (1024 tokens)"),
-    (["--kv-budget", "1024", "--kv-prefill-budget", "2048"],
+    (["--kv-budget", "1024", "--kv-prompt-mode", "stream", "--kv-prefill-budget", "2048"],
      "--kv-prefill-budget: prefill_budget applies to prompt_mode 'end' only"),
 ]
 

@@ -285,8 +285,15 @@ class TestServeParser:
         assert ea.scheduler_cls == "nexus_vllm.integration.scheduler.scheduler.NexusScheduler"
         assert ea.worker_cls == "nexus_vllm.integration.worker.worker.NexusWorker"
         assert ea.enable_prefix_caching is None and ea.block_size == 32  # left to vLLM
-        # Async scheduling is left to vLLM; the scheduler class follows what it settles on.
-        assert ea.long_prefill_token_threshold == 512 and ea.async_scheduling is None
+        # The default mode evicts at the prompt's end only: vLLM chunks the prompt as it
+        # would (no per-request cap); stream caps each request at --kv-chunk-size. Async
+        # scheduling is left to vLLM; the scheduler class follows what it settles on.
+        assert ea.long_prefill_token_threshold == 0 and ea.async_scheduling is None
+        stream = AsyncEngineArgs.from_cli_args(self._parser().parse_args([
+            "--model", LOCAL_MODEL, "--kv-eviction", "nexus", "--kv-budget", "1024",
+            "--kv-prompt-mode", "stream"]))
+        translate_engine_args(stream)
+        assert stream.long_prefill_token_threshold == 512
 
     def test_prompt_mode_flags(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -304,7 +311,8 @@ class TestServeParser:
     @pytest.mark.parametrize("argv, flag", [
         (["--kv-prompt-mode", "end", "--kv-prefill-budget", "512"], "--kv-prefill-budget"),
         (["--kv-prompt-mode", "keep", "--kv-prefill-budget", "2048"], "--kv-prefill-budget"),
-        (["--kv-prefill-budget", "2048"], "--kv-prefill-budget"),  # stream: end only
+        (["--kv-prompt-mode", "stream", "--kv-prefill-budget", "2048"],
+         "--kv-prefill-budget"),  # end only
         (["--additional-config", '{"nexus": {"prompt_mode": "end", "prefill_budget": 2048}}',
           "--kv-prompt-mode", "keep"], "--kv-prompt-mode"),
     ])
@@ -339,7 +347,8 @@ class TestServeParser:
 
 @pytest.mark.parametrize("preset", sorted(
     p.name for p in (pathlib.Path(__file__).parents[2] / "configs").glob("*.yaml")
-    if p.name not in ("nexus-keep20.yaml", "nexus-fast.yaml", "nexus-end.yaml")
+    if p.name not in ("nexus-keep20.yaml", "nexus-fast.yaml", "nexus-end.yaml",
+                      "nexus-chat.yaml", "nexus-completion.yaml", "nexus-stream.yaml")
 ))
 def test_presets_load(preset) -> None:  # noqa: ANN001
     path = pathlib.Path(__file__).parents[2] / "configs" / preset
@@ -354,6 +363,25 @@ def test_end_preset_holds_the_budget_from_the_prompt_end() -> None:
     prompt_end = cfg.policy(prefill=True)
     assert (prompt_end.indirect, prompt_end.sampler) == ("none", "topk")  # the tuned event
     assert cfg.policy().sampler == "pps"  # decode events keep the paper's sampler
+
+
+def test_shape_presets() -> None:
+    """One preset per prompt shape (the chat shape's is the defaults) and the streaming
+    setting."""
+    from nexus_vllm.core import EvictionConfig
+
+    configs = pathlib.Path(__file__).parents[2] / "configs"
+    chat = resolve_config(file=str(configs / "nexus-chat.yaml"), flags={"max_tokens": 2048})
+    assert chat == EvictionConfig(method="nexus", max_tokens=2048)
+    completion = resolve_config(file=str(configs / "nexus-completion.yaml"),
+                                flags={"max_tokens": 2048})
+    assert completion == chat.replace(prefill_window=8)
+    stream = resolve_config(file=str(configs / "nexus-stream.yaml"), flags={"max_tokens": 2048})
+    assert stream == chat.replace(prompt_mode="stream")
+    spelled = resolve_config(file=str(configs / "nexus.yaml"), flags={"max_tokens": 2048})
+    assert spelled.replace(policy_args={}) == chat  # the policy's knobs, written out
+    assert (spelled.policy(), spelled.policy(prefill=True)) == (chat.policy(),
+                                                                chat.policy(prefill=True))
 
 
 def test_fast_preset_scores_a_quarter() -> None:

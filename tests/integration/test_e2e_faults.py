@@ -26,7 +26,9 @@ def test_server_keeps_serving_through_injected_faults(tiny_model, serve_tmp) -> 
 
     from nexus_vllm.eval.server import VllmServer
 
+    # The streaming setting: many events per request, so every fault kind gets its chance.
     server = VllmServer(tiny_model, ["--kv-eviction", "nexus", "--kv-budget", "256",
+                                     "--kv-prompt-mode", "stream",
                                      "--kv-chunk-size", "128", "--block-size", "32",
                                      "--num-gpu-blocks-override", "200"],
                         serve_tmp, env={"NEXUS_VLLM_FAULTS": FAULTS})

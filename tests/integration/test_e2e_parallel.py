@@ -30,7 +30,8 @@ from tests.integration.conftest import HAS_VLLM
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,
               pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")]
 
-ARGS = ["--kv-eviction", "nexus", "--kv-budget", "256", "--kv-chunk-size", "128",
+ARGS = ["--kv-eviction", "nexus", "--kv-budget", "256", "--kv-prompt-mode", "stream",
+        "--kv-chunk-size", "128",
         "--kv-eviction-seed", "7", "--num-gpu-blocks-override", "160", "--block-size", "32"]
 MP = ["--distributed-executor-backend", "mp"]
 # Two ranks on a 2-core box: one core each (vLLM's NUMA auto-binding needs 2 nodes).

@@ -22,7 +22,8 @@ from tests.integration.conftest import HAS_VLLM
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,
               pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")]
 
-EVICT = ["--kv-eviction", "nexus", "--kv-budget", "256", "--kv-chunk-size", "128",
+EVICT = ["--kv-eviction", "nexus", "--kv-budget", "256", "--kv-prompt-mode", "stream",
+         "--kv-chunk-size", "128",
          "--kv-eviction-seed", "7"]
 COMMON = ["--block-size", "32", "--num-gpu-blocks-override", "400"]
 _WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima"]

@@ -43,7 +43,8 @@ pytestmark = [
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BLOCK = 32
 POOL_BLOCKS = 96
-SERVER_ARGS = ["--kv-eviction", "nexus", "--kv-budget", "256", "--kv-chunk-size", "128",
+SERVER_ARGS = ["--kv-eviction", "nexus", "--kv-budget", "256", "--kv-prompt-mode", "stream",
+               "--kv-chunk-size", "128",
                "--kv-eviction-seed", "7", "--num-gpu-blocks-override", str(POOL_BLOCKS),
                # The pool holds 95 * 32 = 3040 tokens; vLLM refuses a max_model_len that
                # one request could not fit.

@@ -29,7 +29,10 @@ CHUNK_BLOCKS = CHUNK_TOKENS // BLOCK
 # (up to 12 blocks each) do not, so the streaming test also exercises preemption and
 # recompute of evicting requests.
 POOL_BLOCKS = 160
+# The streaming setting (an event after every prompt chunk: budget + one chunk at most);
+# requests ask for the other prompt modes per request.
 EVICT_ARGS = ["--kv-eviction", "nexus", "--kv-budget", str(BUDGET_TOKENS),
+              "--kv-prompt-mode", "stream",
               "--kv-chunk-size", str(CHUNK_TOKENS), "--kv-eviction-seed", "7",
               "--num-gpu-blocks-override", str(POOL_BLOCKS)]
 _WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",

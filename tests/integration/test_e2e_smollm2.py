@@ -1,6 +1,9 @@
 """One realistic case: the embedded SmolLM2-135M-Instruct served with Nexus eviction at
 a 256-token budget on a ~600-token chat, and ``nexus-vllm parity`` against the same
-server, eviction off and on (~3 min on 2 CPU cores)."""
+server, eviction off and on, through the completions API and the chat API (~4 min on 2
+CPU cores). The module's server runs the defaults (prompt mode end), its prompts chunked
+by vLLM in 128-token steps (``--max-num-batched-tokens``), the chunk the transformers path
+repeats; the fast preset's server runs the streaming setting."""
 
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ def _serve(serve_tmp, *flags: str):  # noqa: ANN001, ANN202
 
 @pytest.fixture(scope="module")
 def smol_server(serve_tmp):  # noqa: ANN001, ANN201
-    server = _serve(serve_tmp, "--kv-eviction", "nexus")
+    server = _serve(serve_tmp, "--kv-eviction", "nexus", "--max-num-batched-tokens",
+                    str(CHUNK))
     yield server
     server.stop()
 
@@ -98,6 +102,19 @@ def test_parity_with_eviction_server_equals_transformers(smol_server, capsys) ->
     assert summary["ids_match"] == summary["evicted_match"] == 2
 
 
+def test_parity_chat_api_server_equals_transformers(smol_server, capsys) -> None:  # noqa: ANN001
+    """The chat shape as a user's client sends it (document and question in one message
+    to /v1/chat/completions), with the defaults: the server's rendering of the messages is
+    the suite's prompt, and the answer's tokens and evicted blocks are the transformers
+    path's."""
+    rc, rows, summary = _parity(smol_server, capsys, "--protocol", "chat", "--task",
+                                "niah_single_prose", "--context", "1024", "--method",
+                                "nexus", "--budget", str(BUDGET), "--chunk-size", str(CHUNK))
+    assert len(rows) == 2 and all(r["prompt_match"] for r in rows), rows
+    assert rc == 0 and summary["ids_match"] == summary["evicted_match"] == 2, rows
+    assert all(r["server_evicted_blocks"] > 0 for r in rows)
+
+
 def test_parity_multiturn_every_turn_a_request(smol_server, capsys) -> None:  # noqa: ANN001
     """The multi-turn family as the evaluation streams it (each turn a request with the
     conversation so far) gives the same tokens and evictions on the server."""
@@ -116,7 +133,8 @@ def fast_server(serve_tmp):  # noqa: ANN001, ANN201
     import pathlib
 
     preset = pathlib.Path(__file__).parents[2] / "configs" / "nexus-fast.yaml"
-    server = _serve(serve_tmp, "--kv-eviction-config", str(preset))
+    server = _serve(serve_tmp, "--kv-eviction-config", str(preset), "--kv-prompt-mode",
+                    "stream")
     yield server
     server.stop()
 
@@ -130,17 +148,20 @@ def test_parity_fast_preset_scores_the_same_layers(fast_server, capsys) -> None:
     assert "14 of 30 attention layers scored" in log, fast_server.log_tail(40)
     rc, rows, summary = _parity(fast_server, capsys, "--method", "nexus",
                                 "--budget", str(BUDGET), "--chunk-size", str(CHUNK),
-                                "--knobs", '{"prefill_window": 16, "layer_stride": 2}')
+                                "--knobs", '{"prefill_window": 16, "layer_stride": 2, '
+                                '"prompt_mode": "stream"}')
     assert rc == 0 and all(r["ids_match"] for r in rows), rows
     assert all(r["server_evicted_blocks"] == r["hf_evicted_blocks"] > 0 for r in rows), rows
     assert summary["ids_match"] == summary["evicted_match"] == 2
 
 
-def test_prompt_end_mode_server_equals_transformers(smol_server) -> None:  # noqa: ANN001
-    """``kv_prompt_mode: end`` per request on the streaming server, with the real model:
-    the chat is kept whole until its last chunk, then one event (the question in its
-    window) evicts to the budget. The server and the transformers path under the same
-    config give the same tokens and evict the same blocks."""
+@pytest.mark.parametrize("mode", ["end", "stream"])
+def test_prompt_modes_server_equals_transformers(smol_server, mode) -> None:  # noqa: ANN001
+    """Each prompt mode per request on the default server, with the real model: ``end``
+    keeps the chat whole until its last chunk, then one event (the question in its
+    window) evicts to the budget; ``stream`` evicts after every chunk from the first. The
+    server and the transformers path under the same config give the same tokens and
+    evict the same blocks."""
     import requests
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -158,7 +179,7 @@ def test_prompt_end_mode_server_equals_transformers(smol_server) -> None:  # noq
     r = requests.post(smol_server.base_url + "/v1/completions", timeout=300, json={
         "model": smol_server.model, "prompt": ids, "max_tokens": 16, "temperature": 0.0,
         "return_token_ids": True,
-        "vllm_xargs": {"kv_prompt_mode": "end", "kv_budget": BUDGET}})
+        "vllm_xargs": {"kv_prompt_mode": mode, "kv_budget": BUDGET}})
     r.raise_for_status()
     choice = r.json()["choices"][0]
     evicted = smol_server.metrics()["vllm:nexus_evicted_blocks_total"] - before
@@ -166,11 +187,15 @@ def test_prompt_end_mode_server_equals_transformers(smol_server) -> None:  # noq
     model = AutoModelForCausalLM.from_pretrained(smol_server.model,
                                                  dtype=torch.float32).eval()
     cfg = EvictionConfig(method="nexus", max_tokens=BUDGET, chunk_size=CHUNK,
-                         prompt_mode="end")
+                         prompt_mode=mode)
     hf_ids, session = generate_ids(model, ids, cfg, max_new_tokens=16,
                                    eos_token_ids=eos_ids(model, tok))
-    print(f"prompt-end mode @ {BUDGET}/{len(ids)} tokens: {choice['text']!r}")
-    assert [e.seen for e in session.events if e.prefill] == [len(ids)]
+    print(f"prompt mode {mode} @ {BUDGET}/{len(ids)} tokens: {choice['text']!r}")
+    prefill_events = [e.seen for e in session.events if e.prefill]
+    if mode == "end":
+        assert prefill_events == [len(ids)]
+    else:
+        assert len(prefill_events) > 2 and prefill_events[0] < len(ids)
     assert choice["token_ids"] == hf_ids
     assert evicted == sum(e.blocks_before - e.blocks_after for e in session.events) > 0
     m = smol_server.metrics()

@@ -17,10 +17,12 @@ pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 
 
 def _cfg(**flags):  # noqa: ANN003, ANN202
+    """A streaming server's config (an event after every prompt chunk) unless ``flags``
+    say otherwise."""
     from nexus_vllm.integration.frontend.server_config import resolve_config
 
     return resolve_config(flags={"method": "nexus", "seed": 3, "max_tokens": 256,
-                                 "chunk_size": 128, **flags})
+                                 "chunk_size": 128, "prompt_mode": "stream", **flags})
 
 
 def _request(req_id: str, prompt: int, **extra):  # noqa: ANN003, ANN202
@@ -91,6 +93,9 @@ def test_channel_drops_the_nulls_of_a_request_whose_block_list_went() -> None:
     ({"prompt_mode": "keep"}, 1000, None),   # no event during the prompt
     ({}, 200, None),                         # the prompt fits the budget
     ({"chunk_size": 96}, 1000, (192, 96)),   # 9 blocks > 8 after the chunk 192..288
+    # end (the default): only the prompt's end fires, so any block boundary before its
+    # 32-row window will do, whatever the chunking.
+    ({"prompt_mode": "end"}, 1000, (960, 32)),
 ])
 def test_prefix_hit_cap_ends_before_the_first_event(flags, prompt, want) -> None:  # noqa: ANN001
     from nexus_vllm.core import cdiv
@@ -103,8 +108,10 @@ def test_prefix_hit_cap_ends_before_the_first_event(flags, prompt, want) -> None
         # The chunk after the cap never leaves the request over its target; the cap's
         # chunk boundary is at most the first event's chunk start.
         limit, multiple = rule
-        assert limit % BS == 0 and limit % int(cfg.chunk_size) == 0
+        assert limit % BS == 0 and limit % multiple == 0
         assert cdiv(limit, BS) <= int(cfg.target_blocks(limit, prompt))
+        if cfg.evicts_mid_prompt:
+            assert limit % int(cfg.chunk_size) == 0
 
 
 def test_clean_watermark_is_the_first_eviction_until_a_restart() -> None:

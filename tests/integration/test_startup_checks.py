@@ -108,11 +108,15 @@ def test_settings_refuse_a_parallel_size_below_one() -> None:
 
 
 def test_forced_settings() -> None:
-    cfg = EvictionConfig(method="nexus", max_tokens=1024, chunk_size=256)
+    cfg = EvictionConfig(method="nexus", max_tokens=1024, chunk_size=256,
+                         prompt_mode="stream")
     assert forced_engine_args(cfg) == {
         "scheduler_cls": SCHEDULER_CLS, "worker_cls": WORKER_CLS, "block_size": 32,
         "enable_chunked_prefill": True, "long_prefill_token_threshold": 256,
         "scheduler_reserve_full_isl": False}
+    # The default mode evicts at the prompt's end only: vLLM chunks the prompt itself.
+    end = EvictionConfig(method="nexus", max_tokens=1024, chunk_size=256)
+    assert "long_prefill_token_threshold" not in forced_engine_args(end)
     assert with_engine_block_size(cfg, None) is cfg
     assert with_engine_block_size(cfg, 32) is cfg
     assert with_engine_block_size(cfg, 16).block_size == 16  # vLLM's --block-size wins

@@ -32,6 +32,11 @@ HEAD_SHAPES = [
 ]
 # Live lengths per request: empty, shorter than W, exactly a block, partial last block.
 SEQ_LEN_SETS = [[0, 2, 16, 77], [1, 33, 64, 150]]
+# (seq_lens, head_reduce) for the cheap reference tests: both reductions on the set with
+# an empty request, only the mean on the others (the interpreter's CI time is the budget).
+SEQ_REDUCES = [(SEQ_LEN_SETS[0], hr) for hr in HEAD_REDUCES] + [
+    (s, "mean") for s in SEQ_LEN_SETS[1:]
+]
 # Absolute floor added to the 2x error-ratio bound, per input dtype.
 ATOL_FLOOR = {torch.float32: 1e-6, torch.float16: 1e-5, torch.bfloat16: 1e-5}
 SEED = 1234
@@ -126,10 +131,9 @@ def test_reference_helper_matches_core():
     )
 
 
-@pytest.mark.parametrize("head_reduce", HEAD_REDUCES)
 @pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
-@pytest.mark.parametrize("seq_lens", SEQ_LEN_SETS)
-def test_torch_backend_equals_core(seq_lens, kv_layout, head_reduce):
+@pytest.mark.parametrize(("seq_lens", "head_reduce"), SEQ_REDUCES)
+def test_torch_backend_equals_core(seq_lens, head_reduce, kv_layout):
     q, kc, bt, sl = _make_case(seq_lens, 4, 4, 2, 32, 16, torch.float32, kv_layout)
     got = block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, backend="torch",
                                      head_reduce=head_reduce)
@@ -138,11 +142,10 @@ def test_torch_backend_equals_core(seq_lens, kv_layout, head_reduce):
     torch.testing.assert_close(got, core, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("head_reduce", HEAD_REDUCES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
-@pytest.mark.parametrize("seq_lens", SEQ_LEN_SETS)
-def test_batched_backend_within_bound(seq_lens, kv_layout, dtype, head_reduce):
+@pytest.mark.parametrize(("seq_lens", "head_reduce"), SEQ_REDUCES)
+def test_batched_backend_within_bound(seq_lens, head_reduce, kv_layout, dtype):
     """The vectorised torch path (the plugin's CPU scorer) against fp64, with the same
     2x-the-input-dtype-error bound as the Triton kernel, and garbage past each row's
     blocks (it gathers whole rows)."""
@@ -178,39 +181,54 @@ def test_triton_matches_reference(dtype, block_size, kv_layout):
 
 
 @triton_only
-@pytest.mark.parametrize("head_reduce", HEAD_REDUCES)
-@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_max_over_heads_matches_reference(dtype, kv_layout, head_reduce):
-    """``head_reduce``: the combine launch's mean or maximum over the query heads, on
-    GQA groups of 1 and 3 and rows shorter than the window, within the error bound."""
-    for w, hq, hkv in ((4, 4, 4), (3, 6, 2)):
-        seq_lens = [0, 2, 16, 41]
-        q, kc, bt, sl = _make_case(seq_lens, w, hq, hkv, 32, 16, dtype, kv_layout)
-        got = block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, backend="triton",
-                                         head_reduce=head_reduce)
-        exact, lowp, _ = _references(q, kc, bt, sl, kv_layout, head_reduce)
-        _assert_within_bound(got, exact, lowp, dtype)
+@pytest.mark.parametrize(
+    ("dtype", "kv_layout", "w", "hq", "hkv"),
+    [(torch.float32, "NHD", 4, 4, 4), (torch.bfloat16, "HND", 3, 6, 2)],
+)
+def test_triton_max_over_heads_matches_reference(dtype, kv_layout, w, hq, hkv):
+    """The combine launch's maximum over the query heads (GQA groups of 1 and 3), with an
+    empty request and rows shorter than the window, within the error bound (the random
+    configs below cover the other dtypes and block sizes)."""
+    seq_lens = [0, 2, 16, 41]
+    q, kc, bt, sl = _make_case(seq_lens, w, hq, hkv, 32, 16, dtype, kv_layout)
+    got = block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, backend="triton",
+                                     head_reduce="max")
+    exact, lowp, _ = _references(q, kc, bt, sl, kv_layout, "max")
+    _assert_within_bound(got, exact, lowp, dtype)
+    # Structure: padding rows and columns past the blocks are 0; a row of maxima over
+    # heads sums to at least 1 (the mean's sum), not to 1.
+    for i, s in enumerate(seq_lens):
+        n = num_blocks_for(s, 16)
+        assert torch.all(got[i, :, n:] == 0) and torch.all(got[i, : max(0, w - s)] == 0)
+        assert bool((got[i, max(0, w - s) :].sum(-1) >= 1 - 1e-5).all())
 
 
 @pytest.mark.parametrize("backend", ["torch", "batched",
                                      pytest.param("triton", marks=triton_only)])
 def test_max_over_heads_combines_by_max_into_out_and_over_layers(backend):
     """With ``out`` and over layers, ``max`` takes the elementwise maximum (a sum would
-    grow with the layers); it is at least the mean, and equal to it with one head."""
-    q, kc, bt, sl = _make_case([30, 50], 4, 4, 2, 32, 16, torch.float32, "NHD")
+    grow with the layers), leaving padding rows and columns past the blocks of a non-zero
+    ``out`` as they were; it is at least the mean, and equal to it with one head."""
+    q, kc, bt, sl = _make_case([3, 50], 4, 4, 2, 32, 16, torch.float32, "NHD")
     one = block_attention_mass_paged(q, kc, bt, sl, backend=backend, head_reduce="max")
     mean = block_attention_mass_paged(q, kc, bt, sl, backend=backend)
     assert bool((one >= mean - 1e-6).all()) and bool((one > mean + 1e-4).any())
-    start = torch.full_like(one, 0.5)
+    # A random non-zero out, so that each side of the maximum wins somewhere.
+    start = 0.5 * torch.rand(one.shape, generator=torch.Generator().manual_seed(SEED))
+    assert bool((one > start).any()) and bool((one < start).any())
     out = start.clone()
-    block_attention_mass_paged(q, kc, bt, sl, backend=backend, out=out, head_reduce="max")
+    ret = block_attention_mass_paged(q, kc, bt, sl, backend=backend, out=out, head_reduce="max")
+    assert ret is out
     torch.testing.assert_close(out, torch.maximum(start, one), rtol=1e-6, atol=1e-6)
-    q2, kc2, _, _ = _make_case([30, 50], 4, 4, 2, 32, 16, torch.float32, "NHD", q_scale=3.0)
+    q2, kc2, _, _ = _make_case([3, 50], 4, 4, 2, 32, 16, torch.float32, "NHD", q_scale=3.0)
+    other = block_attention_mass_paged(q2, kc2, bt, sl, backend=backend, head_reduce="max")
     layers = block_attention_mass_paged_layers(torch.stack([q, q2]), [kc, kc2], bt, sl,
                                                backend=backend, head_reduce="max")
-    other = block_attention_mass_paged(q2, kc2, bt, sl, backend=backend, head_reduce="max")
     torch.testing.assert_close(layers, torch.maximum(one, other), rtol=1e-6, atol=1e-6)
+    out = start.clone()
+    block_attention_mass_paged_layers(torch.stack([q, q2]), [kc, kc2], bt, sl,
+                                      backend=backend, out=out, head_reduce="max")
+    torch.testing.assert_close(out, torch.maximum(start, layers), rtol=1e-6, atol=1e-6)
     q1, kc1, bt1, sl1 = _make_case([30, 50], 4, 1, 1, 32, 16, torch.float32, "NHD")
     torch.testing.assert_close(
         block_attention_mass_paged(q1, kc1, bt1, sl1, backend=backend, head_reduce="max"),
@@ -249,12 +267,17 @@ def _random_configs(n: int) -> list[tuple]:
 
 
 @triton_only
-@pytest.mark.parametrize("config", _random_configs(8))
-def test_triton_random_configs(config):
+@pytest.mark.parametrize(
+    ("config", "head_reduce"),
+    # Alternating reductions: the draws stay those of the mean-only test (at no extra cost).
+    [(c, HEAD_REDUCES[i % len(HEAD_REDUCES)]) for i, c in enumerate(_random_configs(8))],
+)
+def test_triton_random_configs(config, head_reduce):
     dtype, bs, layout, w, hkv, group, d, seq_lens = config
     q, kc, bt, sl = _make_case(seq_lens, w, hkv * group, hkv, d, bs, dtype, layout)
-    got = block_attention_mass_paged(q, kc, bt, sl, kv_layout=layout, backend="triton")
-    exact, lowp, _ = _references(q, kc, bt, sl, layout)
+    got = block_attention_mass_paged(q, kc, bt, sl, kv_layout=layout, backend="triton",
+                                     head_reduce=head_reduce)
+    exact, lowp, _ = _references(q, kc, bt, sl, layout, head_reduce)
     _assert_within_bound(got, exact, lowp, dtype)
 
 
@@ -403,12 +426,17 @@ def test_under_torch_compile(backend):
         out = torch.zeros(2, 4, bt.shape[1])
         block_attention_mass_paged(q, kc, bt, sl, backend=backend, out=out)
         fresh = block_attention_mass_paged(q, kc, bt, sl, backend=backend)
-        return out + fresh
+        peak = torch.full((2, 4, bt.shape[1]), 0.25)
+        block_attention_mass_paged(q, kc, bt, sl, backend=backend, out=peak, head_reduce="max")
+        return out + fresh, peak
 
     torch._dynamo.reset()
     compiled = torch.compile(score, backend="aot_eager", fullgraph=True)
+    summed, peak = compiled(q, kc, bt, sl)
     want = 2 * block_attention_mass_paged(q, kc, bt, sl, backend="torch")
-    torch.testing.assert_close(compiled(q, kc, bt, sl), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(summed, want, rtol=1e-5, atol=1e-6)
+    want_peak = block_attention_mass_paged(q, kc, bt, sl, backend="torch", head_reduce="max")
+    torch.testing.assert_close(peak, want_peak.clamp(min=0.25), rtol=1e-5, atol=1e-6)
 
 
 def test_opcheck_fake_impls():
@@ -504,6 +532,30 @@ def test_gpu_matches_reference(case, dtype, block_size, kv_layout):
     out = torch.ones_like(got)
     block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, out=out)
     torch.testing.assert_close(out, got + 1, rtol=0, atol=1e-6)
+
+
+# head_reduce="max" (the combine launch's HEAD_MAX build): one case per dtype of note.
+GPU_MAX_CASES = [
+    (GPU_SHAPES[0], torch.bfloat16, 16, "HND"),
+    (GPU_SHAPES[2], torch.float16, 32, "NHD"),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@triton_only
+@pytest.mark.parametrize(("case", "dtype", "block_size", "kv_layout"), GPU_MAX_CASES)
+def test_gpu_head_max_matches_reference(case, dtype, block_size, kv_layout):
+    seq_lens, w, hq, hkv, d = case
+    q, kc, bt, sl = _make_case(seq_lens, w, hq, hkv, d, block_size, dtype, kv_layout, device="cuda")
+    got = block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, backend="auto",
+                                     head_reduce="max")
+    exact, lowp, _ = _references(q, kc, bt, sl, kv_layout, "max")
+    _assert_within_bound(got, exact, lowp, dtype)
+    start = torch.rand(got.shape, device="cuda")
+    out = start.clone()
+    block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, out=out, head_reduce="max")
+    torch.testing.assert_close(out, torch.maximum(start, got), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
