@@ -18,8 +18,9 @@ part to the last stage, which replies. Servers of the tiny model, one after anot
 4. ``--pipeline-parallel-size 2`` with async scheduling (kept on through the build's
    ``NEXUS_VLLM_CPU_ASYNC_SCHEDULING``: three steps in flight): one stage's tokens and
    evictions again;
-5. ``--tensor-parallel-size 2 --pipeline-parallel-size 2``: four ranks on the box's two
-   cores (unbound threads; ~3 min), one stage's tokens and evictions again.
+5. one stage with async scheduling (two steps in flight): the same again;
+6. ``--tensor-parallel-size 2 --pipeline-parallel-size 2``: four ranks on the box's two
+   cores (unbound threads), one stage's tokens and evictions again.
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ def _assert_one_stage(run, one_stage) -> None:  # noqa: ANN001
     back, each request's peak equal to its bound."""
     tokens, prompts, metrics = run
     ref_tokens, ref_prompts, ref_metrics = one_stage
+    print({k.removeprefix("vllm:nexus_"): metrics.get(k) for k in (  # the measurement
+        "vllm:nexus_evicted_blocks_total", "vllm:nexus_eviction_events_total",
+        "vllm:nexus_faults_total", "vllm:nexus_free_blocks", "vllm:nexus_total_blocks",
+        "vllm:nexus_request_peak_live_blocks_sum", "vllm:nexus_live_blocks_peak")},
+          "bounds", [_bound(p) for p in prompts], "prompts", prompts)
     assert metrics["vllm:nexus_evicted_blocks_total"] > 0
     for name in ("vllm:nexus_evicted_blocks_total", "vllm:nexus_eviction_events_total"):
         assert metrics[name] == ref_metrics[name], name
@@ -117,6 +123,14 @@ def test_two_stages_with_async_scheduling_match_one(tiny_model, serve_tmp,  # no
     env = {**TP_ENV, "NEXUS_VLLM_CPU_ASYNC_SCHEDULING": "1"}
     run, log = _serve(tiny_model, serve_tmp, [*PP2, "--async-scheduling"], env)
     assert "NexusAsyncScheduler" in log and "3 steps in flight" in log
+    _assert_one_stage(run, one_stage)
+
+
+def test_one_stage_with_async_scheduling_matches_one(tiny_model, serve_tmp,  # noqa: ANN001
+                                                     one_stage) -> None:
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "NEXUS_VLLM_CPU_ASYNC_SCHEDULING": "1"}
+    run, log = _serve(tiny_model, serve_tmp, [*MP, "--async-scheduling"], env)
+    assert "NexusAsyncScheduler" in log and "2 steps in flight" in log
     _assert_one_stage(run, one_stage)
 
 
