@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one GPU check of nexus-vllm (about 8 minutes on one H100/H200, start-up included).
+# The one GPU check of nexus-vllm (about 10 minutes on one H100/H200, start-up included).
 #
 #   bash scripts/device_check.sh
 #
@@ -13,11 +13,14 @@
 #                VLLM_GPU_SYNC_CHECK=error and NEXUS_VLLM_SELF_CHECK=1: tokens equal stock
 #                vLLM (budget beyond the length) and the transformers path (same
 #                evictions); a decode-only request evicts under PIECEWISE graphs; FULL
-#                graphs are refused (`pytest -m gpu tests/gpu/test_gpu_e2e.py`)
+#                graphs are refused; async scheduling on and off, with eviction, give the
+#                same tokens and evictions with every plan acknowledged
+#                (`pytest -m gpu tests/gpu/test_gpu_e2e.py`)
 #   3. cg-cost   decode throughput of stock vLLM (default graphs with async scheduling;
-#                synchronous scheduling; PIECEWISE) against evicting servers, side by side
-#                (`benchmarks/serving/cudagraph_cost.py`): what refusing async scheduling
-#                and FULL graphs costs
+#                synchronous scheduling; PIECEWISE) against evicting servers (async
+#                scheduling on and off), side by side
+#                (`benchmarks/serving/cudagraph_cost.py`): what FULL graphs cost, and
+#                evicting with async scheduling against without
 #   4. bench     kernel microbenchmark (`benchmarks/kernels/bench_block_scoring.py`)
 #
 # Needs a Python with CUDA torch, triton and pytest ($PYTHON, .venv/bin/python or python3).
@@ -97,9 +100,9 @@ skip() { echo "$1 SKIP ($2)" | tee -a "$summary"; }
 phase kernels 200 "$py" -m pytest -m gpu tests/kernels tests/gpu/test_gpu_kernels.py -q \
   -p no:cacheprovider --junitxml "$out/kernels.xml"
 if [ -z "$vllm_reason" ]; then
-  phase e2e 330 "$py" -m pytest -m gpu tests/gpu/test_gpu_e2e.py -q -p no:cacheprovider \
+  phase e2e 480 "$py" -m pytest -m gpu tests/gpu/test_gpu_e2e.py -q -p no:cacheprovider \
     --junitxml "$out/e2e.xml"
-  phase cg-cost 200 "$py" benchmarks/serving/cudagraph_cost.py \
+  phase cg-cost 240 "$py" benchmarks/serving/cudagraph_cost.py \
     ${NEXUS_VLLM_CHECK_MODEL:+--model "$NEXUS_VLLM_CHECK_MODEL"} --out "$out/cg_cost.json"
 else
   skip e2e "$vllm_reason"

@@ -26,10 +26,10 @@ def test_cudagraph_cost_configs_format() -> None:
     mod = _load("benchmarks/serving/cudagraph_cost.py")
     flags = {name: [f.format(budget=256, max_len=832) for f in v]
              for name, v in mod.CONFIGS.items()}
-    assert flags["stock-piecewise"] == ["--no-async-scheduling",
-                                        "-cc", '{"cudagraph_mode": "PIECEWISE"}']
+    assert flags["stock-piecewise"] == ["-cc", '{"cudagraph_mode": "PIECEWISE"}']
     assert flags["stock-sync"] == ["--no-async-scheduling"]
     assert flags["nexus-idle"][-1] == "832" and flags["nexus"][-1] == "256"
+    assert flags["nexus-sync"] == [*flags["nexus"], "--no-async-scheduling"]
 
 
 @pytest.mark.slow

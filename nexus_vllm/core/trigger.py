@@ -42,10 +42,15 @@ class EvictionTrigger:
     def reset(self) -> None:
         self.decode_tokens = 0
 
+    def prefill_due(self, tokens: int, live_blocks: int) -> bool:
+        """Whether an event would follow the prefill chunk that brought the sequence to
+        ``tokens`` computed tokens, holding ``live_blocks`` (no state change)."""
+        return live_blocks > self.config.target_blocks(tokens, self.prompt_tokens)
+
     def prefill_chunk(self, tokens: int, live_blocks: int) -> bool:
         """Whether an event follows the prefill chunk that brought the sequence to
         ``tokens`` computed tokens, holding ``live_blocks``."""
-        if live_blocks <= self.config.target_blocks(tokens, self.prompt_tokens):
+        if not self.prefill_due(tokens, live_blocks):
             return False
         self.decode_tokens = 0
         return True

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections import Counter
 from dataclasses import dataclass
 
@@ -72,23 +73,31 @@ def fires(kind: str, *, rank: int | None = None) -> bool:
 
 class FaultLog:
     """Faults absorbed without harm: counted per kind (into ``counts``, which the owner
-    reports and clears), each kind logged the first time it is seen in this process."""
+    reports and clears), each kind logged the first time it is seen in this process.
+    Thread-safe: under async scheduling a step's reply is built in vLLM's output thread."""
 
     def __init__(self, logger: logging.Logger, counts: Counter[str] | None = None) -> None:
         self.counts: Counter[str] = Counter() if counts is None else counts
         self._logger = logger
         self._logged: set[str] = set()
+        self._lock = threading.Lock()
 
-    def __call__(self, kind: str, message: str, *, exc: bool = False) -> None:
-        self.counts[kind] += 1
-        if kind not in self._logged:
+    def __call__(self, kind: str, message: str, *, exc: bool = False,
+                 count: bool = True) -> None:
+        """Count (unless ``count`` is False: the caller reports it itself) and log once."""
+        with self._lock:
+            if count:
+                self.counts[kind] += 1
+            first = kind not in self._logged
             self._logged.add(kind)
+        if first:
             log = self._logger.exception if exc else self._logger.warning
             log("nexus-vllm: %s (%s; logged once per kind, counted in "
                 "vllm:nexus_faults_total)", message, kind)
 
     def take(self) -> dict[str, int]:
         """The counts since the last call."""
-        out = dict(self.counts)
-        self.counts.clear()
+        with self._lock:
+            out = dict(self.counts)
+            self.counts.clear()
         return out

@@ -29,6 +29,13 @@ series                                    type     meaning
                                                    eviction overhead
 ``vllm:nexus_admission_waits_total``      counter  times an evicting request waited for blocks
                                                    at admission (its bound did not fit yet)
+``vllm:nexus_event_holds_total``          counter  eviction events whose request was held out
+                                                   of vLLM's schedule until the reply came
+                                                   back (every event; with k steps in flight
+                                                   each costs that request up to k - 1 steps)
+``vllm:nexus_plans_in_flight``            gauge    plans sent whose reply was not processed
+                                                   yet when stats were taken (up to k - 1:
+                                                   pipeline stages, async scheduling)
 ``vllm:nexus_faults_total{kind}``         counter  faults absorbed without harm, by kind (a
                                                    lost or stale plan, a scoring or policy
                                                    error, ...); each kind is logged once
@@ -66,6 +73,9 @@ _COUNTERS = {
     "admission_waits": ("vllm:nexus_admission_waits",
                         "Evicting requests held back at admission until their bound fits.",
                         1.0),
+    "event_holds": ("vllm:nexus_event_holds",
+                    "Eviction events whose request waited for the reply before its next "
+                    "step.", 1.0),
 }
 _GAUGES = {
     "live_blocks": ("vllm:nexus_live_blocks", "Live KV blocks of evicting requests."),
@@ -75,6 +85,8 @@ _GAUGES = {
                          "High-water mark of live blocks minus (budget + one chunk)."),
     "free_blocks": ("vllm:nexus_free_blocks", "Free blocks in the KV block pool."),
     "total_blocks": ("vllm:nexus_total_blocks", "Usable blocks in the KV block pool."),
+    "plans_in_flight": ("vllm:nexus_plans_in_flight",
+                        "Eviction plans sent whose reply was not processed yet."),
 }
 # Large negative start so any real value replaces it.
 _NO_VALUE = -(1 << 40)
@@ -90,6 +102,7 @@ class SchedulerCounters:
     policy_us: int = 0
     step_us: int = 0
     admission_waits: int = 0
+    event_holds: int = 0
     live_blocks_peak: int = 0
     over_budget_peak: int = _NO_VALUE
     faults: Counter[str] = field(default_factory=Counter)
@@ -113,6 +126,7 @@ class SchedulerCounters:
             PREFIX + "eviction_events": self.eviction_events,
             PREFIX + "scoring_us": self.scoring_us,
             PREFIX + "admission_waits": self.admission_waits,
+            PREFIX + "event_holds": self.event_holds,
             PREFIX + "policy_us": self.policy_us,
             PREFIX + "step_us": self.step_us,
             PREFIX + "live_blocks_peak": self.live_blocks_peak,
@@ -124,7 +138,7 @@ class SchedulerCounters:
         out.update({f"{PREFIX}{PEAK_PREFIX}{mode}:{peak}": int(n)
                     for (mode, peak), n in self.request_peaks.items() if n})
         self.evicted_blocks = self.eviction_events = self.scoring_us = 0
-        self.admission_waits = self.policy_us = self.step_us = 0
+        self.admission_waits = self.policy_us = self.step_us = self.event_holds = 0
         self.faults.clear()
         self.request_peaks.clear()
         return out

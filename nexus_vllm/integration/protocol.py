@@ -1,7 +1,8 @@
 """The typed scheduler <-> worker messages of one engine step.
 
 Scheduler -> worker: a :class:`StepPlan` rides on the step's ``SchedulerOutput`` (the
-attribute ``nexus_plan``). Worker -> scheduler: a :class:`WorkerReply` rides on the
+attribute ``nexus_plan``), with the id of the plan made for that output (``nexus_step``):
+a plan is the worker's to apply as this step's only if it is that one. Worker -> scheduler: a :class:`WorkerReply` rides on the
 step's ``ModelRunnerOutput`` (``nexus_reply``). Both are frozen dataclasses of plain
 Python and NumPy values, so they survive the multiprocess executor's pickling (vLLM
 0.32 pickles both objects through its shared-memory message queues; the dataclasses have
@@ -14,9 +15,17 @@ The protocol is fail-closed (see ``docs/architecture.md``):
   repaired by the next one (nulling twice is harmless);
 * the worker acknowledges a plan by echoing its ``step_id``; the scheduler takes scores
   only from a reply that acknowledges the plan they were asked for;
+* a plan is applied as the step's own only if it is the plan made for that step's output
+  and newer than the last one applied: with ``k`` steps in flight an older plan the
+  worker has not seen yet lacks the nulls of replies processed since it was made;
 * a worker that gets no plan, or an old one, masks out every block the scheduler may
-  have freed since its last applied plan (``ScoreRequest.evictable_below``) for that
-  step, so it never reads a block handed to another request.
+  have freed since its last applied plan (``ScoreRequest.evictable_below`` of the
+  requests scored in its last ``k`` applied plans, ``k`` the steps vLLM keeps in flight)
+  for that step, so it never reads a block handed to another request;
+* vLLM may schedule up to ``k`` steps before the first one's reply comes back (pipeline
+  parallelism, async scheduling): a reply is paired with the plan of the output it
+  answers, and an event's counts are those of its plan (``ScoreRequest.tokens_after``,
+  ``ScoreRequest.epoch``), never read again when the reply arrives.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import numpy as np
 __all__ = [
     "PLAN_ATTR",
     "REPLY_ATTR",
+    "STEP_ATTR",
     "ScoreRequest",
     "StepPlan",
     "WorkerReply",
@@ -36,9 +46,11 @@ __all__ = [
     "attach_reply",
     "read_plan",
     "read_reply",
+    "read_step",
 ]
 
 PLAN_ATTR = "nexus_plan"
+STEP_ATTR = "nexus_step"
 REPLY_ATTR = "nexus_reply"
 _Output = TypeVar("_Output")
 
@@ -65,6 +77,14 @@ class ScoreRequest:
         the worker computes nothing for them; the event still counts as due, for masking).
     needs_key_norms : bool
         The policy reads the mean key norm of each live block (knorm).
+    tokens_after : int
+        The request's computed tokens once the step runs, as the scheduler planned it:
+        the event's budget and its full-block limit, whatever steps vLLM scheduled for
+        other requests before the reply (the worker does not read it).
+    epoch : int
+        The request's preemption count at plan time (vLLM's ``num_preemptions``): a reply
+        that arrives after the request was preempted describes a block list it no longer
+        has, and is dropped.
     """
 
     window: int
@@ -73,6 +93,8 @@ class ScoreRequest:
     prefill: bool = False
     needs_mass: bool = True
     needs_key_norms: bool = False
+    tokens_after: int = 0
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -130,9 +152,18 @@ class WorkerReply:
     faults: dict[str, int] = field(default_factory=dict)
 
 
-def attach_plan(scheduler_output: object, plan: StepPlan) -> None:
-    """Graft ``plan`` on vLLM's ``SchedulerOutput`` (pickled whole to the workers)."""
+def attach_plan(scheduler_output: object, plan: StepPlan, *,
+                step_id: int | None = None) -> None:
+    """Graft ``plan`` on vLLM's ``SchedulerOutput`` (pickled whole to the workers), with
+    ``step_id``, the id of the plan made for this output (default: ``plan``'s own)."""
     setattr(scheduler_output, PLAN_ATTR, plan)
+    setattr(scheduler_output, STEP_ATTR, plan.step_id if step_id is None else int(step_id))
+
+
+def read_step(scheduler_output: object) -> int | None:
+    """The id of the plan made for a ``SchedulerOutput`` (None: not stamped)."""
+    step = getattr(scheduler_output, STEP_ATTR, None)
+    return step if isinstance(step, int) else None
 
 
 def read_plan(scheduler_output: object) -> StepPlan | None:

@@ -6,6 +6,12 @@ Usage: ``python patch_vllm.py VLLM_PACKAGE_DIR``
 1. ``platforms/cpu.py``: the x86 "requires Triton (triton-cpu)" error becomes a warning, and
    ``uses_standalone_cpu_model_runner()`` is true whenever Triton with a CPU backend is not
    usable, so the Triton-free ``v1/worker/cpu/standalone_model_runner.py`` runs on x86 too.
+   With ``NEXUS_VLLM_CPU_ASYNC_SCHEDULING=1`` in the environment, ``check_and_update_config``
+   keeps the async scheduling vLLM settled on (its default for the uni and mp executors,
+   or ``--async-scheduling``) instead of turning it off: the compat harness's way to run
+   vLLM's ``AsyncScheduler`` and its batch queue of two steps on CPU (the standalone
+   runner samples each step before it runs the next, and returns plain outputs).
+   Catalogued in ``nexus_vllm/integration/compat/catalogue.py``.
 2. ``_cpu_ops.py``: gets ``cpu_ops_shim.install(globals())`` appended (the shim is copied
    beside it as ``_nexus_cpu_ops_shim.py``), which fills in pure-torch versions of the ops
    that the compiled vllm-cpu 0.32 library lacks.
@@ -45,8 +51,21 @@ def _nexus_triton_cpu_usable() -> bool:
 
 class CpuPlatform(Platform):'''
 
+# The environment variable that keeps async scheduling on in this build.
+ASYNC_ENV = "NEXUS_VLLM_CPU_ASYNC_SCHEDULING"
+
 # (anchor, replacement) pairs for platforms/cpu.py; each anchor must occur exactly once.
 CPU_PY_EDITS: list[tuple[str, str]] = [
+    (
+        '''        # async scheduling is not required on CPU
+        scheduler_config.async_scheduling = False
+''',
+        f'''        # async scheduling is not required on CPU
+        {MARKER}: {ASYNC_ENV}=1 keeps it.
+        if os.environ.get("{ASYNC_ENV}") != "1":
+            scheduler_config.async_scheduling = False
+''',
+    ),
     ("\n\nclass CpuPlatform(Platform):", _HELPER),
     (
         '''        if cls.get_cpu_architecture() == CpuArchEnum.X86 and not HAS_TRITON:

@@ -10,7 +10,10 @@ the torch reference). Checks, per backend:
   transformers path (``nexus_vllm.hf.generate_ids``) in the same dtype;
 * a decode-only request (short prompt, long output) evicts under PIECEWISE graphs and
   stays within budget + one chunk;
-* an explicit FULL CUDA-graph mode is refused at startup with a message.
+* an explicit FULL CUDA-graph mode is refused at startup with a message;
+* async scheduling on (``NexusAsyncScheduler``, two steps in flight) and off
+  (``NexusScheduler``): the same greedy tokens and evicted blocks, no fault (every plan
+  acknowledged), every block back.
 """
 
 from __future__ import annotations
@@ -155,3 +158,38 @@ def test_full_cuda_graphs_are_refused(check_model, tmp_path) -> None:  # noqa: A
                          env=server_env(tmp_path))
     tail = (out.stdout + out.stderr)[-3000:]
     assert out.returncode != 0 and "PIECEWISE" in tail, tail
+
+
+def _async_run(check_model, prompts, tmp: pathlib.Path, flag: str):  # noqa: ANN001, ANN202
+    from nexus_vllm.eval.server import VllmServer
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    server = VllmServer(check_model, [*EVICT, flag], tmp, base_flags=GPU_FLAGS,
+                        env=CHECK_ENV, startup_timeout=900)
+    try:
+        tokens = [_complete(server, prompts[name], 48) for name in ("long", "short")]
+        return tokens, server.metrics(), server.log_tail(100000)
+    finally:
+        server.stop()
+
+
+def test_async_scheduling_on_and_off_evict_alike(check_model, prompts, check_out,  # noqa: ANN001
+                                                 tmp_path) -> None:
+    on = _async_run(check_model, prompts, tmp_path / "on", "--async-scheduling")
+    off = _async_run(check_model, prompts, tmp_path / "off", "--no-async-scheduling")
+    assert "NexusAsyncScheduler" in on[2] and "2 steps in flight" in on[2]
+    assert "NexusAsyncScheduler" not in off[2] and "1 steps in flight" in off[2]
+    keys = ("vllm:nexus_evicted_blocks_total", "vllm:nexus_eviction_events_total",
+            "vllm:nexus_faults_total", "vllm:nexus_request_peak_live_blocks_sum")
+    _save(check_out, "async_on_off", {
+        name: {"tokens": tokens, **{k: metrics.get(k, 0.0) for k in keys}}
+        for name, (tokens, metrics, _) in (("on", on), ("off", off))})
+    for _, metrics, _log in (on, off):
+        assert metrics["vllm:nexus_evicted_blocks_total"] > 0
+        assert metrics.get("vllm:nexus_faults_total", 0.0) == 0.0  # every plan acknowledged
+        assert metrics["vllm:nexus_free_blocks"] == metrics["vllm:nexus_total_blocks"]
+    # A request whose event is in flight is held from the schedule until its reply is
+    # applied: the same events, evictions and peaks with one step in flight or two.
+    assert on[0] == off[0]
+    for k in keys:
+        assert on[1].get(k, 0.0) == off[1].get(k, 0.0), k

@@ -34,6 +34,16 @@ class FakeRunner:
         self.discard_request_mask = SimpleNamespace(np=np.zeros(self.table.shape[0], dtype=bool))
 
 
+def engine_request(req_id: str, prompt: int, *, max_tokens: int = 64,
+                   **extra: Any) -> SimpleNamespace:
+    """A stand-in for vLLM's ``Request`` with the fields the scheduler side reads
+    (``vllm_types.EngineRequest``); ``extra`` are its ``vllm_xargs``."""
+    params = SimpleNamespace(extra_args=extra or None, seed=None)
+    return SimpleNamespace(request_id=req_id, num_prompt_tokens=prompt, num_computed_tokens=0,
+                           sampling_params=params, max_tokens=max_tokens, num_preemptions=0,
+                           next_decode_eligible_step=0)
+
+
 def adapter(runner: FakeRunner) -> Any:
     """A ``RunnerV1`` over a fake runner."""
     from nexus_vllm.integration.compat.runners import RunnerV1
@@ -43,12 +53,13 @@ def adapter(runner: FakeRunner) -> Any:
 
 def make_state(runner: FakeRunner, *, window: int = 8, max_requests: int = 4,
                device: str = "cpu", layers: dict[int, torch.Tensor] | None = None,
-               heads: int = 4, head_size: int = 64) -> Any:
+               heads: int = 4, head_size: int = 64, steps_in_flight: int = 1) -> Any:
     """A bound ``WorkerEvictionState``; ``layers`` maps model layer number -> key view."""
     from nexus_vllm.integration.worker.worker_state import LayerKeys, WorkerEvictionState
 
     state = WorkerEvictionState(block_size=BS, window=window, max_requests=max_requests,
-                                device=torch.device(device), score_backend="torch")
+                                device=torch.device(device), score_backend="torch",
+                                steps_in_flight=steps_in_flight)
     layers = layers or {}
     state.allocate_ring(max(1, len(layers)), heads, head_size, torch.float32)
     state.bind_layers(adapter(runner), {i: LayerKeys(f"model.layers.{i}.self_attn.attn", k)

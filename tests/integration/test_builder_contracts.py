@@ -95,13 +95,13 @@ def case(request: pytest.FixtureRequest) -> Iterator[Case]:
                                else _random_batch(request.param))
     runner = FakeRunner(phys)
     state = make_state(runner, max_requests=max(4, len(phys)))
-    state.begin_step(scheduler_output(), StepPlan(step_id=1, evict=evict))
+    step = state.begin_step(scheduler_output(), StepPlan(step_id=1, evict=evict))
     logical = common_metadata(runner, seq, query)
     compacted = state.compact(logical)
     live = [[b for j, b in enumerate(phys[r]) if j not in evict.get(r, ())] for r in phys]
     live_lens = [n - BS * len(evict.get(r, ())) for r, n in zip(phys, seq)]
     yield Case(state, logical, compacted, live, live_lens)
-    state.end_step()
+    state.end_step(step)
 
 
 def _check_compaction_input(c: Case) -> None:

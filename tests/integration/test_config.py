@@ -305,8 +305,9 @@ class TestServeParser:
         assert ea.worker_cls == "nexus_vllm.integration.worker.worker.NexusWorker"
         assert ea.enable_prefix_caching is None and ea.block_size == 32  # left to vLLM
         # The default mode evicts at the prompt's end only: vLLM chunks the prompt as it
-        # would (no per-request cap); stream caps each request at --kv-chunk-size.
-        assert ea.long_prefill_token_threshold == 0 and ea.async_scheduling is False
+        # would (no per-request cap); stream caps each request at --kv-chunk-size. Async
+        # scheduling is left to vLLM; the scheduler class follows what it settles on.
+        assert ea.long_prefill_token_threshold == 0 and ea.async_scheduling is None
         stream = AsyncEngineArgs.from_cli_args(self._parser().parse_args([
             "--model", LOCAL_MODEL, "--kv-eviction", "nexus", "--kv-budget", "1024",
             "--kv-prompt-mode", "stream"]))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import HAS_VLLM
-from tests.integration.fakes import scheduler_side
+from tests.integration.fakes import engine_request, scheduler_side
 
 pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 
@@ -20,9 +20,7 @@ def _setup(num_blocks: int = 64, budget: int = 256, chunk: int = 128):  # noqa: 
 
 
 def _request(req_id: str, prompt: int, **extra):  # noqa: ANN003, ANN202
-    params = SimpleNamespace(extra_args=extra or None, seed=None)
-    return SimpleNamespace(request_id=req_id, num_prompt_tokens=prompt, num_computed_tokens=0,
-                           sampling_params=params)
+    return engine_request(req_id, prompt, **extra)
 
 
 def _output(sched: dict[str, int], new: tuple[str, ...] = (), resumed: tuple[str, ...] = (),

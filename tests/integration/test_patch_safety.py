@@ -149,9 +149,10 @@ def test_every_grafted_attribute_is_catalogued() -> None:
     # _nexus_patched marks our own wrapper functions, not vLLM objects.
     ours = {a for a in written if "nexus" in a} - {"_nexus_patched"}
     assert ours <= grafts, f"uncatalogued attributes on vLLM objects: {ours - grafts}"
-    from nexus_vllm.integration.protocol import PLAN_ATTR, REPLY_ATTR
+    from nexus_vllm.integration.protocol import PLAN_ATTR, REPLY_ATTR, STEP_ATTR
 
-    assert {PLAN_ATTR, REPLY_ATTR, "num_kv_fetch_reqs_by_stage"} <= grafts
+    assert {PLAN_ATTR, REPLY_ATTR, STEP_ATTR, "num_kv_fetch_reqs_by_stage",
+            "next_decode_eligible_step"} <= grafts
 
 
 def test_the_plugin_writes_no_environment_variable() -> None:

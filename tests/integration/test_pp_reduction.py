@@ -40,13 +40,17 @@ def _layers_of_stage(pp_rank: int, pp_size: int) -> range:
 
 
 def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: str,
-               head_reduce: str, init_file: str, results: Any) -> None:
-    """One rank: build its share of the model, run two steps, report what it saw."""
+               head_reduce: str, init_file: str, results: Any,
+               first_stage_done: Any = None) -> None:
+    """One rank: build its share of the model, run two steps, report what it saw. With
+    ``first_stage_done`` (an event), the later stages start only once stage 0 has run
+    both steps."""
     if fault:
         os.environ["NEXUS_VLLM_FAULTS"] = fault
     import torch.distributed as dist
 
     from nexus_vllm.core import EvictionConfig
+    from nexus_vllm.integration.compat.vllm_compat import StageLink
     from nexus_vllm.integration.protocol import ScoreRequest, StepPlan
     from nexus_vllm.integration.worker.attention import key_view
     from nexus_vllm.integration.worker.block_scorer import RankLayout
@@ -66,8 +70,8 @@ def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: s
     # vLLM's layout inside one engine: stage-major, TP rank within a stage.
     tp_groups = [dist.new_group([p * tp_size + t for t in range(tp_size)])
                  for p in range(pp_size)]
-    pp_groups = [dist.new_group([p * tp_size + t for p in range(pp_size)])
-                 for t in range(tp_size)]
+    pp_ranks = [[p * tp_size + t for p in range(pp_size)] for t in range(tp_size)]
+    pp_groups = [dist.new_group(ranks) for ranks in pp_ranks]
     layout = RankLayout(tp_rank=rank % tp_size, tp_size=tp_size, pp_rank=rank // tp_size,
                         pp_size=pp_size)
 
@@ -99,18 +103,19 @@ def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: s
         write_keys(kv, key_b[:, kv_heads], val_b[:, kv_heads], PHYS["b"])
         layer_keys[li] = LayerKeys(f"model.layers.{li}.self_attn.attn",
                                    key_view("CPU_ATTN", kv, D, "vec"))
+    # The stages' parts travel to the last stage on a group of their own, as in a server.
+    stages = StageLink(pp_groups[layout.tp_rank], pp_ranks[layout.tp_rank])
     state = WorkerEvictionState(block_size=BS, window=8, max_requests=4,
                                 device=torch.device("cpu"), score_backend="torch",
                                 layout=layout, scored_layers=len(model_scored),
-                                head_reduce=head_reduce)
+                                head_reduce=head_reduce, stages=stages)
     state.scorer._tp_reduce = reduced(tp_groups[layout.pp_rank])
-    state.scorer._pp_reduce = reduced(pp_groups[layout.tp_rank])
     state.allocate_ring(len(local), hq, D, torch.float32)
     state.bind_layers(adapter(runner), layer_keys)
 
     def run_step(step_id: int, ends: tuple[int, int], starts: tuple[int, int],
                  **plan: Any) -> Any:
-        state.begin_step(scheduler_output(new=("a", "b") if step_id == 1 else ()),
+        step = state.begin_step(scheduler_output(new=("a", "b") if step_id == 1 else ()),
                          StepPlan(step_id=step_id, track=("a", "b"), **plan))
         qa, qb = torch.arange(starts[0], ends[0]), torch.arange(starts[1], ends[1])
         state.compact(common_metadata(runner, list(ends), [len(qa), len(qb)]))
@@ -118,14 +123,18 @@ def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: s
             q = torch.cat([queries[li][qa], queries[li][T_A + qb]])[:, q_heads]
             state.capture(li, q.reshape(q.shape[0], hq * D))
         state.finish_forward()
-        reply = state.reply()
-        state.end_step()
+        reply = state.reply(step)
+        state.end_step(step)
         return reply
 
+    if first_stage_done is not None and layout.pp_rank > 0:
+        assert first_stage_done.wait(JOIN_TIMEOUT_S), "stage 0 waited for a later stage"
     run_step(1, (T_A - 3, T_B - 1), (0, 0))
     sreqs = {"a": ScoreRequest(window=6, num_logical_blocks=5, evictable_below=2),
              "b": ScoreRequest(window=8, num_logical_blocks=4, evictable_below=1)}
     reply = run_step(2, (T_A, T_B), (T_A - 3, T_B - 1), evict={"a": (1,)}, score=sreqs)
+    if first_stage_done is not None and layout.pp_rank == 0:
+        first_stage_done.set()
     dist.barrier()
     results.put((rank, {"output": layout.is_output, "local": local,
                         "masses": {k: v.tolist() for k, v in reply.masses.items()},
@@ -135,13 +144,16 @@ def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: s
 
 
 def _run_ranks(tp_size: int, pp_size: int, *, skip_layers: int = 1, fault: str = "",
-               head_reduce: str = "mean") -> dict[int, dict[str, Any]]:
+               head_reduce: str = "mean",
+               first_stage_alone: bool = False) -> dict[int, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    first_stage_done = ctx.Event() if first_stage_alone else None
     with tempfile.TemporaryDirectory() as tmp:
         init_file = str(pathlib.Path(tmp) / "gloo_init")
         procs = [ctx.Process(target=_rank_main, args=(r, tp_size, pp_size, skip_layers,
-                                                      fault, head_reduce, init_file, results))
+                                                      fault, head_reduce, init_file, results,
+                                                      first_stage_done))
                  for r in range(tp_size * pp_size)]
         for p in procs:
             p.start()
@@ -201,6 +213,14 @@ def test_two_stages_report_the_one_rank_masses() -> None:
     out = _run_ranks(tp_size=1, pp_size=2)
     assert out[0]["local"] == [1] and out[1]["local"] == [2, 3]
     assert not out[0]["output"] and out[1]["output"]
+    _check_output_rank_matches_oracle(out, skip_layers=1)
+
+
+def test_the_first_stage_never_waits_for_the_last() -> None:
+    """No barrier across the pipeline: stage 0 scores both steps and sends its parts
+    before stage 1 has started its first step (an all-reduce over the stages would hang
+    stage 0 at the scored step); stage 1 then adds them up to the one-rank masses."""
+    out = _run_ranks(tp_size=1, pp_size=2, first_stage_alone=True)
     _check_output_rank_matches_oracle(out, skip_layers=1)
 
 

@@ -23,6 +23,7 @@ from tests.integration.fakes import (
     BS,
     FakeRunner,
     common_metadata,
+    engine_request,
     make_state,
     scheduler_side,
 )
@@ -57,10 +58,7 @@ def test_worker_never_reads_a_freed_block(seed: int, fault_rate: float) -> None:
         while len(requests) < 6 and rng.random() < 0.5:
             counter += 1
             rid = f"r{counter}"
-            params = SimpleNamespace(extra_args=None, seed=None)
-            requests[rid] = SimpleNamespace(request_id=rid, sampling_params=params,
-                                            num_prompt_tokens=rng.randint(100, 900),
-                                            num_computed_tokens=0)
+            requests[rid] = engine_request(rid, rng.randint(100, 900))
         new = [r for r in requests if r not in runner.requests]
         sched = {}
         for rid, req in requests.items():
@@ -84,13 +82,13 @@ def test_worker_never_reads_a_freed_block(seed: int, fault_rate: float) -> None:
         roll = rng.random()
         sent = plan if roll >= fault_rate else (None if roll < fault_rate / 2 else previous)
         previous = plan
-        state.begin_step(output, sent)
+        step = state.begin_step(output, sent)
         rows = list(runner.input_batch.req_ids)
         seq = [requests[r].num_computed_tokens for r in rows]
         if rows:
             cm = state.compact(common_metadata(runner, seq, [sched[r] for r in rows]))
             _check_reads(cm, rows, seq, single)
-        reply = state.reply()
+        reply = state.reply(step)
         if reply.step_id is not None:
             masses = {}
             for rid, sreq in plan.score.items():
@@ -99,7 +97,7 @@ def test_worker_never_reads_a_freed_block(seed: int, fault_rate: float) -> None:
                 masses[rid] = m.numpy().astype(np.float32)
             reply = WorkerReply(step_id=reply.step_id, masses=masses)
         mgr.apply_reply(plan, reply, requests)
-        state.end_step()
+        state.end_step(step)
         # Some requests finish (vLLM frees their blocks at once).
         for rid in list(requests):
             req = requests[rid]

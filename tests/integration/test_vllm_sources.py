@@ -508,6 +508,72 @@ def test_engine_core_step_order(src: VllmSource) -> None:
                        f"vLLM {src.label}: EngineCore.step (vllm/v1/engine/core.py)")
 
 
+def test_batch_queue_schedules_ahead_and_hands_back_the_same_output(src: VllmSource) -> None:
+    """k steps in flight: the batch queue (``max_concurrent_batches`` deep) schedules the
+    next step before it hands the oldest output back, and hands back the very
+    ``SchedulerOutput`` object it executed (NexusSchedulerMixin keeps plans by id())."""
+    core = "v1/engine/core.py"
+    where = f"vLLM {src.label}: EngineCore.step_with_batch_queue (vllm/{core})"
+    fn = src.method(core, "EngineCore", "step_with_batch_queue")
+    _assert_call_order(fn, ["self.scheduler.schedule", "self.model_executor.execute_model",
+                            "batch_queue.appendleft", "batch_queue.pop",
+                            "self.scheduler.update_from_output"], where)
+    text = src.source(core, fn)
+    assert "future, scheduler_output, exec_model_fut = batch_queue.pop()" in text, where
+    update = _first_call(fn, "self.scheduler.update_from_output", where)
+    assert ast.unparse(update.args[0]) == "scheduler_output", where
+    init = ast.unparse(src.method(core, "EngineCore", "__init__"))
+    assert "self.batch_queue_size = vllm_config.max_concurrent_batches" in init, (
+        f"vLLM {src.label}: the batch queue is no longer max_concurrent_batches deep")
+
+
+def test_steps_in_flight_and_the_async_scheduler(src: VllmSource) -> None:
+    """vllm_compat.steps_in_flight reads max_concurrent_batches (the PP stages, one more
+    with async scheduling); NexusAsyncScheduler subclasses AsyncScheduler, which vLLM
+    only picks itself when no scheduler_cls is given (match_scheduler picks ours)."""
+    prop = src.method("config/vllm.py", "VllmConfig", "max_concurrent_batches")
+    assert any(ast.unparse(d) == "property" for d in prop.decorator_list)
+    text = src.source("config/vllm.py", prop)
+    assert "pipeline_parallel_size" in text and "async_scheduling" in text
+    async_rel = "v1/core/sched/async_scheduler.py"
+    assert [ast.unparse(b) for b in src.cls(async_rel, "AsyncScheduler").bases] == [
+        "Scheduler"]
+    get_cls = src.source("config/scheduler.py", src.method(
+        "config/scheduler.py", "SchedulerConfig", "get_scheduler_cls"))
+    assert "if self.scheduler_cls is None:" in get_cls and "AsyncScheduler" in get_cls
+    assert "resolve_obj_by_qualname(self.scheduler_cls)" in get_cls
+    # The worker's proxy subclasses vLLM's AsyncModelRunnerOutput (get_output; 0.33+ also
+    # get_kv_connector_output, which the proxy forwards when the inner output has it).
+    outputs = src.cls("v1/outputs.py", "AsyncModelRunnerOutput")
+    abstract = {f.name for f in outputs.body if isinstance(f, FuncDef)}
+    assert "get_output" in abstract
+    assert abstract <= {"get_output", "get_kv_connector_output"}, abstract
+
+
+def test_a_request_can_be_held_back_and_its_preemptions_are_counted(src: VllmSource) -> None:
+    """vllm_compat.hold_request / preemption_count: vLLM's running loop skips a request
+    while ``self.current_step < request.next_decode_eligible_step``; a preemption
+    increments ``request.num_preemptions``; a resumed request comes from the waiting
+    queue, whose loop reads no such field (the manager releases it on restart)."""
+    where = f"vLLM {src.label}: Scheduler.schedule (vllm/{SCHED})"
+    init = src.method("v1/request.py", "Request", "__init__")
+    attrs = {ast.unparse(t) for n in ast.walk(init) if isinstance(n, ast.Assign | ast.AnnAssign)
+             for t in (n.targets if isinstance(n, ast.Assign) else [n.target])}
+    assert {"self.next_decode_eligible_step", "self.num_preemptions"} <= attrs
+    schedule = src.method(SCHED, "Scheduler", "schedule")
+    skips = [n for n in ast.walk(schedule) if isinstance(n, ast.If)
+             and ast.unparse(n.test) == "self.current_step < request.next_decode_eligible_step"]
+    assert len(skips) == 1, f"{where}: the hold check is gone or doubled"
+    body = [ast.unparse(b) for b in skips[0].body]
+    assert body == ["req_index += 1", "continue"], f"{where}: {body}"
+    loops = [n for n in ast.walk(schedule) if isinstance(n, ast.While)
+             and ast.unparse(n.test).startswith("req_index < len(self.running)")]
+    assert loops and any(skips[0] is n for n in ast.walk(loops[0])), (
+        f"{where}: the hold check left the running loop")
+    preempt = src.method(SCHED, "Scheduler", "_preempt_request")
+    assert "request.num_preemptions += 1" in src.source(SCHED, preempt)
+
+
 # -- 6. Model Runner V2 (runners.StagedTables) ---------------------------------------------
 def test_model_runner_v2(src: VllmSource) -> None:
     rel = "v1/worker/gpu/model_runner.py"
@@ -789,15 +855,71 @@ def test_cpu_attention_internals(src: VllmSource) -> None:
 def test_distributed_and_debug_helpers(src: VllmSource) -> None:
     ps = "distributed/parallel_state.py"
     src.function(ps, "get_tp_group")
+    src.function(ps, "get_pp_group")
     # Scores are summed with the coordinator's all_reduce; a maximum (head_reduce: max)
-    # and the pipeline reduction go through its device_group (vllm_compat).
-    assert {"rank_in_group", "world_size", "device_group"} <= _self_attrs(
-        src.cls(ps, "GroupCoordinator"))
+    # goes through its device_group (vllm_compat.tp_all_reduce).
+    coordinator = src.cls(ps, "GroupCoordinator")
+    assert {"rank_in_group", "world_size", "device_group", "ranks", "group_ranks"} <= (
+        _self_attrs(coordinator))
     assert _params(src.method(ps, "GroupCoordinator", "all_reduce")) == ["self", "input_"]
+    # vllm_compat.StageLink: the stages' scores travel on a communicator of their own,
+    # made as vLLM's CPU runner makes its own (a collective over every PP group).
+    sibling = src.method(ps, "GroupCoordinator", "make_sibling_device_group")
+    assert _params(sibling) == ["self", "group_desc"], _params(sibling)
+    text = src.source(ps, sibling)
+    assert "for ranks in self.group_ranks" in text and "torch.distributed.new_group(" in text
+    assert "last_rank" in _members(coordinator)
     src.function("utils/gpu_sync_debug.py", "with_gpu_sync_check")
     src.cls("model_executor/layers/attention/attention.py", "Attention")
     cc = _fields(src.cls("config/compilation.py", "CompilationConfig"))
     assert "static_forward_context" in cc
+
+
+# -- 12b. the Ray executor's workers (tests/integration/test_ray_worker.py) ---------------
+def test_ray_worker_runs_the_worker_proc_loop(src: VllmSource) -> None:
+    """RayExecutorV2's actors hold a RayWorkerProc(WorkerProc): initialize_worker calls
+    WorkerProc.__init__ (the wrapper loads the general plugins and resolves worker_cls;
+    init_device, load_model), run() enters worker_busy_loop, which calls the worker's
+    method by name. test_ray_worker.py builds that WorkerProc in-process, without Ray."""
+    where = f"vLLM {src.label}: vllm/v1/executor/ray_executor_v2.py"
+    rel = "v1/executor/ray_executor_v2.py"
+    proc = src.cls(rel, "RayWorkerProc")
+    assert [ast.unparse(b) for b in proc.bases] == ["WorkerProc"], where
+    init = src.source(rel, src.method(rel, "RayWorkerProc", "initialize_worker"))
+    assert "super().__init__(" in init and "**self._init_kwargs" in init, where
+    kwargs = src.source(rel, src.method(rel, "RayWorkerProc", "__init__"))
+    assert "shared_worker_lock=None" in kwargs and "input_shm_handle=input_shm_handle" in (
+        kwargs), where
+    assert "self.worker_busy_loop()" in src.source(rel, src.method(rel, "RayWorkerProc",
+                                                                   "run")), where
+    assert [ast.unparse(b) for b in src.cls(rel, "RayExecutorV2").bases] == [
+        "MultiprocExecutor"], where
+    mp = "v1/executor/multiproc_executor.py"
+    worker_init = src.method(mp, "WorkerProc", "__init__")
+    _assert_call_order(worker_init, ["wrapper.init_worker", "self.worker.init_device",
+                                     "self.worker.load_model", "self._init_message_queues"],
+                       f"vLLM {src.label}: WorkerProc.__init__ (vllm/{mp})")
+    rpc = src.source(mp, src.method(mp, "WorkerProc", "_execute_worker_rpc"))
+    assert "func = getattr(self.worker, method)" in rpc and "self.handle_output(output)" in rpc
+    wrapper = src.source("v1/worker/worker_base.py", src.method(
+        "v1/worker/worker_base.py", "WorkerWrapperBase", "init_worker"))
+    assert "load_general_plugins()" in wrapper
+    assert "resolve_obj_by_qualname(\n                parallel_config.worker_cls" in wrapper \
+        or "resolve_obj_by_qualname(parallel_config.worker_cls" in wrapper, wrapper
+    get_class = src.source("v1/executor/abstract.py", src.method(
+        "v1/executor/abstract.py", "Executor", "get_class"))
+    assert 'distributed_executor_backend == "ray"' in get_class
+    if not src.exists("v1/executor/ray_executor.py"):
+        assert "RayExecutorV2" in get_class  # the only Ray executor
+        return
+    # 0.32: the compiled-graph executor, with VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0, whose
+    # workers call the model runner directly: refused (engine_policy.check_executor).
+    ray_utils = src.source("v1/executor/ray_utils.py", src.method(
+        "v1/executor/ray_utils.py", "RayWorkerWrapper", "execute_model_ray"))
+    assert "self.worker.model_runner.execute_model(" in ray_utils
+    assert "envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND" in get_class
+    assert re.search(r'"VLLM_USE_RAY_V2_EXECUTOR_BACKEND", "1"', src.text("envs.py")), (
+        f"vLLM {src.label}: RayExecutorV2 is no longer the default")
 
 
 # -- 13. VLLM_USE_V2_MODEL_RUNNER and the other VLLM_* variables -----------------------------

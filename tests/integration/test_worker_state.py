@@ -36,7 +36,7 @@ def test_plan_nulls_entries_and_compaction_contract() -> None:
     attention groups share one computation."""
     runner = FakeRunner(PHYS)
     state = make_state(runner)
-    state.begin_step(scheduler_output(), _plan(1, evict={"a": (1, 2), "c": (1,)}))
+    step = state.begin_step(scheduler_output(), _plan(1, evict={"a": (1, 2), "c": (1,)}))
     assert runner.table[0, :5].tolist() == [3, 0, 0, 2, 5]
     assert runner.requests["a"].block_ids[0] == [3, 0, 0, 2, 5]
     assert runner.requests["c"].block_ids[0] == [11, 0, 13, 14]
@@ -57,23 +57,23 @@ def test_plan_nulls_entries_and_compaction_contract() -> None:
     assert again.block_table_tensor is out.block_table_tensor
     assert again.seq_lens is out.seq_lens
     ptrs = (out.block_table_tensor.data_ptr(), out.seq_lens.data_ptr())
-    state.end_step()
+    state.end_step(step)
     # Next step: the same persistent buffers, rewritten in place.
-    state.begin_step(scheduler_output(), _plan(2))
+    step = state.begin_step(scheduler_output(), _plan(2))
     seq2 = [seq[0] + 1, seq[1], seq[2]]  # "a" decodes one token into its partial block
     out2 = state.compact(common_metadata(runner, seq2, [1, 1, 1]))
     assert (out2.block_table_tensor.data_ptr(), out2.seq_lens.data_ptr()) == ptrs
     assert out2.seq_lens.tolist() == [want[0] + 1, want[1], want[2]]
-    state.end_step()
+    state.end_step(step)
 
 
 def test_batch_without_evictions_is_left_alone() -> None:
     runner = FakeRunner(PHYS)
     state = make_state(runner)
-    state.begin_step(scheduler_output(), _plan(1))
+    step = state.begin_step(scheduler_output(), _plan(1))
     cm = common_metadata(runner, [4 * BS + 5, 2 * BS, 4 * BS], [5, 1, 1])
     assert state.compact(cm) is cm
-    state.end_step()
+    state.end_step(step)
     # Disarmed (between steps, warm-up, profiling): a pass-through.
     assert state.compact(cm) is cm
 
@@ -92,7 +92,7 @@ def test_hooks_never_read_device_values() -> None:
 
     runner = FakeRunner(PHYS)
     state = make_state(runner, device="meta", layers={0: torch.empty(0)})
-    state.begin_step(scheduler_output(new=("b",)),
+    step = state.begin_step(scheduler_output(new=("b",)),
                      _plan(1, evict={"a": (1, 2)}, track=("a", "b", "c")))
     cm = common_metadata(runner, [4 * BS + 5, 2 * BS, 4 * BS], [5, 1, 1], device="meta")
     with NoScalarReads():
@@ -101,7 +101,7 @@ def test_hooks_never_read_device_values() -> None:
     assert out.block_table_tensor.device.type == "meta"
     assert out.seq_lens_cpu_upper_bound.tolist() == [2 * BS + 5, 2 * BS, 4 * BS]
     assert state.step.capture_dst is not None and not state.step.capture_failed
-    state.end_step()
+    state.end_step(step)
 
 
 def _cpu_attention(query, kv, table, lens, qsl):  # noqa: ANN001, ANN202
@@ -136,7 +136,7 @@ def test_compacted_attention_equals_attention_over_kept_tokens(q_len) -> None:  
     runner = FakeRunner({"r": phys, "s": [1, 3]})
     state = make_state(runner)
     evicted = [1, 2]  # never the newest blocks
-    state.begin_step(scheduler_output(), _plan(1, evict={"r": tuple(evicted)}))
+    step = state.begin_step(scheduler_output(), _plan(1, evict={"r": tuple(evicted)}))
     kv = torch.zeros(16, HKV, BS, 2 * D)
     key, val = torch.randn(t, HKV, D), torch.randn(t, HKV, D)
     write_keys(kv, key, val, phys)
@@ -147,7 +147,7 @@ def test_compacted_attention_equals_attention_over_kept_tokens(q_len) -> None:  
     query = torch.randn(q_len + 1, HQ, D)
     out = _cpu_attention(query, kv, cm.block_table_tensor, cm.seq_lens,
                          cm.query_start_loc_cpu)
-    state.end_step()
+    state.end_step(step)
     keep = torch.cat([torch.arange(j * BS, min((j + 1) * BS, t))
                       for j in range(5) if j not in evicted])
     for i in range(q_len + 1):
@@ -182,7 +182,7 @@ def test_capture_and_scoring_equal_the_oracle() -> None:
     queries = {li: torch.randn(t_a + t_b, HQ, D) for li in range(3)}
 
     def run_step(step_id, ends, starts, plan_kw):  # noqa: ANN001, ANN202
-        state.begin_step(scheduler_output(new=("a", "b") if step_id == 1 else ()),
+        step = state.begin_step(scheduler_output(new=("a", "b") if step_id == 1 else ()),
                          _plan(step_id, track=("a", "b"), **plan_kw))
         qa = torch.arange(starts[0], ends[0])
         qb = torch.arange(starts[1], ends[1])
@@ -192,8 +192,8 @@ def test_capture_and_scoring_equal_the_oracle() -> None:
             q = torch.cat([queries[li][qa], queries[li][t_a + qb]])
             state.capture(li, q.reshape(q.shape[0], HQ * D))
         state.finish_forward()
-        reply = state.reply()
-        state.end_step()
+        reply = state.reply(step)
+        state.end_step(step)
         return reply
 
     # Step 1: prefill chunks up to 3 tokens before the end; nothing due.
@@ -213,9 +213,9 @@ def test_capture_and_scoring_equal_the_oracle() -> None:
     torch.testing.assert_close(torch.from_numpy(r2.masses["b"]), want_b, atol=1e-5, rtol=1e-5)
     assert r2.scoring_seconds > 0
     # Finished requests release their slots and bookkeeping.
-    state.begin_step(scheduler_output(finished=("a",)), _plan(3))
+    step = state.begin_step(scheduler_output(finished=("a",)), _plan(3))
     assert "a" not in state.ring.slots and "a" not in state.evicted
-    state.end_step()
+    state.end_step(step)
 
 
 def test_missing_plan_masks_what_may_have_been_freed() -> None:
@@ -226,31 +226,31 @@ def test_missing_plan_masks_what_may_have_been_freed() -> None:
     runner = FakeRunner({"a": [3, 7, 8, 2, 5, 6, 4], "b": [9, 10]})
     state = make_state(runner)
     sreq = ScoreRequest(window=4, num_logical_blocks=7, evictable_below=4)
-    state.begin_step(scheduler_output(), _plan(1, evict={"a": (1,)}, score={"a": sreq},
+    step = state.begin_step(scheduler_output(), _plan(1, evict={"a": (1,)}, score={"a": sreq},
                                                sink_blocks=1))
-    state.end_step()
+    state.end_step(step)
     # Step 2's plan is lost: blocks 2 and 3 of "a" (1 is known evicted) are masked.
-    state.begin_step(scheduler_output(), None)
+    step = state.begin_step(scheduler_output(), None)
     assert runner.table[0, :7].tolist() == [3, 0, 0, 0, 5, 6, 4]
     cm = state.compact(common_metadata(runner, [7 * BS, 2 * BS], [1, 1]))
     assert cm.block_table_tensor[0, :4].tolist() == [3, 5, 6, 4]
     assert cm.seq_lens.tolist() == [4 * BS, 2 * BS]
-    reply = state.reply()
+    reply = state.reply(step)
     assert reply.step_id is None and reply.faults == {"plan_missing": 1}
-    state.end_step()
+    state.end_step(step)
     assert runner.table[0, :7].tolist() == [3, 0, 8, 2, 5, 6, 4]  # restored
     assert runner.requests["a"].block_ids[0] == [3, 0, 8, 2, 5, 6, 4]
     # A stale plan (an old step id) is treated the same way.
-    state.begin_step(scheduler_output(), _plan(1, evict={"a": (1,)}))
+    step = state.begin_step(scheduler_output(), _plan(1, evict={"a": (1,)}))
     assert runner.table[0, 2] == 0
-    assert state.reply().faults == {"plan_stale": 1}
-    state.end_step()
+    assert state.reply(step).faults == {"plan_stale": 1}
+    state.end_step(step)
     # Step 4 arrives (2 and 3 were lost): the resent nulls are applied for good.
-    state.begin_step(scheduler_output(), _plan(4, evict={"a": (1, 2)}))
+    step = state.begin_step(scheduler_output(), _plan(4, evict={"a": (1, 2)}))
     assert runner.table[0, :7].tolist() == [3, 0, 0, 2, 5, 6, 4]
-    reply = state.reply()
+    reply = state.reply(step)
     assert reply.step_id == 4 and reply.faults == {"plan_gap": 1}
-    state.end_step()
+    state.end_step(step)
     assert runner.table[0, :7].tolist() == [3, 0, 0, 2, 5, 6, 4]
 
 
@@ -259,15 +259,15 @@ def test_reset_requests_ignore_old_nulls() -> None:
     applied, and its eviction bookkeeping starts over."""
     runner = FakeRunner(PHYS)
     state = make_state(runner)
-    state.begin_step(scheduler_output(), _plan(1, evict={"a": (1,)}, track=("a",)))
-    state.end_step()
+    step = state.begin_step(scheduler_output(), _plan(1, evict={"a": (1,)}, track=("a",)))
+    state.end_step(step)
     assert state.evicted["a"] == {1} and "a" in state.ring.slots
     runner.requests["a"].block_ids[0] = [20, 21, 22, 23, 24]
     runner.table[0, :5] = [20, 21, 22, 23, 24]
-    state.begin_step(scheduler_output(resumed=("a",)), _plan(2, evict={"a": (2,)}))
+    step = state.begin_step(scheduler_output(resumed=("a",)), _plan(2, evict={"a": (2,)}))
     assert runner.table[0, :5].tolist() == [20, 21, 22, 23, 24]
     assert "a" not in state.evicted and "a" not in state.ring.slots
-    state.end_step()
+    state.end_step(step)
 
 
 def test_scoring_failure_drops_the_event(monkeypatch) -> None:  # noqa: ANN001
@@ -281,13 +281,13 @@ def test_scoring_failure_drops_the_event(monkeypatch) -> None:  # noqa: ANN001
 
     state = make_state(runner, layers={0: key_view("CPU_ATTN", kv, D, "vec")})
     sreq = ScoreRequest(window=2, num_logical_blocks=5, evictable_below=1)
-    state.begin_step(scheduler_output(new=("a",)),
+    step = state.begin_step(scheduler_output(new=("a",)),
                      _plan(1, track=("a",), score={"a": sreq}))
     state.compact(common_metadata(runner, [5 * BS], [5 * BS]))
     state.capture(0, torch.randn(5 * BS, HQ, D))
     state.finish_forward()
-    reply = state.reply()
-    state.end_step()
+    reply = state.reply(step)
+    state.end_step(step)
     assert reply.step_id == 1 and reply.masses == {} and reply.faults == {"score_error": 1}
 
 
@@ -305,7 +305,7 @@ def test_self_check_catches_a_wrong_key_view(monkeypatch) -> None:  # noqa: ANN0
     bad = kv.view(16, HKV, 2 * BS, D)[:, :, BS:, :]  # the values half
     for view, ok in ((good, True), (bad, False)):
         state = make_state(runner, layers={0: view})
-        state.begin_step(scheduler_output(new=("a",)), _plan(1, track=("a",)))
+        step = state.begin_step(scheduler_output(new=("a",)), _plan(1, track=("a",)))
         cm = common_metadata(runner, [BS + 4], [BS + 4])
         cm.slot_mapping = torch.tensor([3 * BS + t for t in range(BS)]
                                        + [7 * BS + t for t in range(4)])
@@ -316,18 +316,18 @@ def test_self_check_catches_a_wrong_key_view(monkeypatch) -> None:  # noqa: ANN0
         else:
             with pytest.raises(SelfCheckError, match="key view"):
                 state.check_keys(0, key)
-        state.end_step()
+        state.end_step(step)
 
 
 def test_two_block_tables_in_one_step_are_refused() -> None:
     runner = FakeRunner(PHYS)
     state = make_state(runner)
-    state.begin_step(scheduler_output(), _plan(1, evict={"a": (1,)}))
+    step = state.begin_step(scheduler_output(), _plan(1, evict={"a": (1,)}))
     first = common_metadata(runner, [4 * BS + 5, 2 * BS, 4 * BS], [1, 1, 1])
     state.compact(first)
     with pytest.raises(RuntimeError, match="one KV cache group"):
         state.compact(common_metadata(runner, [4 * BS + 5, 2 * BS, 4 * BS], [1, 1, 1]))
-    state.end_step()
+    state.end_step(step)
 
 
 def test_scoring_every_request_with_mass_and_key_norms_in_one_step() -> None:
@@ -353,13 +353,130 @@ def test_scoring_every_request_with_mass_and_key_norms_in_one_step() -> None:
     score = {r: ScoreRequest(window=4, num_logical_blocks=n // BS, evictable_below=1,
                              needs_mass=True, needs_key_norms=True)
              for r, n in lens.items()}
-    state.begin_step(scheduler_output(new=("a", "b")),
+    step = state.begin_step(scheduler_output(new=("a", "b")),
                      _plan(1, track=("a", "b"), score=score))
     state.compact(common_metadata(runner, list(lens.values()), list(lens.values())))
     state.capture(0, torch.randn(sum(lens.values()), HQ, D))
     state.finish_forward()
-    reply = state.reply()
-    state.end_step()
+    reply = state.reply(step)
+    state.end_step(step)
     assert reply.faults == {}
     assert {r: m.shape for r, m in reply.masses.items()} == {"a": (4, 5), "b": (4, 4)}
     assert {r: n.shape for r, n in reply.key_norms.items()} == {"a": (5,), "b": (4,)}
+
+
+# -- async scheduling: a step's reply is built after the next step has begun ---------------
+def _async_output(step_id: int):  # noqa: ANN202
+    """A runner's ``AsyncModelRunnerOutput`` of one step."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput
+
+    class Inner(AsyncModelRunnerOutput):
+        def get_output(self):  # noqa: ANN202
+            return EMPTY_MODEL_RUNNER_OUTPUT
+
+        def get_kv_connector_output(self) -> None:
+            return None
+
+    inner = Inner()
+    inner.step_id = step_id  # stands for what vLLM reads of the output beyond get_output
+    return inner
+
+
+def test_async_outputs_carry_the_reply_of_their_own_step() -> None:
+    """Two steps in flight on one worker: step 2 (both requests scored) ends, step 3 (b
+    scored again) begins and scores before vLLM takes step 2's output, in its output
+    thread. Each output carries its own step's reply, equal to a run with one step in
+    flight: step 2's masses, then step 3's."""
+    import threading
+    from types import SimpleNamespace
+
+    import numpy as np
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    from nexus_vllm.integration.protocol import ScoreRequest, read_reply
+    from nexus_vllm.integration.worker.attention import key_view
+    from nexus_vllm.integration.worker.worker import NexusWorker, ReplyingAsyncOutput
+
+    t_a, t_b = 4 * BS + 5, 3 * BS + 9
+
+    def setup():  # noqa: ANN202
+        torch.manual_seed(2)
+        runner = FakeRunner({"a": PHYS["a"], "b": PHYS["c"]})
+        kv = torch.zeros(16, HKV, BS, 2 * D)
+        state = make_state(runner, window=8, layers={1: key_view("CPU_ATTN", kv, D, "vec")},
+                           steps_in_flight=2)
+        write_keys(kv, torch.randn(t_a, HKV, D), torch.randn(t_a, HKV, D), PHYS["a"])
+        write_keys(kv, torch.randn(t_b, HKV, D), torch.randn(t_b, HKV, D), PHYS["c"])
+        return runner, state, torch.randn(2, t_a + t_b, HQ, D)
+
+    score2 = {"a": ScoreRequest(window=6, num_logical_blocks=5, evictable_below=2),
+              "b": ScoreRequest(window=8, num_logical_blocks=4, evictable_below=1)}
+    score3 = {"b": ScoreRequest(window=4, num_logical_blocks=4, evictable_below=1)}
+    steps = [(1, (t_a - 3, t_b - 2), (0, 0), {}),
+             (2, (t_a - 1, t_b - 1), (t_a - 3, t_b - 2), {"score": score2}),
+             (3, (t_a, t_b), (t_a - 1, t_b - 1), {"score": score3})]
+
+    def forward(runner, state, queries, step_id, ends, starts, plan):  # noqa: ANN001, ANN202
+        step = state.begin_step(scheduler_output(new=("a", "b") if step_id == 1 else ()),
+                                _plan(step_id, track=("a", "b"), **plan))
+        qa, qb = torch.arange(starts[0], ends[0]), torch.arange(starts[1], ends[1])
+        state.compact(common_metadata(runner, list(ends), [len(qa), len(qb)]))
+        for li in (0, 1):
+            q = torch.cat([queries[li][qa], queries[li][t_a + qb]])
+            state.capture(li, q.reshape(q.shape[0], HQ * D))
+        state.finish_forward()
+        return step
+
+    # One step in flight: the reference replies.
+    runner, state, queries = setup()
+    want = []
+    for args in steps:
+        step = forward(runner, state, queries, *args)
+        want.append(state.reply(step))
+        state.end_step(step)
+    assert set(want[1].masses) == {"a", "b"} and set(want[2].masses) == {"b"}
+
+    # Two in flight: step 3 runs before step 2's output is taken, in another thread.
+    runner, state, queries = setup()
+    worker = SimpleNamespace(nexus=state)
+    step = forward(runner, state, queries, *steps[0])
+    NexusWorker._reply_on(worker, EMPTY_MODEL_RUNNER_OUTPUT, step)
+    step2 = forward(runner, state, queries, *steps[1])
+    out2 = NexusWorker._reply_on(worker, _async_output(2), step2)
+    assert isinstance(out2, ReplyingAsyncOutput) and state.step is None  # step 2 closed
+    step3 = forward(runner, state, queries, *steps[2])
+    got: dict[int, object] = {}
+    taker = threading.Thread(target=lambda: got.update({2: out2.get_output()}))
+    taker.start()
+    out3 = NexusWorker._reply_on(worker, _async_output(3), step3)
+    taker.join()
+    got[3] = out3.get_output()
+    assert out2.step_id == 2 and out2.get_kv_connector_output() is None  # the runner's
+    for step_id, reference in ((2, want[1]), (3, want[2])):
+        reply = read_reply(got[step_id])
+        assert reply is not None and reply.step_id == reference.step_id == step_id
+        assert set(reply.masses) == set(reference.masses)
+        for req_id, mass in reference.masses.items():
+            np.testing.assert_array_equal(reply.masses[req_id], mass)
+
+
+def test_a_plan_made_for_another_step_is_not_applied() -> None:
+    """With k steps in flight an older plan the worker has not seen (plan 2 arriving with
+    step 3's output) lacks the nulls of replies processed since it was made: the worker
+    masks as for a missing plan and does not acknowledge it."""
+    from nexus_vllm.integration.protocol import ScoreRequest, attach_plan
+
+    runner = FakeRunner({"a": [3, 7, 8, 2, 5, 6, 4]})
+    state = make_state(runner, steps_in_flight=2)
+    sreq = ScoreRequest(window=4, num_logical_blocks=7, evictable_below=4)
+    out = scheduler_output()
+    attach_plan(out, _plan(1, score={"a": sreq}))
+    state.end_step(state.begin_step(out, _plan(1, score={"a": sreq})))
+    out = scheduler_output()
+    attach_plan(out, _plan(2), step_id=3)  # plan 2 on step 3's output
+    step = state.begin_step(out, _plan(2))
+    assert runner.table[0, :7].tolist() == [3, 0, 0, 0, 5, 6, 4]  # masked for this step
+    reply = state.reply(step)
+    assert reply.step_id is None and reply.faults == {"plan_stale": 1}
+    state.end_step(step)
+    assert state.last_step == 1

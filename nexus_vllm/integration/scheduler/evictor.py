@@ -5,7 +5,14 @@ computed blocks are evicted; the policy always keeps the sink blocks (in ``promp
 ``keep``, every prompt block) and the newest ``recent_blocks + 1`` live blocks
 (``ScoreRequest.evictable_below``). Freeing at once is safe because the worker learns
 every null before it can read a reused block: the next plan carries it
-(:class:`~nexus_vllm.integration.scheduler.plan_channel.PlanChannel`).
+(:class:`~nexus_vllm.integration.scheduler.plan_channel.PlanChannel`), and with ``k``
+steps in flight the steps scheduled before that plan only read the block (workers, and
+each pipeline stage, run steps in order; a freed block is written only by a step
+scheduled after the free, whose plan carries the null).
+
+An event's counts are its plan's (``ScoreRequest.tokens_after``), not vLLM's when the
+reply arrives; a request preempted since its plan (``ScoreRequest.epoch``) lost the block
+list the evidence describes, and the event is dropped.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import torch
 
 from nexus_vllm.core.policies import Evidence
 from nexus_vllm.integration import faults
+from nexus_vllm.integration.compat.vllm_compat import preemption_count
 from nexus_vllm.integration.compat.vllm_types import EngineRequest
 from nexus_vllm.integration.metrics import SchedulerCounters
 from nexus_vllm.integration.protocol import ScoreRequest, StepPlan, WorkerReply
@@ -59,6 +67,10 @@ class Evictor:
             request = requests.get(req_id)
             st = self.states.get(req_id)
             if request is None or st is None:
+                continue
+            if preemption_count(request) != sreq.epoch:
+                self._fault("scores_preempted", "a request was preempted between its "
+                            "eviction plan and the reply; the event is dropped")
                 continue
             norms = None
             if sreq.needs_key_norms:
@@ -106,7 +118,7 @@ class Evictor:
             return
         else:
             evidence = Evidence(mass, key_norms)
-        tokens = int(request.num_computed_tokens)
+        tokens = int(sreq.tokens_after)
         budget = int(st.cfg.target_blocks(tokens, st.prompt_tokens))
         if len(live) <= budget:
             return

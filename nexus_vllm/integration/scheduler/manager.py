@@ -28,6 +28,14 @@ Every budget rule (a request's target and hard limit at each step, its admission
 the blocks its policy must keep, all following its ``prompt_mode``) comes from
 :class:`nexus_vllm.core.EvictionConfig`, and when events fire from
 :class:`nexus_vllm.core.EvictionTrigger`: the rules the transformers path runs too.
+
+Steps in flight: vLLM may schedule up to ``k`` steps (``max_concurrent_batches``: the
+pipeline stages, one more with async scheduling) before it hands the first one's output
+to ``apply_reply``. A request whose event is planned is held out of vLLM's schedule until
+that event's reply is applied (``vllm_compat.hold_request``, vLLM's own "not before this
+step" field), so its next step sees the event's nulls, as with one step in flight: the
+same events, the same evictions and the same bounds for every ``k``. Other requests keep
+the pipeline busy meanwhile.
 """
 
 from __future__ import annotations
@@ -44,6 +52,9 @@ from nexus_vllm.integration.compat.vllm_compat import (
     cap_prefix_caching,
     cap_prefix_hits,
     gate_admission,
+    hold_request,
+    preemption_count,
+    release_request,
     reset_request_ids,
     single_type_manager,
 )
@@ -55,7 +66,11 @@ from nexus_vllm.integration.scheduler.evictor import Evictor
 from nexus_vllm.integration.scheduler.live_blocks import LiveBlocks
 from nexus_vllm.integration.scheduler.plan_channel import PlanChannel
 from nexus_vllm.integration.scheduler.prefix_cache import prefix_hit_cap
-from nexus_vllm.integration.scheduler.request_state import RequestEvictionState, RequestStates
+from nexus_vllm.integration.scheduler.request_state import (
+    InFlightEvent,
+    RequestEvictionState,
+    RequestStates,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -78,25 +93,30 @@ class EvictionManager:
     block_size : int
     max_model_len : int, optional
         Bounds each request's longest sequence at admission.
+    steps_in_flight : int
+        k, the steps vLLM schedules before the first reply comes back (for the log and
+        the plans-in-flight gauge; the bounds do not depend on it, see the module
+        docstring).
     """
 
     def __init__(self, server_cfg: EvictionConfig, kv_cache_manager: KVCacheManager,
                  block_size: int,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, steps_in_flight: int = 1) -> None:
         self.server_cfg = server_cfg
         self.block_size = int(block_size)
+        self.steps_in_flight = int(steps_in_flight)
         self.counters = SchedulerCounters()
         # Counted into the stats' fault counter (reported and cleared each stats update).
-        self._fault = faults.FaultLog(logger, self.counters.faults)
+        self.fault = faults.FaultLog(logger, self.counters.faults)
         self.pool = BlockPoolView(kv_cache_manager)
         self.blocks = LiveBlocks(single_type_manager(kv_cache_manager), self.pool,
                                  self.block_size)
         self.states = RequestStates(server_cfg)
-        self.channel = PlanChannel(self.states, self._fault)
+        self.channel = PlanChannel(self.states, self.fault)
         self.admission = AdmissionGate(self.states, self.blocks, self.counters,
                                        max_model_len)
         self.evictor = Evictor(states=self.states, blocks=self.blocks, channel=self.channel,
-                               counters=self.counters, fault=self._fault)
+                               counters=self.counters, fault=self.fault)
         cap_prefix_caching(self.blocks.kv_group, self.caching_limit)
         cap_prefix_hits(kv_cache_manager, self.hit_cap)
         gate_admission(kv_cache_manager, self.may_admit)
@@ -154,8 +174,14 @@ class EvictionManager:
         self.record_finished(scheduler_output.finished_req_ids)
         for req_id in scheduler_output.finished_req_ids:
             self.states.finish(req_id)
-        # A fresh block list: old nulls no longer apply; same seed -> same evictions.
+        # A fresh block list: old nulls no longer apply; same seed -> same evictions. An
+        # event still in flight was planned on the old list: its reply will be dropped
+        # (ScoreRequest.epoch), and the request is no longer held for it.
         for req_id in reset_request_ids(scheduler_output):
+            st = self.states.get(req_id)
+            request = requests.get(req_id)
+            if st is not None and st.event_in_flight is not None and request is not None:
+                release_request(request, st.event_in_flight.resume_step)
             self.states.restart(req_id)
         step_id, evict = self.channel.open_step()
         score: dict[str, ScoreRequest] = {}
@@ -171,6 +197,9 @@ class EvictionManager:
             sreq = self._plan_event(st, request, int(n))
             if sreq is not None:
                 score[req_id] = sreq
+                # Not scheduled again before this event's reply is applied.
+                st.event_in_flight = InFlightEvent(step_id, hold_request(request))
+                self.counters.event_holds += 1
         return StepPlan(step_id=step_id, evict=evict, score=score, track=tuple(track),
                         sink_blocks=int(self.server_cfg.sink_blocks))
 
@@ -181,7 +210,13 @@ class EvictionManager:
         self.counters.over_budget_peak = max(self.counters.over_budget_peak,
                                              len(live) - st.hard_limit(tokens_after, n))
         self.counters.live_blocks_peak = max(self.counters.live_blocks_peak, len(live))
-        return st.plan_event(tokens_after, n, live, self.block_size)
+        in_flight = st.event_in_flight is not None
+        if in_flight:
+            # vLLM scheduled a held request: its event waits for the one in flight.
+            self.fault("event_in_flight", "a request was scheduled while its eviction "
+                        "event was in flight; its next event waits for that reply")
+        return st.plan_event(tokens_after, n, live, self.block_size,
+                             epoch=preemption_count(request), may_fire=not in_flight)
 
     # -- update_from_output() ----------------------------------------------------------
     def apply_reply(self, plan: StepPlan | None, reply: WorkerReply | None,
@@ -196,21 +231,37 @@ class EvictionManager:
         try:
             self._apply_reply(plan, reply, requests)
         except Exception:
-            self._fault("reply_error", "applying the worker's reply failed; skipping the "
+            self.fault("reply_error", "applying the worker's reply failed; skipping the "
                         "rest of this step's eviction events", exc=True)
 
     def _apply_reply(self, plan: StepPlan | None, reply: WorkerReply | None,
                      requests: Mapping[str, EngineRequest]) -> None:
         if plan is None:
             return
-        if not self.channel.acknowledge(plan, reply):
-            if reply is not None:
-                self.counters.add_faults(reply.faults)
-            return
-        assert reply is not None  # acknowledged
-        self.counters.add_faults(reply.faults)
-        self.counters.scoring_us += int(reply.scoring_seconds * 1e6)
-        self.evictor.apply(plan, reply, requests)
+        try:
+            if not self.channel.acknowledge(plan, reply):
+                if reply is not None:
+                    self.counters.add_faults(reply.faults)
+                return
+            assert reply is not None  # acknowledged
+            self.counters.add_faults(reply.faults)
+            self.counters.scoring_us += int(reply.scoring_seconds * 1e6)
+            self.evictor.apply(plan, reply, requests)
+        finally:
+            # The plan's events are over, applied or dropped: their requests run again.
+            self._release(plan, requests)
+
+    def _release(self, plan: StepPlan, requests: Mapping[str, EngineRequest]) -> None:
+        for req_id in plan.score:
+            st = self.states.get(req_id)
+            event = None if st is None else st.event_in_flight
+            if event is None or event.step_id != plan.step_id:
+                continue  # finished, or restarted since (a newer event may be in flight)
+            assert st is not None
+            st.event_in_flight = None
+            request = requests.get(req_id)
+            if request is not None:
+                release_request(request, event.resume_step)
 
     # -- make_stats() ------------------------------------------------------------------
     def stats(self, requests: Mapping[str, EngineRequest]) -> dict[str, int]:
@@ -220,5 +271,6 @@ class EvictionManager:
             live_blocks_max=max(live, default=0),
             free_blocks=self.pool.num_free(),
             total_blocks=self.pool.num_usable(),
+            plans_in_flight=self.channel.outstanding(),
         )
         return self.counters.drain()

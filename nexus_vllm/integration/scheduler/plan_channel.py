@@ -6,6 +6,12 @@ plan whose ``step_id`` it echoes, and retires the nulls sent in that plan or ear
 reply that acknowledges anything else is a fault: its scores are dropped and its nulls
 stay pending (``protocol`` module docstring). The pending nulls of each request are its
 state's ``unacked``: they go when the request finishes or restarts (its block list goes).
+
+With ``k`` steps in flight, plans ``N+1 .. N+k-1`` are opened before plan ``N``'s reply:
+they carry the nulls still pending then, and plan ``N``'s acknowledgement retires only
+the nulls sent up to plan ``N``; so the logic is the same for every ``k``. Replies come
+back in plan order (vLLM processes outputs in schedule order): one acknowledging a plan
+older than one already acknowledged is counted as the fault ``plan_reordered``.
 """
 
 from __future__ import annotations
@@ -32,12 +38,23 @@ class PlanChannel:
     ----------
     step_id : int
         The id of the last plan opened (0 before the first).
+    answered : int
+        Plans whose reply was processed, acknowledged or not.
+    acknowledged : int
+        The id of the newest plan acknowledged (0: none yet).
     """
 
     def __init__(self, states: RequestStates, fault: Callable[..., None]) -> None:
         self.states = states
         self._fault = fault
         self.step_id = 0
+        self.answered = 0
+        self.acknowledged = 0
+
+    def outstanding(self) -> int:
+        """Plans opened whose reply has not been processed yet (vLLM's steps in flight
+        past the one being answered)."""
+        return self.step_id - self.answered
 
     @property
     def unacked(self) -> dict[str, dict[int, int]]:
@@ -69,12 +86,17 @@ class PlanChannel:
     def acknowledge(self, plan: StepPlan, reply: WorkerReply | None) -> bool:
         """Whether ``reply`` acknowledges ``plan`` (then the nulls sent up to it are
         retired); a reply that does not is counted as a fault."""
+        self.answered += 1
         if reply is None or reply.step_id != plan.step_id:
             got = None if reply is None else reply.step_id
             self._fault("plan_unacknowledged", f"the worker did not apply plan "
                         f"{plan.step_id} (acknowledged {got}); its nulls are resent and "
                         "its scores dropped")
             return False
+        if plan.step_id < self.acknowledged:
+            self._fault("plan_reordered", f"plan {plan.step_id} was acknowledged after plan "
+                        f"{self.acknowledged}; only the nulls it carried are retired")
+        self.acknowledged = max(self.acknowledged, plan.step_id)
         for _, st in self.states.items():
             pending = st.unacked
             for j in [j for j, sent in pending.items() if 0 < sent <= plan.step_id]:

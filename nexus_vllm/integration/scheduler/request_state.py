@@ -11,6 +11,13 @@ state goes, and everything in it), and a restart after preemption is one
 :meth:`RequestEvictionState.plan_event` is the budget trigger of one scheduled step: it
 decides, from the request's progress and live blocks, whether an eviction event is due
 and what the worker must score for it.
+
+vLLM may schedule up to ``k`` steps before the first one's output comes back (pipeline
+parallelism, async scheduling). A request has at most one eviction event in flight
+(:class:`InFlightEvent`): the manager holds it out of vLLM's schedule until the event's
+reply is applied, so every event is planned on a view that already holds the previous
+event's nulls, exactly as with one step in flight, and the request's budget bounds do not
+grow with ``k``.
 """
 
 from __future__ import annotations
@@ -26,7 +33,24 @@ from nexus_vllm.integration.compat.vllm_types import EngineRequest, KVBlock
 from nexus_vllm.integration.config import request_config
 from nexus_vllm.integration.protocol import ScoreRequest
 
-__all__ = ["LiveIndex", "RequestEvictionState", "RequestStates"]
+__all__ = ["InFlightEvent", "LiveIndex", "RequestEvictionState", "RequestStates"]
+
+
+@dataclass(frozen=True)
+class InFlightEvent:
+    """A request's eviction event between its plan and its reply.
+
+    Attributes
+    ----------
+    step_id : int
+        The plan that asked for it.
+    resume_step : int
+        vLLM's own ``next_decode_eligible_step`` of the request, put back when the
+        request is released (``vllm_compat.hold_request``).
+    """
+
+    step_id: int
+    resume_step: int
 
 
 @dataclass
@@ -81,6 +105,9 @@ class RequestEvictionState:
     peak_live_blocks : int
         The most live blocks it held over its whole life (survives a restart); taken
         once when it finishes, for the metrics.
+    event_in_flight : InFlightEvent or None
+        Its eviction event whose reply has not been applied yet (the request is held out
+        of vLLM's schedule meanwhile); set and cleared by the manager.
     """
 
     req_id: str
@@ -96,6 +123,7 @@ class RequestEvictionState:
     live: LiveIndex = field(init=False)
     admitted_total: int | None = None
     peak_live_blocks: int = 0
+    event_in_flight: InFlightEvent | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.restart()
@@ -103,8 +131,9 @@ class RequestEvictionState:
     def restart(self) -> None:
         """Start over from token 0 with a fresh block list (a new request, or one
         preempted and resumed: its KV is recomputed). The same seed gives the same
-        evictions; nulls addressed to the old block list and its clean watermark no
-        longer apply. ``admitted_total`` and ``peak_live_blocks`` survive."""
+        evictions; nulls addressed to the old block list, its clean watermark and an
+        event in flight no longer apply (the manager releases the request first).
+        ``admitted_total`` and ``peak_live_blocks`` survive."""
         self.generator = self.cfg.generator(self.seed)
         self.policy_state = {}
         self.trigger = EvictionTrigger(self.cfg, self.prompt_tokens)
@@ -112,6 +141,7 @@ class RequestEvictionState:
         self.unacked = {}
         self.clean_watermark = None
         self.live = LiveIndex()
+        self.event_in_flight = None  # planned on the old list: its reply is dropped
 
     def hard_limit(self, tokens_after: int, scheduled: int) -> int:
         """The most live blocks the request may hold after a step of ``scheduled`` tokens
@@ -126,7 +156,8 @@ class RequestEvictionState:
                                        else tokens_after, prompt_tokens))
 
     def plan_event(self, tokens_after: int, scheduled: int, live: Sequence[int],
-                   block_size: int) -> ScoreRequest | None:
+                   block_size: int, *, epoch: int = 0,
+                   may_fire: bool = True) -> ScoreRequest | None:
         """Advance the trigger over one scheduled step; the scoring an event needs, or
         None when no event is due.
 
@@ -141,6 +172,11 @@ class RequestEvictionState:
             Logical indices of the request's live blocks among its first
             ``ceil(tokens_after / block_size)``, ascending.
         block_size : int
+        epoch : int
+            The request's preemption count now (``ScoreRequest.epoch``).
+        may_fire : bool
+            False while an event of the request is still in flight: a due event waits
+            (the trigger keeps counting, so it fires at the first step allowed).
         """
         cfg = self.cfg
         before = tokens_after - scheduled
@@ -148,14 +184,20 @@ class RequestEvictionState:
         prefill = before < prompt_tokens
         self.peak_live_blocks = max(self.peak_live_blocks, len(live))
         self.tokens = tokens_after
+        trigger = self.trigger
         if prefill:
-            due = self.trigger.prefill_chunk(tokens_after, len(live))
+            due = trigger.prefill_due(tokens_after, len(live))
+            if due and may_fire:
+                trigger.prefill_chunk(tokens_after, len(live))
             # A request resumed after preemption recomputes its generated tokens inside
             # a prefill chunk: they count as decode tokens, as they did the first time.
-            self.trigger.decode_tokens += max(0, tokens_after - max(before, prompt_tokens))
+            trigger.decode_tokens += max(0, tokens_after - max(before, prompt_tokens))
+        elif may_fire:
+            due = trigger.decode(scheduled, tokens_after, len(live))
         else:
-            due = self.trigger.decode(scheduled, tokens_after, len(live))
-        if not due:
+            due = trigger.decode_due(scheduled, tokens_after, len(live))
+            trigger.decode_tokens += scheduled
+        if not (due and may_fire):
             return None
         policy = cfg.policy(prefill=prefill, prompt_tokens=prompt_tokens)
         # The newest rows, across chunks: the worker's query ring keeps each request's
@@ -169,7 +211,8 @@ class RequestEvictionState:
                             num_logical_blocks=cdiv(tokens_after, block_size),
                             evictable_below=evictable_below, prefill=prefill,
                             needs_mass="mass" in policy.needs,
-                            needs_key_norms="key_norms" in policy.needs)
+                            needs_key_norms="key_norms" in policy.needs,
+                            tokens_after=tokens_after, epoch=int(epoch))
 
 
 class RequestStates:

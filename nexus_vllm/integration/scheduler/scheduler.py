@@ -1,22 +1,36 @@
-"""Scheduler subclass selected by ``scheduler_cls`` for evicting configurations.
+"""Scheduler subclasses selected by ``scheduler_cls`` for evicting configurations.
 
 ``schedule()`` attaches the step's :class:`~nexus_vllm.integration.protocol.StepPlan` to
 the ``SchedulerOutput``; ``update_from_output()`` reads the worker's
 :class:`~nexus_vllm.integration.protocol.WorkerReply`, runs each scored request's policy
 and frees the evicted blocks *before* vLLM frees finished requests and schedules the next
 step; ``make_stats()`` adds the ``nexus:*`` metrics.
+
+vLLM may schedule up to ``k`` steps before it processes the first one's output (its batch
+queue: ``max_concurrent_batches``, the pipeline stages, one more with async scheduling):
+each plan is kept with the output it rides on until vLLM hands that output back, so a
+reply is always paired with its own plan. The overrides live in one mixin over vLLM's
+two schedulers: :class:`NexusScheduler` (``Scheduler``) and :class:`NexusAsyncScheduler`
+(``AsyncScheduler``, for async scheduling, whose output placeholders let it schedule a
+decoding request before its last token is back).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from nexus_vllm.integration import faults
-from nexus_vllm.integration.compat.vllm_compat import check_vllm_version, prefill_chunk_tokens
+from nexus_vllm.integration.compat.vllm_compat import (
+    check_vllm_version,
+    prefill_chunk_tokens,
+    steps_in_flight,
+)
 from nexus_vllm.integration.config import config_from_additional
 from nexus_vllm.integration.protocol import StepPlan, attach_plan, read_reply
 from nexus_vllm.integration.scheduler.manager import EvictionManager
@@ -27,12 +41,25 @@ if TYPE_CHECKING:
     from vllm.v1.metrics.stats import SchedulerStats
     from vllm.v1.outputs import ModelRunnerOutput
 
+    _SchedulerBase = Scheduler
+else:
+    _SchedulerBase = object
+
 logger = init_logger(__name__)
 
-__all__ = ["NexusScheduler"]
+__all__ = ["NexusAsyncScheduler", "NexusScheduler", "NexusSchedulerMixin"]
 
 
-class NexusScheduler(Scheduler):
+@dataclass(frozen=True)
+class _PlannedStep:
+    """A scheduled step whose output vLLM has not handed back yet."""
+
+    output: object  # the SchedulerOutput (kept: its id() is the key while it lives)
+    plan: StepPlan  # the plan made for it (the one sent, unless a fault sent another)
+    started: float  # perf_counter() when schedule() began
+
+
+class NexusSchedulerMixin(_SchedulerBase):
     """vLLM's scheduler + streaming KV eviction under a per-request budget."""
 
     # vLLM's arguments are passed on untouched (their list changes between releases).
@@ -41,8 +68,8 @@ class NexusScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         cfg = config_from_additional(self.vllm_config.additional_config)
         if cfg is None:
-            raise ValueError("NexusScheduler needs additional_config['nexus'] with a method "
-                             "other than 'none' (use --kv-eviction)")
+            raise ValueError(f"{type(self).__name__} needs additional_config['nexus'] with "
+                             "a method other than 'none' (use --kv-eviction)")
         if self.block_size != cfg.block_size:
             cfg = cfg.replace(block_size=int(self.block_size))
         # The chunk a prompt is computed in: ours where the plugin set vLLM's per-request
@@ -53,18 +80,22 @@ class NexusScheduler(Scheduler):
         # vLLM drops the per-request cap when one request is eligible (see
         # get_request_counts): only a server that set the cap needs it kept.
         self._nexus_keep_cap = cfg.evicts_mid_prompt
+        self._nexus_first_count = False
+        k = steps_in_flight(self.vllm_config)
         self.nexus = EvictionManager(cfg, self.kv_cache_manager, self.block_size,
-                                     max_model_len=self.max_model_len)
-        # The plan of the step in flight (synchronous scheduling: at most one).
-        self._nexus_plan: StepPlan | None = None
-        self._nexus_prev_plan: StepPlan | None = None
-        logger.info("nexus-vllm scheduler: method=%s budget=%s keep_ratio=%s block=%d "
-                    "chunk=%d prompt_mode=%s prefill_budget=%s blocks in pool=%d", cfg.method,
-                    cfg.max_tokens, cfg.keep_ratio, self.block_size, cfg.chunk_size,
-                    cfg.prompt_mode, cfg.prefill_budget, self.nexus.pool.num_usable())
+                                     max_model_len=self.max_model_len, steps_in_flight=k)
+        # Steps scheduled and not yet handed back, by id() of their SchedulerOutput (vLLM
+        # passes the same object to update_from_output): up to k at once.
+        self._nexus_steps: dict[int, _PlannedStep] = {}
+        self._nexus_last_plan: StepPlan | None = None
+        logger.info("nexus-vllm scheduler (%s): method=%s budget=%s keep_ratio=%s block=%d "
+                    "chunk=%d prompt_mode=%s prefill_budget=%s blocks in pool=%d, %d steps "
+                    "in flight", type(self).__name__, cfg.method, cfg.max_tokens,
+                    cfg.keep_ratio, self.block_size, cfg.chunk_size, cfg.prompt_mode,
+                    cfg.prefill_budget, self.nexus.pool.num_usable(), k)
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
-        self._nexus_step_start: float | None = time.perf_counter()
+        started = time.perf_counter()
         self._nexus_first_count = True
         try:
             output = super().schedule(*args, **kwargs)
@@ -74,10 +105,11 @@ class NexusScheduler(Scheduler):
         plan = self.nexus.plan_step(output, self.requests)
         self.nexus.counters.policy_us += int((time.perf_counter() - t0) * 1e6)
         sent = plan
-        if faults.fires("plan_duplicate") and self._nexus_prev_plan is not None:
-            sent = self._nexus_prev_plan  # injected: the previous plan arrives again
-        attach_plan(output, sent)
-        self._nexus_prev_plan, self._nexus_plan = plan, plan
+        if faults.fires("plan_duplicate") and self._nexus_last_plan is not None:
+            sent = self._nexus_last_plan  # injected: the previous plan arrives again
+        attach_plan(output, sent, step_id=plan.step_id)
+        self._nexus_last_plan = plan
+        self._nexus_steps[id(output)] = _PlannedStep(output, plan, started)
         return output
 
     def get_request_counts(self) -> tuple[int, int]:
@@ -86,7 +118,7 @@ class NexusScheduler(Scheduler):
         # when only one request is eligible; an evicting request must still prefill in
         # chunks so it never holds more than budget + one chunk. The first count taken
         # inside schedule() is the one that decides the cap.
-        if getattr(self, "_nexus_first_count", False):
+        if self._nexus_first_count:
             self._nexus_first_count = False
             if running + waiting == 1 and self._nexus_keep_cap:
                 return running, waiting + 1
@@ -95,18 +127,22 @@ class NexusScheduler(Scheduler):
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput
                            ) -> dict[int, EngineCoreOutputs]:
-        plan, self._nexus_plan = self._nexus_plan, None
+        step = self._nexus_steps.pop(id(scheduler_output), None)
+        if step is not None and step.output is not scheduler_output:
+            step = None  # cannot happen while the entry holds the object; never guess
+        if step is None:
+            self.nexus.fault("plan_unknown", "vLLM handed back a step this scheduler did not "
+                             "plan; its reply is ignored")
         t0 = time.perf_counter()
         # A failure is counted as a fault and skipped inside (EvictionManager.apply_reply).
-        self.nexus.apply_reply(plan, read_reply(model_runner_output), self.requests)
+        self.nexus.apply_reply(None if step is None else step.plan,
+                               read_reply(model_runner_output), self.requests)
         t1 = time.perf_counter()
         out = super().update_from_output(scheduler_output, model_runner_output)
         counters = self.nexus.counters
         counters.policy_us += int((t1 - t0) * 1e6)
-        start = getattr(self, "_nexus_step_start", None)
-        if start is not None:
-            counters.step_us += int((time.perf_counter() - start) * 1e6)
-            self._nexus_step_start = None
+        if step is not None:
+            counters.step_us += int((time.perf_counter() - step.started) * 1e6)
         return out
 
     def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
@@ -118,3 +154,12 @@ class NexusScheduler(Scheduler):
             counts.update(self.nexus.stats(self.requests))
             stats.num_kv_fetch_reqs_by_stage = counts
         return stats
+
+
+class NexusScheduler(NexusSchedulerMixin, Scheduler):
+    """vLLM's ``Scheduler`` with eviction (synchronous scheduling; pipeline parallelism
+    keeps one step per stage in flight)."""
+
+
+class NexusAsyncScheduler(NexusSchedulerMixin, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` with eviction (async scheduling)."""

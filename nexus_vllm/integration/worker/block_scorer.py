@@ -1,33 +1,40 @@
 """Scoring after the forward: every request due, all scored layers, one call; reduction
-over tensor- and pipeline-parallel ranks.
+over tensor-parallel ranks, and the pipeline stages' parts sent to the last stage.
 
 :meth:`BlockScorer.score` runs after vLLM's forward: it scores every request the plan
 marks as due with one ``nexus_vllm.kernels.block_attention_mass_paged_layers`` call over
 the query ring and this worker's scored layers' keys (and key norms for policies that
-read them), sums the results over the tensor-parallel ranks, then over the pipeline
-stages (each stage holds some of the layers), with a validity flag (a failure on one rank
-drops the event on every rank instead of deadlocking), and starts one non-blocking copy
-to the host on the output rank (TP rank 0 of the last stage, where vLLM takes the step's
-output). :meth:`BlockScorer.collect` (after sampling) waits for that copy and returns the
-per-request evidence for the reply.
+read them), sums the results over the tensor-parallel ranks with a validity flag (a
+failure on one rank drops the event on every rank instead of deadlocking). With pipeline
+parallelism each stage holds some of the layers: TP rank 0 of every other stage sends its
+stage's part to the last stage (non-blocking, on a communicator of its own:
+``vllm_compat.StageLink``), whose TP rank 0 (where vLLM takes the step's output) adds
+them up; no stage waits for a later one, as a PP all-reduce on every scored step would
+make it. The output rank starts one non-blocking copy to the host; the step's
+``PendingScores`` ride on its :class:`~nexus_vllm.integration.worker.worker_step.Step`, and
+:meth:`BlockScorer.collect` (after sampling, or later under async scheduling) waits for
+that copy and returns the per-request evidence for the reply.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from nexus_vllm.core import cdiv
 from nexus_vllm.integration import faults
-from nexus_vllm.integration.compat.vllm_compat import pp_all_reduce, tp_all_reduce
+from nexus_vllm.integration.compat.vllm_compat import tp_all_reduce
 from nexus_vllm.integration.worker.query_ring import QueryRing
 from nexus_vllm.integration.worker.worker_step import Batch, SelfCheckError, Staging, Step
 
-__all__ = ["BlockScorer", "Evidence", "RankLayout", "reduce_over_ranks"]
+__all__ = ["BlockScorer", "Evidence", "PendingScores", "RankLayout", "StageLinks",
+           "add_stage_parts", "reduce_over_tp"]
 
 _SELF_CHECK_SCORING_STEPS = 4
 
@@ -104,45 +111,59 @@ class RankLayout:
 Reduce = Callable[[torch.Tensor, str], torch.Tensor]
 
 
-def reduce_over_ranks(flat: torch.Tensor, layout: RankLayout, *, tp_reduce: Reduce,
-                      pp_reduce: Reduce, max_prefix: int = 0) -> torch.Tensor:
-    """Sum ``flat`` over every TP rank and every stage (out of place); its first
+class StageLinks(Protocol):
+    """Point-to-point links from each pipeline stage to the last one
+    (``vllm_compat.StageLink`` in a server)."""
+
+    def send_to_last(self, t: torch.Tensor) -> Any:
+        """Start sending ``t`` to the last stage; a work handle (``is_completed``,
+        ``wait``)."""
+
+    def receive_from(self, stage: int, out: torch.Tensor) -> Any:
+        """Start receiving stage ``stage``'s tensor into ``out``; a work handle."""
+
+
+def reduce_over_tp(flat: torch.Tensor, tp_size: int, tp_reduce: Reduce, *,
+                   max_prefix: int = 0) -> torch.Tensor:
+    """Sum ``flat`` over the TP ranks of this stage (out of place); its first
     ``max_prefix`` values are reduced by their maximum instead.
 
-    Every rank must call this for the same steps with the same shape, failed or not: the
-    TP reduction runs inside each stage, then the stages' results are combined across the
-    PP group (one rank per TP position in each PP group, so each rank's part is counted
-    once). Each rank holds some heads (TP) and some layers (PP), so a sum over ranks of
-    each rank's share is the mean over the model's heads and layers, and a maximum over
-    ranks of each rank's maximum is the model's maximum (``head_reduce: max``).
+    Every TP rank must call this for the same steps with the same shape, failed or not.
+    Each rank holds some heads, so a sum of each rank's share is the mean over the
+    stage's heads, and a maximum of each rank's maximum its maximum (``head_reduce:
+    max``).
 
     Parameters
     ----------
     flat : Tensor [n] float32
-        This rank's masses, key norms and validity flag (see ``_Pending``).
-    layout : RankLayout
-    tp_reduce, pp_reduce : callable
-        ``(tensor, op)``: reduce over the TP group / the PP group (vLLM's groups in a
-        server).
+        This rank's masses, key norms and validity flag (see ``PendingScores``).
+    tp_size : int
+    tp_reduce : callable
+        ``(tensor, op)``: reduce over the TP group (vLLM's in a server).
     max_prefix : int
         Leading values reduced by ``max`` (the masses under ``head_reduce: max``); the
         rest (key norms, the flag) are summed.
-
-    Returns
-    -------
-    Tensor [n] float32
-        The reduction over ``layout.world`` ranks (the flag then counts the ranks that
-        scored).
     """
-    for size, reduce in ((layout.tp_size, tp_reduce), (layout.pp_size, pp_reduce)):
-        if size == 1:
-            continue
+    if tp_size == 1:
+        return flat
+    if max_prefix:
+        return torch.cat([tp_reduce(flat[:max_prefix], "max"),
+                          tp_reduce(flat[max_prefix:], "sum")])
+    return tp_reduce(flat, "sum")
+
+
+def add_stage_parts(flat: torch.Tensor, parts: list[torch.Tensor], *,
+                    max_prefix: int = 0) -> torch.Tensor:
+    """The last stage's ``flat`` combined with the other stages' ``parts`` (each stage's
+    sum over its TP ranks): summed, the first ``max_prefix`` values by their maximum.
+    Each stage holds some layers, so this is the model's mean (or maximum) over every
+    scored layer, and the flag counts every rank that scored."""
+    out = flat.clone()
+    for part in parts:
+        out[max_prefix:] += part[max_prefix:]
         if max_prefix:
-            flat = torch.cat([reduce(flat[:max_prefix], "max"),
-                              reduce(flat[max_prefix:], "sum")])
-        else:
-            flat = reduce(flat, "sum")
-    return flat
+            torch.maximum(out[:max_prefix], part[:max_prefix], out=out[:max_prefix])
+    return out
 
 
 @dataclass(frozen=True)
@@ -157,7 +178,7 @@ class _Due:
 
 
 @dataclass
-class _Pending:
+class PendingScores:
     """Scores on their way to the host (non-blocking copy started in ``score``).
 
     ``host`` is one float32 vector: the masses ``[R_mass, W_s, N_max]``, then the key
@@ -182,6 +203,7 @@ class Evidence:
     masses: dict[str, np.ndarray]  # req_id -> [W, live blocks]
     key_norms: dict[str, np.ndarray]  # req_id -> [live blocks]
     seconds: float
+    faults: dict[str, int] = field(default_factory=dict)  # seen while collecting
 
 
 class BlockScorer:
@@ -210,15 +232,23 @@ class BlockScorer:
         ``(kind, message, exc=...)``: count and log a fault.
     self_check : bool
         Recompute the first scoring steps with the torch reference and compare.
-    tp_reduce, pp_reduce : callable, optional
-        Sum a tensor over the TP group / the PP group (default: vLLM's groups).
+    tp_reduce : callable, optional
+        Reduce a tensor over the TP group (default: vLLM's).
+    stages : StageLinks, optional
+        Links to the last pipeline stage (needed when ``layout.pp_size > 1``).
     """
+
+    # Sends to the last stage not yet known complete, beyond which the oldest is waited
+    # for (each keeps its tensor alive until sent).
+    _MAX_SENDS = 8
 
     def __init__(self, ring: QueryRing, *, block_size: int, max_requests: int,
                  device: torch.device, backend: str, layout: RankLayout,
                  fault: Callable[..., None], self_check: bool, scored_layers: int = 0,
                  head_reduce: str = "mean", tp_reduce: Reduce = tp_all_reduce,
-                 pp_reduce: Reduce = pp_all_reduce) -> None:
+                 stages: StageLinks | None = None) -> None:
+        if layout.pp_size > 1 and stages is None:
+            raise ValueError("pipeline parallelism needs links to the last stage")
         self.ring = ring
         self.head_reduce = head_reduce
         self.block_size = int(block_size)
@@ -227,11 +257,12 @@ class BlockScorer:
         self.layout = layout
         self.tp_size = layout.tp_size
         self.scored_layers = int(scored_layers)
-        self._tp_reduce, self._pp_reduce = tp_reduce, pp_reduce
+        self._tp_reduce = tp_reduce
+        self.stages = stages
+        self._sends: deque[tuple[Any, torch.Tensor]] = deque()
         self._fault = fault
         self.self_check = self_check
         self._checks = 0
-        self.pending: _Pending | None = None
         tokens = int(max_requests) * ring.window
         self._qidx = Staging(tokens, device)
         # The batch rows of the mass requests, then those of the key-norm requests: a
@@ -240,9 +271,12 @@ class BlockScorer:
 
     # -- after the forward ---------------------------------------------------------------
     def score(self, step: Step | None) -> None:
-        """Score the requests due (after the forward); start the host copy."""
-        self.pending = None
-        if step is None or step.plan is None or not step.plan.score or step.batch is None:
+        """Score the requests due (after the forward); on the output rank, start the host
+        copy (``step.pending``)."""
+        if step is None:
+            return
+        step.pending = None
+        if step.plan is None or not step.plan.score or step.batch is None:
             return
         due = self._due(step)
         if not due:
@@ -295,23 +329,48 @@ class BlockScorer:
             self._fault("score_error", "block scoring failed; dropping this step's "
                         "eviction events on every rank", exc=True)
         timer.stop()
-        # Every rank of every stage reaches the collectives, failed or not (no deadlock);
-        # the event is used only if every rank's flag made it (sum == TP x PP size).
-        flat = reduce_over_ranks(flat, self.layout, tp_reduce=self._tp_reduce,
-                                 pp_reduce=self._pp_reduce,
-                                 max_prefix=n_mass if self.head_reduce == "max" else 0)
-        if not self.layout.is_output:
+        # Every rank of every stage reaches the TP reduction and the stage links, failed
+        # or not (no deadlock); the event is used only if every rank's flag made it (sum
+        # == TP x PP size).
+        max_prefix = n_mass if self.head_reduce == "max" else 0
+        flat = reduce_over_tp(flat, self.tp_size, self._tp_reduce, max_prefix=max_prefix)
+        layout = self.layout
+        total: torch.Tensor | None = flat
+        if layout.pp_size > 1:
+            total = self._join_stages(flat, max_prefix)
+        if not layout.is_output or total is None:
             return
         if self.device.type == "cuda":
-            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
+            host = torch.empty(total.shape, dtype=total.dtype, pin_memory=True)
+            host.copy_(total, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
         else:
-            host, done = flat, None
-        self.pending = _Pending(mass_due=mass_due, norm_due=norm_due, rows=w_s, cols=n_max,
-                                host=host, done=done, timer=timer,
-                                world=self.layout.world)
+            host, done = total, None
+        step.pending = PendingScores(mass_due=mass_due, norm_due=norm_due, rows=w_s,
+                                     cols=n_max, host=host, done=done, timer=timer,
+                                     world=layout.world)
+
+    def _join_stages(self, flat: torch.Tensor, max_prefix: int) -> torch.Tensor | None:
+        """TP rank 0 of a stage before the last sends its part to the last stage (and
+        moves on); the output rank receives every part and adds them up (on CUDA the
+        wait orders the stream only). Returns the total on the output rank."""
+        layout, stages = self.layout, self.stages
+        assert stages is not None
+        if layout.tp_rank != 0:
+            return None
+        if not layout.is_output:
+            while self._sends and (len(self._sends) >= self._MAX_SENDS
+                                   or self._sends[0][0].is_completed()):
+                work, _ = self._sends.popleft()
+                work.wait()
+            self._sends.append((stages.send_to_last(flat), flat))
+            return None
+        parts = [torch.empty_like(flat) for _ in range(layout.pp_size - 1)]
+        works = [stages.receive_from(stage, part) for stage, part in enumerate(parts)]
+        for work in works:
+            work.wait()
+        return add_stage_parts(flat, parts, max_prefix=max_prefix)
 
     def _due(self, step: Step) -> list[_Due]:
         """The requests to score now (those whose policy reads the worker's evidence)."""
@@ -388,12 +447,14 @@ class BlockScorer:
         return (self.scored_layers or len(self.ring.layer_keys)) * self.tp_size
 
     # -- after sampling ------------------------------------------------------------------
-    def collect(self) -> Evidence:
-        """The step's evidence (waits for the copy started in :meth:`score`)."""
+    def collect(self, pending: PendingScores | None) -> Evidence:
+        """A step's evidence (waits for the copy :meth:`score` started into
+        ``pending``). Touches nothing but ``pending``: under async scheduling it runs
+        in vLLM's output thread while the next step runs."""
         masses: dict[str, np.ndarray] = {}
         norms: dict[str, np.ndarray] = {}
         seconds = 0.0
-        pending, self.pending = self.pending, None
+        faults: dict[str, int] = {}
         if pending is not None:
             if pending.done is not None:
                 pending.done.synchronize()
@@ -414,6 +475,7 @@ class BlockScorer:
                 for r, d in enumerate(pending.norm_due):
                     norms[d.req_id] = per_block[r, :d.live].copy()
             elif valid:
+                faults["score_error_peer"] = 1
                 self._fault("score_error_peer", "block scoring failed on another rank; "
-                            "dropping this step's eviction events")
-        return Evidence(masses=masses, key_norms=norms, seconds=seconds)
+                            "dropping this step's eviction events", count=False)
+        return Evidence(masses=masses, key_norms=norms, seconds=seconds, faults=faults)

@@ -12,27 +12,35 @@ eviction path on top of it is the same on both:
   attention impl, and to each scored layer's key cache; ``extend_kv_cache`` (vLLM 0.34
   re-binds every layer's KV tensors after warm-up) binds the key views again;
 * ``execute_model``: apply the step's plan, run vLLM's step, score the requests due
-  (with pipeline parallelism each stage scores the layers it holds; the sums meet in
-  ``block_scorer.reduce_over_ranks``);
-* ``sample_tokens``: attach the step's :class:`~nexus_vllm.integration.protocol.WorkerReply`.
+  (with pipeline parallelism each stage scores the layers it holds and sends its part
+  to the last stage, ``block_scorer``);
+* ``sample_tokens``: take the step's reply token and close the step; attach the step's
+  :class:`~nexus_vllm.integration.protocol.WorkerReply` to its output, or, for an
+  ``AsyncModelRunnerOutput`` (async scheduling: vLLM takes the output later, after the
+  next step has begun), return :class:`ReplyingAsyncOutput`, whose ``get_output()``
+  attaches it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
+from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from nexus_vllm.integration.compat.runners import RunnerAdapter, runner_adapter
 from nexus_vllm.integration.compat.vllm_compat import (
+    StageLink,
     attention_groups,
     attention_layers,
     check_vllm_version,
     gpu_sync_check,
     group_builders,
+    is_async_output,
     pp_rank_and_size,
+    steps_in_flight,
     tp_rank_and_size,
 )
 from nexus_vllm.integration.config import config_from_additional
@@ -47,23 +55,27 @@ from nexus_vllm.integration.worker.attention import (
     wrapped_backend_name,
 )
 from nexus_vllm.integration.worker.block_scorer import RankLayout
-from nexus_vllm.integration.worker.worker_state import LayerKeys, WorkerEvictionState, layer_index
+from nexus_vllm.integration.worker.worker_state import (
+    LayerKeys,
+    ReplyToken,
+    WorkerEvictionState,
+    layer_index,
+)
+from nexus_vllm.integration.worker.worker_step import Step
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 logger = init_logger(__name__)
-# What a step returns to the executor: vLLM's output, or None (it comes from sample_tokens).
-_StepOutput = TypeVar("_StepOutput", bound="ModelRunnerOutput | AsyncModelRunnerOutput | None")
 
 if current_platform.is_cpu():
     from vllm.v1.worker.cpu_worker import CPUWorker as _BaseWorker
 else:  # pragma: no cover - CUDA path, exercised by the device check
     from vllm.v1.worker.gpu_worker import Worker as _BaseWorker  # type: ignore[assignment]
 
-__all__ = ["NexusWorker", "platform_backends"]
+__all__ = ["NexusWorker", "ReplyingAsyncOutput", "platform_backends"]
 
 
 def platform_backends() -> tuple[str, ...]:
@@ -77,6 +89,29 @@ def _model_layers(vllm_config: VllmConfig, local_bound: int) -> int:
     text = getattr(vllm_config.model_config, "hf_text_config", None)
     layers = getattr(text, "num_hidden_layers", None)
     return max(int(layers), local_bound) if isinstance(layers, int) else local_bound
+
+
+class ReplyingAsyncOutput(AsyncModelRunnerOutput):
+    """vLLM's ``AsyncModelRunnerOutput`` of one step, whose output carries that step's
+    reply: ``get_output()`` (vLLM's output thread, after the next step has begun) waits
+    for the step's scores, then attaches them. Everything it reads belongs to its step
+    (the :class:`~nexus_vllm.integration.worker.worker_state.ReplyToken`)."""
+
+    def __init__(self, inner: AsyncModelRunnerOutput, token: ReplyToken) -> None:
+        self.inner = inner
+        self.token = token
+
+    def get_output(self) -> ModelRunnerOutput:
+        return attach_reply(self.inner.get_output(), self.token.reply())
+
+    def get_kv_connector_output(self) -> KVConnectorOutput | None:
+        # 0.33+ (salvaged when get_output fails); 0.32's outputs have none.
+        getter = getattr(self.inner, "get_kv_connector_output", None)
+        return None if getter is None else getter()  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else vLLM reads of the output is the inner one's.
+        return getattr(self.__dict__["inner"], name)
 
 
 class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
@@ -93,7 +128,6 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
                                "other than 'none' (use --kv-eviction)")
         self.nexus_cfg = cfg
         self.nexus: WorkerEvictionState | None = None
-        self._nexus_reply_due = False
         self._nexus_scored: frozenset[int] = frozenset()  # decoder layer numbers scored
 
     # -- startup -----------------------------------------------------------------------
@@ -127,13 +161,17 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         pp_rank, pp_size = pp_rank_and_size()
         layout = RankLayout(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
                             pp_size=pp_size)
+        # Every rank builds the stage links (a collective), whether it sends or not.
+        stages = StageLink.from_vllm() if pp_size > 1 else None
+        k = steps_in_flight(self.vllm_config)
         state = WorkerEvictionState(
             block_size=int(self.cache_config.block_size),
             window=max(int(cfg.window), int(cfg.prefill_window)),
             max_requests=int(self.vllm_config.scheduler_config.max_num_seqs),
             device=torch.device(self.model_runner.device),
             score_backend="batched" if current_platform.is_cpu() else "auto",
-            layout=layout, scored_layers=len(model_scored), head_reduce=cfg.head_reduce)
+            layout=layout, scored_layers=len(model_scored), head_reduce=cfg.head_reduce,
+            steps_in_flight=k, stages=stages)
         dtype = self.model_runner.dtype
         assert isinstance(dtype, torch.dtype), dtype
         # A stage without scored layers gets an empty ring (it still joins every
@@ -143,9 +181,9 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         self.nexus = state
         logger.info("nexus-vllm worker: %d of %d attention layers scored here (%d in the "
                     "model), query ring %.1f MiB (%d requests x %d queries), TP rank %d/%d, "
-                    "PP stage %d/%d", len(scored), len(layers), len(model_scored),
-                    state.ring_bytes() / 2**20, state.max_requests, state.window, tp_rank,
-                    tp_size, pp_rank, pp_size)
+                    "PP stage %d/%d, %d steps in flight", len(scored), len(layers),
+                    len(model_scored), state.ring_bytes() / 2**20, state.max_requests,
+                    state.window, tp_rank, tp_size, pp_rank, pp_size, k)
 
     def initialize_from_config(self, *args: object, **kwargs: object) -> None:
         super().initialize_from_config(*args, **kwargs)
@@ -203,44 +241,44 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
         state = self.nexus
         assert state is not None
-        self._nexus_hooks(state, scheduler_output, before=True)
+        step = self._nexus_hooks(state, scheduler_output, before=True)
+        assert step is not None
         try:
             output = super().execute_model(scheduler_output)
             self._nexus_hooks(state, scheduler_output, before=False)
         except BaseException:
-            state.end_step()  # never leave masked entries or armed hooks behind
+            state.end_step(step)  # never leave masked entries or armed hooks behind
             raise
-        self._nexus_reply_due = True
-        # None: the ModelRunnerOutput comes from sample_tokens. Otherwise (a step without
-        # tokens returns EMPTY_MODEL_RUNNER_OUTPUT) the reply rides on this output.
-        return output if output is None else self._with_reply(output)
+        # None: the output comes from sample_tokens, which replies. Otherwise (a step
+        # without tokens returns EMPTY_MODEL_RUNNER_OUTPUT) the reply rides on this one.
+        return None if output is None else self._reply_on(output, step)
 
     @gpu_sync_check
     def _nexus_hooks(self, state: WorkerEvictionState, scheduler_output: SchedulerOutput, *,
-                     before: bool) -> None:
+                     before: bool) -> Step | None:
         if before:
-            state.begin_step(scheduler_output, read_plan(scheduler_output))
-        else:
-            state.finish_forward()
+            return state.begin_step(scheduler_output, read_plan(scheduler_output))
+        state.finish_forward()
+        return None
 
     def sample_tokens(self, grammar_output: GrammarOutput | None
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         state = self.nexus
         assert state is not None
         assert state.runner is not None
+        step = state.step
         with state.runner.sampling_guard():
             output = super().sample_tokens(grammar_output)
-        return self._with_reply(output)
+        return output if step is None else self._reply_on(output, step)
 
-    def _with_reply(self, output: _StepOutput) -> _StepOutput:
+    def _reply_on(self, output: ModelRunnerOutput | AsyncModelRunnerOutput,
+                  step: Step) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """``output`` carrying ``step``'s reply; ``step`` is closed."""
         state = self.nexus
         assert state is not None
-        if not self._nexus_reply_due or output is None:
-            return output
-        if not hasattr(output, "sampled_token_ids"):
-            # AsyncModelRunnerOutput: async scheduling is refused for evicting configs.
-            return output
-        self._nexus_reply_due = False
-        reply = state.reply()
-        state.end_step()
-        return attach_reply(output, reply)
+        token = state.reply_token(step)
+        state.end_step(step)
+        if is_async_output(output):
+            assert isinstance(output, AsyncModelRunnerOutput)
+            return ReplyingAsyncOutput(output, token)
+        return attach_reply(output, token.reply())

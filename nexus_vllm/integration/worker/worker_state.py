@@ -20,11 +20,20 @@ One step (``NexusWorker.execute_model``):
    blocks, with no device-to-host read;
 3. during the forward, the ring copies the newest queries of tracked requests;
 4. :meth:`finish_forward` has the scorer score every request due (all scored layers at
-   once), reduce over tensor-parallel ranks and pipeline stages and start one
-   non-blocking host copy;
-5. :meth:`reply` (after sampling) turns that copy into the step's
-   :class:`~nexus_vllm.integration.protocol.WorkerReply`; :meth:`end_step` restores any
-   temporarily masked entries and closes the step.
+   once), reduce over tensor-parallel ranks, gather the pipeline stages' parts on the
+   last stage and start one non-blocking host copy;
+5. :meth:`reply_token` (after sampling) takes what the step's reply needs (its
+   acknowledgement, the pending scores, the faults so far) and :meth:`end_step` restores
+   any temporarily masked entries and closes the step; :meth:`ReplyToken.reply` then
+   waits for the copy and builds the :class:`~nexus_vllm.integration.protocol.WorkerReply`,
+   at once, or under async scheduling when vLLM takes the step's output, after the next
+   step has begun. Each step keeps its own state (:class:`~nexus_vllm.integration.worker.
+   worker_step.Step`); nothing of it is shared with the next.
+
+With ``k`` steps in flight (pipeline stages, async scheduling) the scheduler may free a
+block on the reply of any of the last ``k`` plans this worker applied before it hears of
+the null: a worker that misses a plan masks the evictable blocks of the requests those
+``k`` plans scored.
 
 ``NEXUS_VLLM_SELF_CHECK=1`` (the GPU check and some end-to-end tests set it) adds two
 checks on the live server, each a host read: every scored layer's key view is compared
@@ -37,6 +46,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,8 +57,13 @@ from vllm.logger import init_logger
 from nexus_vllm.integration import faults
 from nexus_vllm.integration.compat.runners import RunnerAdapter
 from nexus_vllm.integration.compat.vllm_compat import NULL_BLOCK_ID, reset_request_ids
-from nexus_vllm.integration.protocol import ScoreRequest, StepPlan, WorkerReply
-from nexus_vllm.integration.worker.block_scorer import BlockScorer, RankLayout
+from nexus_vllm.integration.protocol import ScoreRequest, StepPlan, WorkerReply, read_step
+from nexus_vllm.integration.worker.block_scorer import (
+    BlockScorer,
+    PendingScores,
+    RankLayout,
+    StageLinks,
+)
 from nexus_vllm.integration.worker.compaction import Compactor
 from nexus_vllm.integration.worker.query_ring import QueryRing
 from nexus_vllm.integration.worker.worker_step import LayerKeys, SelfCheckError, Step
@@ -57,8 +74,8 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-__all__ = ["SELF_CHECK_ENV", "LayerKeys", "SelfCheckError", "WorkerEvictionState",
-           "layer_index"]
+__all__ = ["SELF_CHECK_ENV", "LayerKeys", "ReplyToken", "SelfCheckError",
+           "WorkerEvictionState", "layer_index"]
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 SELF_CHECK_ENV = "NEXUS_VLLM_SELF_CHECK"
@@ -68,6 +85,28 @@ def layer_index(layer_name: str) -> int:
     """Decoder layer number in a vLLM layer name (``model.layers.7.self_attn.attn`` -> 7)."""
     m = _LAYER_INDEX.search(f".{layer_name}.")
     return int(m.group(1)) if m else 0
+
+
+@dataclass(frozen=True)
+class ReplyToken:
+    """What one step's reply needs, taken when the step ends (after sampling): its
+    :meth:`reply` may then run later, in another thread (vLLM's output thread under async
+    scheduling), while the next step runs."""
+
+    ack: int | None
+    pending: PendingScores | None
+    faults: Mapping[str, int]
+    scorer: BlockScorer
+
+    def reply(self) -> WorkerReply:
+        """The step's reply (waits for the scores' host copy)."""
+        evidence = self.scorer.collect(self.pending)
+        faults = dict(self.faults)
+        for kind, n in evidence.faults.items():
+            faults[kind] = faults.get(kind, 0) + n
+        return WorkerReply(step_id=self.ack, masses=evidence.masses,
+                           key_norms=evidence.key_norms, scoring_seconds=evidence.seconds,
+                           faults=faults)
 
 
 class WorkerEvictionState:
@@ -92,12 +131,18 @@ class WorkerEvictionState:
         Scored layers of the whole model, over every stage (0: those this worker holds).
     head_reduce : {"mean", "max"}
         How the scored heads and layers combine (``EvictionConfig.head_reduce``).
+    steps_in_flight : int
+        k, the steps vLLM schedules before the first reply (``max_concurrent_batches``):
+        how many applied plans a missed plan's masking covers.
+    stages : StageLinks, optional
+        Links to the last pipeline stage (needed with pipeline parallelism).
     """
 
     def __init__(self, *, block_size: int, window: int, max_requests: int,
                  device: torch.device, score_backend: str,
                  layout: RankLayout | None = None, scored_layers: int = 0,
-                 head_reduce: str = "mean") -> None:
+                 head_reduce: str = "mean", steps_in_flight: int = 1,
+                 stages: StageLinks | None = None) -> None:
         self.max_requests = int(max_requests)
         self.runner: RunnerAdapter | None = None
         self.fault = faults.FaultLog(logger)
@@ -110,14 +155,17 @@ class WorkerEvictionState:
                                   max_requests=max_requests, device=device,
                                   backend=score_backend, layout=layout or RankLayout(),
                                   scored_layers=scored_layers, head_reduce=head_reduce,
-                                  fault=self.fault, self_check=self.self_check)
+                                  fault=self.fault, self_check=self.self_check,
+                                  stages=stages)
         # Logical block indices nulled per request (shared with the compactor).
         self.evicted: dict[str, set[int]] = self.compactor.evicted
         self.last_step = 0
-        self.last_score: dict[str, ScoreRequest] = {}
+        # The score maps of the last k plans applied: the scheduler may free blocks of
+        # these requests on any of their replies before this worker hears of the nulls.
+        self.recent_scores: deque[dict[str, ScoreRequest]] = deque(
+            maxlen=max(1, int(steps_in_flight)))
         self.sink_blocks = 1
         self.step: Step | None = None
-        self._ack: int | None = None
 
     @property
     def window(self) -> int:
@@ -143,16 +191,20 @@ class WorkerEvictionState:
         self.step = self.compactor.step = self.ring.step = step
 
     # -- the plan ----------------------------------------------------------------------
-    def begin_step(self, scheduler_output: SchedulerOutput, plan: StepPlan | None) -> None:
+    def begin_step(self, scheduler_output: SchedulerOutput, plan: StepPlan | None) -> Step:
         """Apply ``plan`` to the runner's block tables and open one step."""
         runner = self.runner
         assert runner is not None, "bind_layers() first"
         if self.step is not None:  # a previous step raised before end_step()
-            self.end_step()
+            self.end_step(self.step)
         runner.observe(scheduler_output)
         resets = reset_request_ids(scheduler_output)
         gone = set(scheduler_output.finished_req_ids) | resets
-        usable = plan is not None and plan.step_id > self.last_step
+        # This step's own plan (the stamp on the output; an unstamped output's plan is
+        # taken as its own), and newer than the last one applied.
+        own = read_step(scheduler_output)
+        usable = (plan is not None and plan.step_id > self.last_step
+                  and (own is None or plan.step_id == own))
         if faults.fires("plan_lost"):
             usable = False
             self.fault("plan_lost", "injected: the step's plan is dropped")
@@ -160,7 +212,7 @@ class WorkerEvictionState:
             self.fault("plan_missing", "a step arrived without an eviction plan; masking "
                        "every block the scheduler may have freed for this step")
         elif not usable:
-            self.fault("plan_stale", f"plan {plan.step_id} arrived after plan "
+            self.fault("plan_stale", f"plan {plan.step_id} arrived for step {own} after plan "
                        f"{self.last_step}; masking possibly freed blocks for this step")
         elif plan.step_id != self.last_step + 1:
             self.fault("plan_gap", f"plans {self.last_step + 1}..{plan.step_id - 1} never "
@@ -177,17 +229,15 @@ class WorkerEvictionState:
                 runner.set_entries(req_id, new, [NULL_BLOCK_ID] * len(new))
                 done.update(new)
             self.last_step = plan.step_id
-            self._ack = plan.step_id
-        else:
-            self._ack = None
-        step = Step(plan=plan if usable else None, tracked=set())
+        step = Step(plan=plan if usable else None, tracked=set(),
+                    ack=plan.step_id if usable and plan is not None else None)
         if not usable:
             self._mask_suspects(step, gone)
         for req_id in gone:
             self._forget(req_id)
         if usable:
             assert plan is not None
-            self.last_score = dict(plan.score)
+            self.recent_scores.append(dict(plan.score))
             step.tracked = set(plan.track)
         else:
             # Keep the windows of known requests continuous through a faulty step.
@@ -195,20 +245,26 @@ class WorkerEvictionState:
         for req_id in step.tracked:
             self.ring.track(req_id)
         self._open(step)
+        return step
 
     def _mask_suspects(self, step: Step, gone: set[str]) -> None:
         """Without a usable plan, the scheduler may have freed (and reallocated) blocks
-        of the requests it scored last time: hide their evictable blocks for this step."""
+        of the requests its last ``k`` applied plans scored (on any of their replies):
+        hide their evictable blocks for this step."""
         runner = self.runner
         assert runner is not None
-        for req_id, sreq in self.last_score.items():
+        below: dict[str, int] = {}
+        for scores in self.recent_scores:
+            for req_id, sreq in scores.items():
+                below[req_id] = max(below.get(req_id, 0), sreq.evictable_below)
+        for req_id, evictable_below in below.items():
             if req_id in gone:
                 continue
             done = self.evicted.get(req_id, set())
             ids = runner.logical_row(req_id)
             if ids is None:
                 continue
-            idxs = [j for j in range(self.sink_blocks, min(sreq.evictable_below, len(ids)))
+            idxs = [j for j in range(self.sink_blocks, min(evictable_below, len(ids)))
                     if j not in done]
             if not idxs:
                 continue
@@ -219,7 +275,8 @@ class WorkerEvictionState:
 
     def _forget(self, req_id: str) -> None:
         self.evicted.pop(req_id, None)
-        self.last_score.pop(req_id, None)
+        for scores in self.recent_scores:
+            scores.pop(req_id, None)
         self.ring.forget(req_id)
 
     # -- the hooks (each part is also reachable directly) -------------------------------
@@ -240,18 +297,21 @@ class WorkerEvictionState:
         self.scorer.score(self.step)
 
     # -- the reply ---------------------------------------------------------------------
-    def reply(self) -> WorkerReply:
-        """The step's reply (waits for the score copy started in finish_forward)."""
-        evidence = self.scorer.collect()
-        return WorkerReply(step_id=self._ack, masses=evidence.masses,
-                           key_norms=evidence.key_norms, scoring_seconds=evidence.seconds,
-                           faults=self.fault.take())
+    def reply_token(self, step: Step) -> ReplyToken:
+        """What ``step``'s reply needs, taken now: its acknowledgement, its pending
+        scores and the faults seen so far (:meth:`ReplyToken.reply` builds it)."""
+        return ReplyToken(ack=step.ack, pending=step.pending, faults=self.fault.take(),
+                          scorer=self.scorer)
 
-    def end_step(self) -> None:
-        """Restore entries masked for this step only; close the step."""
-        step = self.step
-        self._open(None)
-        if step is None or self.runner is None:
+    def reply(self, step: Step) -> WorkerReply:
+        """``step``'s reply, now (waits for the score copy started in finish_forward)."""
+        return self.reply_token(step).reply()
+
+    def end_step(self, step: Step) -> None:
+        """Restore entries masked for ``step`` only; close it."""
+        if self.step is step:
+            self._open(None)
+        if self.runner is None:
             return
         for req_id, idxs, original in step.masked:
             done = self.evicted.get(req_id, set())

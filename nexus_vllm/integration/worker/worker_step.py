@@ -5,12 +5,16 @@ The worker's eviction state (``worker_state.py``) applies the plan and opens a
 :class:`Batch` attention sees; the query ring (``query_ring.py``, fed to the attention
 impls) captures queries of that batch; the scorer (``block_scorer.py``) scores it after the
 forward. Each part is handed the step explicitly; none reaches into another.
+
+A :class:`Step` also carries what its reply needs (the plan it acknowledges and the
+scores on their way to the host), so that, with async scheduling, the next step can start
+before this one's reply is built.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -61,6 +65,10 @@ class Step:
 
     plan: StepPlan | None
     tracked: set[str]
+    # The plan it acknowledges (None: no usable plan).
+    ack: int | None = None
+    # The scorer's scores on their way to the host (``block_scorer.PendingScores``).
+    pending: Any = None
     # (req_id, logical indices, original ids) masked for this step only (missed plan).
     masked: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
     masked_counts: dict[str, int] = field(default_factory=dict)
@@ -77,9 +85,11 @@ class Step:
 class Staging:
     """A host buffer and its device twin for per-step index tensors (pinned on CUDA).
 
-    Reusing the host buffer each step is safe for the same reason it is in vLLM's own
-    ``CpuGpuBuffer``: every synchronous step ends with a host read of the sampled
-    tokens, which orders it after this step's copies.
+    The host buffer is written again only once its last non-blocking copy has run (an
+    event recorded after each copy): with async scheduling nothing else orders the next
+    step's write after this step's copy, as vLLM's own runner guards its staged inputs.
+    The device buffer needs no guard: the next copy is queued behind this step's kernels
+    on the same stream.
     """
 
     def __init__(self, size: int, device: torch.device) -> None:
@@ -87,12 +97,22 @@ class Staging:
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self.device = self.host if device.type == "cpu" else torch.zeros_like(
             self.host, device=device)
+        self._cuda = device.type == "cuda"
+        self._copied: Any = None  # torch.cuda.Event recorded after the last copy
 
     def put(self, values: np.ndarray) -> torch.Tensor:
         n = int(values.shape[0])
         if n > self.host.shape[0]:
             raise ValueError(f"staging buffer holds {self.host.shape[0]} values, got {n}")
-        self.host[:n].numpy()[:] = values
         if self.device is self.host:
+            self.host[:n].numpy()[:] = values
             return self.host[:n]
-        return self.device[:n].copy_(self.host[:n], non_blocking=True)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous copy has read the host buffer
+        self.host[:n].numpy()[:] = values
+        out = self.device[:n].copy_(self.host[:n], non_blocking=True)
+        if self._cuda:
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()
+        return out

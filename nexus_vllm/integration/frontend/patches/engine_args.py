@@ -18,9 +18,11 @@ How
       ``engine_policy.EngineSettings``, refuse what eviction cannot run with (each
       refusal names the flag and what to use instead), set what it forces (our scheduler
       and worker, the block size, chunked prefill at ``chunk_size`` tokens per request
-      and step, synchronous scheduling and, on CUDA, PIECEWISE CUDA graphs; the model
-      runner stays the one vLLM picks, every family has an adapter in
-      ``integration/compat/runners.py``); after vLLM builds its config, refuse models whose
+      and step and, on CUDA, PIECEWISE CUDA graphs; the model runner stays the one vLLM
+      picks, every family has an adapter in ``integration/compat/runners.py``); after
+      vLLM builds its config, pick our async scheduler where vLLM settled on async
+      scheduling (its default on CUDA from 0.34), refuse an executor whose workers skip
+      the worker's methods (vLLM 0.32's compiled-graph Ray executor), refuse models whose
       attention eviction cannot run on (``vllm_compat.model_attention_traits``, the same
       check the worker makes per layer) and settings that cannot work within its
       ``max_model_len``; vLLM's own refusal of the chunk size is restated naming
@@ -41,14 +43,17 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 
 from nexus_vllm.integration.compat.catalogue import swap
+from nexus_vllm.integration.compat.vllm_compat import executor_skipping_worker
 from nexus_vllm.integration.config import ADDITIONAL_CONFIG_KEY, config_from_additional
 from nexus_vllm.integration.frontend.engine_policy import (
     EngineSettings,
     check_engine_settings,
+    check_executor,
     check_model,
     forced_cudagraph_mode,
     forced_engine_args,
     restate_vllm_refusal,
+    scheduler_cls_for,
     with_engine_block_size,
 )
 from nexus_vllm.integration.frontend.server_config import (
@@ -64,7 +69,8 @@ if TYPE_CHECKING:
 
     from nexus_vllm.core import EvictionConfig
 
-__all__ = ["apply", "check_model_config", "engine_settings", "translate_engine_args"]
+__all__ = ["apply", "check_model_config", "engine_settings", "match_scheduler",
+           "translate_engine_args"]
 
 logger = init_logger(__name__)
 
@@ -99,7 +105,6 @@ def engine_settings(engine_args: EngineArgs) -> EngineSettings:
         long_prefill_token_threshold_adaptive=bool(
             getattr(engine_args, "long_prefill_token_threshold_adaptive", False)),
         enable_dbo=bool(getattr(engine_args, "enable_dbo", False)),
-        async_scheduling=bool(getattr(engine_args, "async_scheduling", None)),
         speculative=bool(getattr(engine_args, "speculative_config", None)),
         kv_cache_dtype=str(getattr(engine_args, "kv_cache_dtype", "auto") or "auto"),
         kv_connector=getattr(engine_args, "kv_transfer_config", None) is not None,
@@ -141,6 +146,14 @@ def translate_engine_args(engine_args: EngineArgs) -> EvictionConfig | None:
                 cfg.keep_ratio, cfg.block_size, cfg.chunk_size, cfg.prompt_mode,
                 cfg.prefill_budget)
     return cfg
+
+
+def match_scheduler(vllm_config: VllmConfig) -> None:
+    """Our scheduler class for the scheduling vLLM settled on. vLLM decides
+    ``async_scheduling`` while it builds its config (its default, the executor, the
+    platform: the CPU platform turns it off), after the engine arguments are read."""
+    scheduler = vllm_config.scheduler_config
+    scheduler.scheduler_cls = scheduler_cls_for(bool(scheduler.async_scheduling))
 
 
 def check_model_config(vllm_config: VllmConfig, cfg: EvictionConfig) -> None:
@@ -196,6 +209,8 @@ def apply() -> None:
                     raise
                 raise ValueError(ours) from exc
             if cfg is not None:
+                match_scheduler(vllm_config)
+                check_executor(cfg.method, executor_skipping_worker(vllm_config))
                 check_model_config(vllm_config, cfg)
         except ValueError as exc:
             if getattr(self, "_nexus_from_cli", False) and "--kv-eviction" in str(exc):
