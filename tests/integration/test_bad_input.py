@@ -549,8 +549,10 @@ ENDPOINTS = {
 def server(tiny_model, serve_tmp):  # noqa: ANN001, ANN201
     from nexus_vllm.eval.server import VllmServer
 
+    # A streaming server, as _server_cfg: the prompt-mode cases are refused against it.
     srv = VllmServer(tiny_model, ["--kv-eviction", "nexus", "--kv-budget", "256",
-                                  "--kv-chunk-size", "128"], serve_tmp)
+                                  "--kv-chunk-size", "128", "--kv-prompt-mode", "stream"],
+                     serve_tmp)
     srv.ready_at = srv.log_path.stat().st_size  # only what follows startup is checked
     yield srv
     srv.stop()
