@@ -254,7 +254,7 @@ def test_server_and_transformers_paths_evict_alike(evict_server, tiny_model,
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     cfg = EvictionConfig(method=method, max_tokens=BUDGET_TOKENS, chunk_size=CHUNK_TOKENS,
-                         seed=7, block_size=BLOCK)
+                         seed=7, block_size=BLOCK, prompt_mode="stream")  # the server's
     hf_ids, session = generate_ids(model, ids, cfg, max_new_tokens=40)
     hf_evicted = sum(e.blocks_before - e.blocks_after for e in session.events)
     assert any(not e.prefill for e in session.events)  # decode events too
