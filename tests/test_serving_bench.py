@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -30,6 +31,10 @@ SCRIPT = REPO / "benchmarks" / "serving" / "capacity.py"
 REPORT = REPO / "benchmarks" / "serving" / "capacity_report.py"
 
 
+# The smoke's evicting configs: streaming mode (see capacity.py --smoke).
+NEXUS, STREAMING = "nexus:prompt_mode=stream", "streaming:prompt_mode=stream"
+
+
 def test_capacity_smoke(tmp_path: pathlib.Path) -> None:
     model = build_tiny_llama(tmp_path / "tiny")
     out = tmp_path / "out"
@@ -43,15 +48,16 @@ def test_capacity_smoke(tmp_path: pathlib.Path) -> None:
                  "running.png"):
         assert (out / name).stat().st_size > 0, name
     table = (out / "capacity.md").read_text()
-    assert "| config | conc." in table and "| nexus | 2 |" in table
+    assert "| config | conc." in table and "| nexus:prompt_mode=stream | 2 |" in table
     assert "stock **" in table
 
     d = result["derived"]
     rows = result["rows"]
     assert {(r["config"], r["concurrency"]) for r in rows} == {
-        (c, n) for c in ("stock", "nexus", "streaming") for n in (1, 2)}
+        (c, n) for c in ("stock", NEXUS, STREAMING) for n in (1, 2)}
     for r in rows:
-        assert (out / "runs" / f"{r['config']}-c{r['concurrency']}.json").is_file()
+        stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", r["config"])  # capacity.file_stem
+        assert (out / "runs" / f"{stem}-c{r['concurrency']}.json").is_file()
         assert r["failed"] == 0 and r["completed"] == r["num_prompts"], r
         assert r["output_tok_s"] > 0 and r["ttft_p50_ms"] > 0, r
         assert 0 <= r["peak_pool_blocks"] <= d["usable_blocks"], r
@@ -70,10 +76,10 @@ def test_capacity_smoke(tmp_path: pathlib.Path) -> None:
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
     names, evicting = report.config_names(result), report.evicting_configs(result)
-    assert names == ["stock", "nexus", "streaming"] and evicting == {"nexus", "streaming"}
+    assert names == ["stock", NEXUS, STREAMING] and evicting == {NEXUS, STREAMING}
     h = report.headline(rows, names, evicting)
-    assert set(h["no_preemption_concurrency"]) == {"stock", "nexus", "streaming"}
-    assert h["top_level"] == 2 and "nexus" in h["throughput_ratio_top"]
+    assert set(h["no_preemption_concurrency"]) == {"stock", NEXUS, STREAMING}
+    assert h["top_level"] == 2 and NEXUS in h["throughput_ratio_top"]
 
     # --update-docs, pointed at copies: the marked section is created once, then replaced.
     docs = tmp_path / "performance.md"

@@ -146,7 +146,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             args.out = REPO / "runs" / "serving_capacity_gpu"
     if args.smoke:
         args.input_len, args.output_len, args.chunk = 1024, 16, 64
-        args.concurrency, args.configs = "1,2", "stock,nexus,streaming"
+        # Streaming mode: its bound (budget + one chunk) holds whatever length the tiny
+        # tokenizer makes the random prompts; end's is the prompt's own length.
+        args.concurrency = "1,2"
+        args.configs = "stock;nexus:prompt_mode=stream;streaming:prompt_mode=stream"
         args.prompts_per_slot, args.min_prompts = 1, 2
     names = split_configs(args.configs)
     evicting = {n: config_knobs(n) for n in names if n not in STOCK}
