@@ -1,5 +1,6 @@
 """``nexus-vllm plan``: the arithmetic by hand, and the prediction against the CPU measurement."""
 
+import importlib.util
 import json
 import pathlib
 
@@ -115,13 +116,15 @@ def test_context_split_as_the_capacity_benchmark():
 
 # -- concurrency -----------------------------------------------------------------------
 def _no_preemption(data: dict) -> dict[str, int]:
-    """Per config of a capacity run, the most requests it ran at once at the levels where it
-    did not preempt (the benchmark's headline)."""
-    out: dict[str, int] = {}
-    for row in data["rows"]:
-        if not row["preemptions"] and not row["failed"]:
-            out[row["config"]] = max(out.get(row["config"], 0), row["peak_running"])
-    return out
+    """Per config of a capacity run, the benchmark's own headline: the most requests it
+    ran at once at the levels where it did not preempt."""
+    spec = importlib.util.spec_from_file_location(
+        "capacity_report", REPO / "benchmarks" / "serving" / "capacity_report.py")
+    assert spec is not None and spec.loader is not None
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    names, evicting = report.config_names(data), report.evicting_configs(data)
+    return report.headline(data["rows"], names, evicting)["no_preemption_concurrency"]
 
 
 def test_prediction_equals_the_cpu_measurement():

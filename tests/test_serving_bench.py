@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
-import re
 import subprocess
 import sys
 
@@ -51,12 +50,16 @@ def test_capacity_smoke(tmp_path: pathlib.Path) -> None:
     assert "| config | conc." in table and "| nexus:prompt_mode=stream | 2 |" in table
     assert "stock **" in table
 
+    capacity_spec = importlib.util.spec_from_file_location("capacity", SCRIPT)
+    assert capacity_spec is not None and capacity_spec.loader is not None
+    capacity = importlib.util.module_from_spec(capacity_spec)
+    capacity_spec.loader.exec_module(capacity)
     d = result["derived"]
     rows = result["rows"]
     assert {(r["config"], r["concurrency"]) for r in rows} == {
         (c, n) for c in ("stock", NEXUS, STREAMING) for n in (1, 2)}
     for r in rows:
-        stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", r["config"])  # capacity.file_stem
+        stem = capacity.file_stem(r["config"])
         assert (out / "runs" / f"{stem}-c{r['concurrency']}.json").is_file()
         assert r["failed"] == 0 and r["completed"] == r["num_prompts"], r
         assert r["output_tok_s"] > 0 and r["ttft_p50_ms"] > 0, r
