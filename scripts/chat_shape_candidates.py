@@ -58,6 +58,9 @@ class Candidate:
     defer: int = 0  # answer tokens decoded before the event
     graded: float = 0.0  # > 0: a prompt-end event to graded x budget first
     knorm: bool = False
+    rows_reduce: str = "mean"  # "mean" (of each row's normalized mass), "max", or
+    # "max of normalized" (each row renormalised after the maximum over heads and layers)
+    recent: int = 4  # forced recent blocks (4 until the second round)
 
 
 CANDIDATES = [
@@ -82,6 +85,36 @@ CANDIDATES = [
               defer=16, graded=2.0, heads="max", carry=1),
     Candidate("key norms (knorm)", knorm=True),
 ]
+# The second round: where the needle's block ranks under the shipped evidence showed two
+# things: the forced recent blocks take most of a 20% budget of a short prompt (5 of 6
+# blocks at a chat's first turn), and a block that one row attends to strongly is
+# diluted by the mean over the window's rows.
+SECOND_ROUND = [
+    Candidate("max over heads + carry 1", heads="max", carry=1),
+    Candidate("max over heads and rows + carry 1", heads="max", rows_reduce="max", carry=1),
+    Candidate("max + carry 1, 2 recent blocks", heads="max", carry=1, recent=2),
+    Candidate("max + carry 1, 1 recent block", heads="max", carry=1, recent=1),
+    Candidate("max over heads and rows + carry 1, 2 recent blocks", heads="max",
+              rows_reduce="max", carry=1, recent=2),
+    Candidate("max over heads and rows + carry 1, 1 recent block", heads="max",
+              rows_reduce="max", carry=1, recent=1),
+    Candidate("max over heads and rows + carry 1, question rows", rows="question",
+              heads="max", rows_reduce="max", carry=1),
+]
+# The shipped event renormalises each row after the maximum over heads and layers (as
+# head_reduce max does) before taking each block's best row; the script's "max over rows"
+# takes it over the rows as softmax gives them.
+NORMALIZED = [
+    Candidate("max over heads and rows + carry 1, 2 recent blocks", heads="max",
+              rows_reduce="max", carry=1, recent=2),
+    Candidate("max over heads, rows renormalised, max over rows + carry 1, 2 recent blocks",
+              heads="max", rows_reduce="max of normalized", carry=1, recent=2),
+]
+SETS = {"first": CANDIDATES, "second": SECOND_ROUND, "normalized": NORMALIZED}
+# What each round shipped: the others are paired against it.
+SHIPPED = {"first": "max over heads + carry 1",
+           "second": "max over heads and rows + carry 1, 2 recent blocks",
+           "normalized": "max over heads and rows + carry 1, 2 recent blocks"}
 RATIO = 0.2
 # Captured query rows: the widest window, or the question plus the deferred answer.
 _CAPTURE_ROWS = 160
@@ -165,6 +198,10 @@ def _weights(c: Candidate, session: Any, p: _Prompt) -> torch.Tensor:
         per = mass.mean(1)  # [H, N]: each head's view of the blocks
         rank = torch.argsort(torch.argsort(-per, dim=1), dim=1).float()
         w = -rank.min(0).values + 1e-3 * per.mean(0) / per.mean(0).max()
+    elif c.heads == "max" and c.rows_reduce == "max":
+        w = mass.amax(0).amax(0)
+    elif c.heads == "max" and c.rows_reduce == "max of normalized":
+        w = normalize_rows(mass.amax(0)).amax(0)
     elif c.heads == "max":
         w = normalize_rows(mass.amax(0)).mean(0)
     else:
@@ -237,6 +274,7 @@ def run_candidate(c: Candidate, model: Any, tokenizer: Any, p: _Prompt,
     from nexus_vllm.core import EvictionConfig, EvictionTrigger, cdiv
 
     cfg = EvictionConfig(method="nexus", keep_ratio=RATIO, prompt_mode="end")
+    cfg = cfg.replace(recent_blocks=c.recent)
     if c.defer not in p.dense_states:  # the answer ended before d tokens: nothing to defer
         return str(tokenizer.decode(p.dense_states[0][2] or [], skip_special_tokens=True))
     base, logits, generated = p.dense_states[0 if c.graded else c.defer]
@@ -260,6 +298,44 @@ def run_candidate(c: Candidate, model: Any, tokenizer: Any, p: _Prompt,
     return str(tokenizer.decode(generated + rest, skip_special_tokens=True))
 
 
+def _table(scores: dict[str, dict[str, list[float]]], tasks: list[str], ref: str,
+           header: str) -> str:
+    """Per-task means, the pooled score with its bootstrap CI, and each candidate paired
+    with ``ref`` sample by sample."""
+    from nexus_vllm.eval.stats import bootstrap_ci, sign_test
+
+    lines = [header, "", "| candidate | " + " | ".join(tasks) + " | pooled [95% CI] |",
+             "|---|" + "---|" * (len(tasks) + 1)]
+    pooled: dict[str, list[float]] = {}
+    for name, by_task in scores.items():
+        pooled[name] = [x for t in tasks for x in by_task.get(t, [])]
+        mean, lo, hi = bootstrap_ci(pooled[name])
+        cells = " | ".join(f"{sum(v) / len(v):.2f}" for v in (by_task[t] for t in tasks))
+        lines.append(f"| {name} | {cells} | {mean:.2f} [{lo:.2f}, {hi:.2f}] |")
+    lines += ["", f"Paired against `{ref}` (per sample; wins/losses/ties, sign test):", ""]
+    for name, vals in pooled.items():
+        if name == ref:
+            continue
+        diffs = [a - b for a, b in zip(pooled[ref], vals)]
+        wins = sum(d > 0 for d in diffs)
+        losses = sum(d < 0 for d in diffs)
+        lines.append(f"- vs {name}: {wins} wins, {losses} losses, "
+                     f"{len(diffs) - wins - losses} ties (p = {sign_test(wins, losses):.3f})")
+    return "\n".join(lines)
+
+
+def _merge(paths: list[pathlib.Path]) -> tuple[dict[str, dict[str, list[float]]], dict[str, Any]]:
+    """The scores of runs split by task (one process per core), as one run's."""
+    scores: dict[str, dict[str, list[float]]] = {}
+    first: dict[str, Any] = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        first = first or data["args"]
+        for name, by_task in data["scores"].items():
+            scores.setdefault(name, {}).update(by_task)
+    return scores, first
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--tasks", default=DEFAULT_TASKS)
@@ -267,21 +343,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-seed", type=int, default=0, help="0: the tuning set")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--set", choices=sorted(SETS), default="first",
+                    help="which round of candidates (docs/algorithm.md quotes both)")
+    ap.add_argument("--merge", type=pathlib.Path, nargs="+", metavar="JSON",
+                    help="run nothing: one table from the candidates.json of runs split by "
+                         "task (--tasks gives the columns' order)")
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/chat_candidates"))
     args = ap.parse_args(argv)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.merge:
+        scores, run_args = _merge(args.merge)
+        tasks = [t for t in tasks if t in scores["dense"]]
+        header = (f"Chat-shaped tuning set (data_seed {run_args['data_seed']}, "
+                  f"{run_args['samples']} samples per task, {run_args['context']}-token "
+                  f"prompts, 20% budget), SmolLM2-135M, transformers path; runs "
+                  f"{', '.join(str(p) for p in args.merge)} merged.")
+        report = _table(scores, tasks, SHIPPED[run_args.get("set", "first")], header)
+    else:
+        scores, seconds = _run(args, tasks)
+        header = (f"Chat-shaped tuning set (data_seed {args.data_seed}, {args.samples} "
+                  f"samples per task, {args.context}-token prompts, 20% budget), "
+                  f"SmolLM2-135M, transformers path; {seconds:.0f} s.")
+        report = _table(scores, tasks, SHIPPED[args.set], header)
+    print(report)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "candidates.md").write_text(report + "\n")
+    (args.out / "candidates.json").write_text(json.dumps(
+        {"args": {k: str(v) for k, v in vars(args).items()}, "scores": scores}, indent=1))
+    return 0
+
+
+def _run(args: argparse.Namespace,
+         tasks: list[str]) -> tuple[dict[str, dict[str, list[float]]], float]:
+    """Every candidate of ``args.set`` on every sample: scores by candidate and task."""
     torch.set_num_threads(args.threads)
     from tqdm import tqdm
 
-    from nexus_vllm.eval.stats import bootstrap_ci, sign_test
     from nexus_vllm.hf.generate import eos_ids
     from nexus_vllm.models import load_causal_lm
 
     _, tokenizer, model = load_causal_lm(None)
     eos = eos_ids(model, tokenizer)
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    scores: dict[str, dict[str, list[float]]] = {c.name: {} for c in CANDIDATES}
+    candidates = SETS[args.set]
+    scores: dict[str, dict[str, list[float]]] = {c.name: {} for c in candidates}
     scores["dense"] = {}
-    defers = {0} | {c.defer for c in CANDIDATES}
+    defers = {0} | {c.defer for c in candidates}
     t0 = time.perf_counter()
     with torch.no_grad():
         for task, index in tqdm([(t, i) for t in tasks for i in range(args.samples)],
@@ -294,39 +400,12 @@ def main(argv: list[str] | None = None) -> int:
                 dense = _greedy(base.clone(), logits, p.max_new_tokens, eos, False)
                 per.setdefault("dense", []).append(
                     p.score(str(tokenizer.decode(dense, skip_special_tokens=True))))
-                for c in CANDIDATES:
+                for c in candidates:
                     text = run_candidate(c, model, tokenizer, p, eos)
                     per.setdefault(c.name, []).append(p.score(text))
             for name, vals in per.items():
                 scores[name].setdefault(task, []).append(sum(vals) / len(vals))
-    lines = [f"Chat-shaped tuning set (data_seed {args.data_seed}, {args.samples} samples per "
-             f"task, {args.context}-token prompts, 20% budget), SmolLM2-135M, transformers "
-             f"path; {time.perf_counter() - t0:.0f} s.", "",
-             "| candidate | " + " | ".join(tasks) + " | pooled [95% CI] |",
-             "|---|" + "---|" * (len(tasks) + 1)]
-    pooled: dict[str, list[float]] = {}
-    for name, by_task in scores.items():
-        pooled[name] = [x for t in tasks for x in by_task.get(t, [])]
-        mean, lo, hi = bootstrap_ci(pooled[name])
-        cells = " | ".join(f"{sum(v) / len(v):.2f}" for v in (by_task[t] for t in tasks))
-        lines.append(f"| {name} | {cells} | {mean:.2f} [{lo:.2f}, {hi:.2f}] |")
-    ref = "max over heads + carry 1"
-    lines += ["", f"Paired against `{ref}` (per sample; wins/losses/ties, sign test):", ""]
-    for name, vals in pooled.items():
-        if name == ref:
-            continue
-        diffs = [a - b for a, b in zip(pooled[ref], vals)]
-        wins = sum(d > 0 for d in diffs)
-        losses = sum(d < 0 for d in diffs)
-        lines.append(f"- vs {name}: {wins} wins, {losses} losses, "
-                     f"{len(diffs) - wins - losses} ties (p = {sign_test(wins, losses):.3f})")
-    report = "\n".join(lines)
-    print(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "candidates.md").write_text(report + "\n")
-    (args.out / "candidates.json").write_text(json.dumps(
-        {"args": {k: str(v) for k, v in vars(args).items()}, "scores": scores}, indent=1))
-    return 0
+    return scores, time.perf_counter() - t0
 
 
 if __name__ == "__main__":

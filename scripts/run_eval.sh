@@ -13,6 +13,9 @@ run() {  # name, extra args...
   "$PY" -m nexus_vllm.cli eval --config "configs/eval/$name.yaml" --out "$OUT/$name" "$@"
 }
 what=${1:-all}
+# The default before the chat shape's second round (four recent blocks, the rows' mean at
+# the prompt-end event), as the reports label its committed records.
+BEFORE_ROUND_2="nexus:recent_blocks=4,prefill_direct=mean"
 want() { [ "$what" = all ] || [ "$what" = "$1" ]; }
 case "$what" in
   calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|docs|all) ;;
@@ -115,7 +118,14 @@ want prompt_modes_longgen && per_task prompt_modes_longgen dialogues longgen
 want chat_tuning && run chat_tuning
 want completion_tuning && run completion_tuning
 if want chat_report; then
-  # Two processes (one core each) split by task, then one report over all tasks.
+  # Two processes (one core each) split by task, then one report over all tasks. The
+  # default before the chat shape's second round runs no more: its records are the
+  # committed run's.
+  for part in a b; do
+    mkdir -p "$OUT/chat_report_$part"
+    "$PY" -m nexus_vllm.cli records docs/figures/chat_report/records.jsonl \
+      --where "method=$BEFORE_ROUND_2" --if-missing --out "$OUT/chat_report_$part/records.jsonl"
+  done
   run chat_report --tasks niah_single_prose,niah_multikey,niah_multivalue,facts \
     --out "$OUT/chat_report_a" &
   run chat_report --tasks niah_multiquery,summary,chat_multiturn --out "$OUT/chat_report_b" &
@@ -127,15 +137,19 @@ fi
 if want completion_report; then
   # The former defaults' records are prompt_modes' (identical samples), relabelled with
   # their knobs spelled out; only the new default runs. One process per half of the tasks.
+  # The default before the chat shape's second round is this report's committed run's.
   src="$OUT/prompt_modes/records.jsonl"
   [ -e "$src" ] || src=docs/figures/prompt_modes/records.jsonl
+  "$PY" -m nexus_vllm.cli records docs/figures/completion_report/records.jsonl \
+    --where "method=$BEFORE_ROUND_2" --if-missing --out "$OUT/completion_report_before.jsonl"
   for part in a b; do
     mkdir -p "$OUT/completion_report_$part"
-    "$PY" -m nexus_vllm.cli records "$src" --exclude-method-prefix "nexus:prompt_mode=end," \
+    "$PY" -m nexus_vllm.cli records "$src" "$OUT/completion_report_before.jsonl" \
+      --exclude-method-prefix "nexus:prompt_mode=end," \
       --exclude-method-prefix snapkv --exclude-method-prefix tova \
       --exclude-method-prefix knorm \
-      --rename-method nexus "nexus:prompt_mode=stream,head_reduce=mean,carry=0" \
-      --rename-method "nexus:prompt_mode=end" "nexus:head_reduce=mean,carry=0" \
+      --rename-method nexus "nexus:prompt_mode=stream,head_reduce=mean,carry=0,recent_blocks=4" \
+      --rename-method "nexus:prompt_mode=end" "nexus:head_reduce=mean,carry=0,recent_blocks=4,prefill_direct=mean" \
       --if-missing --out "$OUT/completion_report_$part/records.jsonl"
   done
   run completion_report --tasks niah_single_noise,niah_single_prose \

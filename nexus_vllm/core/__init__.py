@@ -36,10 +36,18 @@ from .scoring import (
     num_blocks_for,
 )
 from .trigger import EvictionTrigger, first_prompt_event
-from .weights import INDIRECT_MODES, WALK_ROWS, direct_scores, indirect_scores, nexus_weights
+from .weights import (
+    DIRECT_MODES,
+    INDIRECT_MODES,
+    WALK_ROWS,
+    direct_scores,
+    indirect_scores,
+    nexus_weights,
+)
 
 __all__ = [
     "HEAD_REDUCES",
+    "DIRECT_MODES",
     "INDIRECT_MODES",
     "METHODS",
     "POLICIES",

@@ -101,7 +101,7 @@ class EvictionConfig:
     prefill_budget: int | None = None
     block_size: int = 32
     sink_blocks: int = 1
-    recent_blocks: int = 4
+    recent_blocks: int = 2
     carry: int = 1
     head_reduce: str = "max"
     interval: int = 16

@@ -32,7 +32,7 @@ import torch
 
 from ._validate import ConfigError, check_choice, check_float, check_int, check_mass
 from .sampling import SAMPLERS, sample_blocks, top_k_indices
-from .weights import WALK_ROWS, check_indirect, nexus_weights
+from .weights import DIRECT_MODES, WALK_ROWS, check_indirect, nexus_weights
 
 __all__ = [
     "METHODS",
@@ -321,6 +321,9 @@ class NexusPolicy(EvictionPolicy):
 
     Parameters
     ----------
+    direct : {"mean", "max"}
+        How the direct score reads the window's rows: their mean (the paper's) or each
+        block's largest share of any one row (the prompt-end event's default in ``end``).
     indirect : {"walk", "none"}
     steps : int
         Walk steps H (>= 1).
@@ -339,6 +342,7 @@ class NexusPolicy(EvictionPolicy):
         default, is plain Nexus; > 0 also reads the blocks' key norms.
     """
 
+    direct: str = "mean"
     indirect: str = "walk"
     steps: int = 3
     lam: float = 0.5
@@ -352,13 +356,15 @@ class NexusPolicy(EvictionPolicy):
     # After a prompt chunk the walk runs whatever ``indirect`` says at decode (the prefill
     # ablation's winner). At the one decisive prompt-end event, with the question in the
     # window, direct attention and top-K keep the needle where the walk and pps's hedging
-    # drop it (docs/algorithm.md, "The prompt-end event").
+    # drop it (docs/algorithm.md, "The prompt-end event"); each block's best row, not the
+    # rows' mean, keeps every fact a chat's question asks for ("The chat shape").
     prefill_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({"indirect": "walk"})
     prompt_end_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType(
-        {"indirect": "none", "sampler": "topk"})
+        {"direct": "max", "indirect": "none", "sampler": "topk"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_choice("direct", self.direct, DIRECT_MODES)
         check_indirect("indirect", self.indirect)
         check_choice("walk_rows", self.walk_rows, WALK_ROWS)
         check_choice("sampler", self.sampler, SAMPLERS)
@@ -380,6 +386,7 @@ class NexusPolicy(EvictionPolicy):
     def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
         weights = nexus_weights(
             evidence.mass,
+            direct=self.direct,
             indirect=self.indirect,
             steps=self.steps,
             lam=self.lam,

@@ -11,9 +11,10 @@ import torch
 
 from ._validate import ConfigError, check_choice, check_float, check_int, check_mass
 
-__all__ = ["INDIRECT_MODES", "WALK_ROWS", "check_indirect", "direct_scores", "indirect_scores",
-           "nexus_weights"]
+__all__ = ["DIRECT_MODES", "INDIRECT_MODES", "WALK_ROWS", "check_indirect", "direct_scores",
+           "indirect_scores", "nexus_weights"]
 
+DIRECT_MODES = ("mean", "max")
 INDIRECT_MODES = ("walk", "none")
 WALK_ROWS = ("newest", "oldest", "cycle")
 
@@ -46,21 +47,30 @@ def _l1_normalise(x: torch.Tensor) -> torch.Tensor:
     return x / total if float(total) > 0 else torch.zeros_like(x)
 
 
-def direct_scores(mass: torch.Tensor) -> torch.Tensor:
-    """Mean over window rows of the row-normalised mass.
+def direct_scores(mass: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
+    """How much the window attends to each block, from the row-normalised mass.
 
     Parameters
     ----------
     mass : Tensor[W, N]
+    reduce : {"mean", "max"}
+        ``mean`` (the paper's): the mean over the rows. ``max``: each block's largest share
+        of any one row, normalised to sum to 1; a block that one row of the question
+        reads closely is not diluted by the rows that read elsewhere (several facts asked
+        at once, a chat's earlier turns; docs/algorithm.md, "The chat shape").
 
     Returns
     -------
     Tensor[N] (float64), summing to 1 when any row has mass.
     """
     check_mass(mass)
+    check_choice("direct", reduce, DIRECT_MODES)
     if mass.shape[0] == 0:
         return torch.zeros(mass.shape[1], dtype=torch.float64, device=mass.device)
-    return _row_normalise(mass.double()).mean(dim=0)
+    rows = _row_normalise(mass.double())
+    if reduce == "mean":
+        return rows.mean(dim=0)
+    return _l1_normalise(rows.amax(dim=0))
 
 
 def _walk_row_order(w: int, steps: int, walk_rows: str) -> list[int]:
@@ -113,6 +123,7 @@ def indirect_scores(
 def nexus_weights(
     mass: torch.Tensor,
     *,
+    direct: str = "mean",
     indirect: str = "walk",
     steps: int = 3,
     lam: float = 0.5,
@@ -126,6 +137,8 @@ def nexus_weights(
     mass : Tensor[W, N]
         Attention mass each window query puts on each block (rows need not be
         normalised).
+    direct : {"mean", "max"}
+        How the direct score ``a`` reads the rows; see :func:`direct_scores`.
     indirect : {"walk", "none"}
         How the indirect score ``c`` is built; see :func:`indirect_scores`.
     steps : int
@@ -143,7 +156,7 @@ def nexus_weights(
     """
     check_float("lam", lam, low=0.0)
     check_float("eps", eps, low=0.0)
-    a = direct_scores(mass)
+    a = direct_scores(mass, direct)
     c = indirect_scores(mass, indirect=indirect, steps=steps, walk_rows=walk_rows)
     n = a.numel()
     ramp = torch.arange(n, dtype=torch.float64, device=a.device) / max(n - 1, 1)

@@ -94,7 +94,9 @@ class RunConfig:
     seeds: int  # sampler seeds per sample, for stochastic methods
     data_seed: int  # which set of generated samples (tune on one, report on another)
     chunk_size: int = 512
-    knobs: dict[str, Any] = field(default_factory=dict)  # applied to every eviction method
+    # Applied to every eviction method; a knob of some policies (``prefill_direct``) only
+    # to the methods that take it, so one run can pin a policy's knob for all its methods.
+    knobs: dict[str, Any] = field(default_factory=dict)
     threads: int = 1
 
     def __post_init__(self) -> None:
@@ -107,13 +109,24 @@ class RunConfig:
         for spec in (parse_method(m) for m in self.methods):
             if spec.method == "dense":
                 continue
-            knobs = {"chunk_size": self.chunk_size, **self.knobs, **spec.knobs}
+            knobs = {"chunk_size": self.chunk_size, **self.knobs_for(spec)}
             for b in self.budgets:
                 try:
                     EvictionConfig.from_budget(spec.method, b, **knobs)
                 except ValueError as exc:
                     raise ValueError(f"method {spec.label!r} at budget {b!r}: {exc}") from None
 
+
+    def knobs_for(self, spec: MethodSpec) -> dict[str, Any]:
+        """The run's knobs, then the method's own. A run-level knob of policies other than
+        ``spec``'s (``prefill_direct`` is Nexus's) is left out for it."""
+        from nexus_vllm.core import POLICIES
+
+        takes = set(POLICIES[spec.method].knobs()) if spec.method in POLICIES else set()
+        others = {k for cls in POLICIES.values() for k in cls.knobs()} - takes
+        run = {k: v for k, v in self.knobs.items()
+               if k.removeprefix("prefill_") not in others}
+        return {**run, **spec.knobs}
 
 @dataclass(frozen=True)
 class Run:
@@ -221,7 +234,7 @@ def _capture_rows(cfg: RunConfig) -> int:
     rows = 0
     for spec in (parse_method(m) for m in cfg.methods):
         if spec.method != "dense":
-            c = EvictionConfig.from_dict({**cfg.knobs, **spec.knobs, "method": spec.method})
+            c = EvictionConfig.from_dict({**cfg.knobs_for(spec), "method": spec.method})
             rows = max(rows, c.window, c.prefill_window)
     return rows
 
@@ -272,7 +285,7 @@ class _SampleJob:
 
     def run(self, spec: MethodSpec, budget: Any, seed: int,
             dense: SampleResult | None = None) -> tuple[SampleResult, Record]:
-        knobs = {**self.cfg.knobs, **spec.knobs}
+        knobs = self.cfg.knobs_for(spec)
         t0 = time.perf_counter()
         config = None if spec.method == "dense" else make_config(
             spec.method, budget, chunk_size=self.cfg.chunk_size, seed=seed, **knobs)
@@ -306,7 +319,7 @@ class _DialogueJob:
         d = self.dialogue
         config = None if spec.method == "dense" else make_config(
             spec.method, budget, chunk_size=self.cfg.chunk_size, seed=seed,
-            **{**self.cfg.knobs, **spec.knobs})
+            **self.cfg.knobs_for(spec))
         t0 = time.perf_counter()
         res = run_probes(self.model, torch.tensor(d.ids), [t.probe for t in d.turns], config,
                          chunk_size=self.cfg.chunk_size,

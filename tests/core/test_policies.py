@@ -12,6 +12,7 @@ from nexus_vllm.core import (
     ConfigError,
     EvictionConfig,
     Evidence,
+    direct_scores,
     forced_blocks,
     get_policy,
     inclusion_probabilities,
@@ -166,6 +167,32 @@ def test_walk_lifts_bridge_above_single_query_spike():
     assert a[spike] > a[bridge]  # direct attention alone prefers the spike
     assert w_walk[bridge] > w_walk[spike]  # the walk surfaces the bridge
     assert indirect_scores(mass, indirect="walk")[bridge] > 0
+
+
+def test_direct_max_keeps_what_one_row_reads_closely():
+    # Block 1 is what one question row reads (one fact of several asked for); block 0 is
+    # read lightly by every row.
+    mass = torch.tensor([[0.30, 0.60, 0.10, 0.00],
+                         [0.30, 0.00, 0.00, 0.70],
+                         [0.30, 0.00, 0.70, 0.00],
+                         [0.30, 0.00, 0.00, 0.70]])
+    mean = direct_scores(mass)
+    best = direct_scores(mass, "max")
+    assert mean[0] > mean[1]  # the mean dilutes the one row that reads block 1
+    assert best[1] > best[0] and int(best.argmin()) == 0
+    assert float(best.sum()) == pytest.approx(1.0)  # on the mean's scale for the walk's sum
+    assert torch.equal(direct_scores(torch.zeros(3, 4), "max"), torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(ConfigError, match="direct"):
+        direct_scores(mass, "median")
+
+
+def test_prompt_end_event_reads_each_blocks_best_row():
+    cfg = EvictionConfig(method="nexus", max_tokens=1024)
+    assert (cfg.policy().direct, cfg.policy(prefill=True).direct) == ("mean", "max")
+    assert cfg.replace(prompt_mode="stream").policy(prefill=True).direct == "mean"
+    assert cfg.replace(prefill_args={"direct": "mean"}).policy(prefill=True).direct == "mean"
+    with pytest.raises(ConfigError, match="direct"):
+        get_policy("nexus", direct="rows")
 
 
 def test_nexus_weights_modes_and_ramp():

@@ -131,6 +131,17 @@ def test_run_config_checks_every_method_and_budget_up_front(kw, match) -> None:
         _cfg(**kw)
 
 
+def test_a_run_pins_a_policy_knob_for_the_methods_that_take_it() -> None:
+    cfg = _cfg(knobs={"prefill_direct": "mean", "recent_blocks": 4},
+               methods=("dense", "nexus", "snapkv", "nexus:lam=0"))
+    nexus, snapkv, lam0 = (parse_method(m) for m in cfg.methods[1:])
+    assert cfg.knobs_for(nexus) == {"prefill_direct": "mean", "recent_blocks": 4}
+    assert cfg.knobs_for(snapkv) == {"recent_blocks": 4}  # not a SnapKV knob: left out
+    assert cfg.knobs_for(lam0) == {"prefill_direct": "mean", "recent_blocks": 4, "lam": 0}
+    with pytest.raises(ValueError, match="prefill_direct"):
+        _cfg(knobs={"prefill_direct": "median"})  # still checked where it applies
+
+
 def test_report_only_reproduces_the_published_tables(tmp_path) -> None:
     """docs/figures/headline re-reported by today's code: same tables, same results."""
     import pathlib

@@ -35,8 +35,8 @@ needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 
 NAN, INF = float("nan"), float("inf")
 MAX_LEN = 4096  # nexus_vllm.eval.server.CPU_FLAGS
-# --kv-budget 256 with the default forced set: (1 sink + 4 recent + 1 current) * 32.
-FLOOR = 192
+# The least --kv-budget with the default forced set: (1 sink + 2 recent + 1 current) * 32.
+FLOOR = 128
 
 
 def _server_cfg():  # noqa: ANN202
@@ -214,7 +214,8 @@ _INT_KEYS = {"max_tokens": FLOOR, "block_size": 1, "sink_blocks": 1, "recent_blo
              "interval": 1, "window": 1, "prefill_window": 1, "chunk_size": 1,
              "skip_layers": 0, "steps": 1, "n": 1}
 _NOT_INTS = ["8", 8.0, 1.5, True, NAN, INF, [8]]
-_CHOICE_KEYS = ("method", "indirect", "prefill_indirect", "walk_rows", "sampler")
+_CHOICE_KEYS = ("method", "direct", "prefill_direct", "indirect", "prefill_indirect",
+                "walk_rows", "sampler")
 # (key, bad value): the message must name the key.
 CONFIG_CASES = [
     *((k, v) for k in _INT_KEYS for v in _NOT_INTS),
@@ -224,8 +225,9 @@ CONFIG_CASES = [
     ("lam", "0.5"), ("lam", True), ("lam", NAN), ("lam", INF), ("lam", -0.5),
     ("keep_ratio", 0), ("keep_ratio", -0.5), ("keep_ratio", 1.5), ("keep_ratio", NAN),
     ("keep_ratio", INF), ("keep_ratio", "0.5"), ("keep_ratio", True),
+    # None for a prefill_ knob: the prompt mode's default.
     *((k, v) for k in _CHOICE_KEYS for v in ("bogus", 3, None)
-      if (k, v) != ("prefill_indirect", None)),  # None: the prompt mode's default
+      if (k, v) not in (("prefill_indirect", None), ("prefill_direct", None))),
     ("prefill_sampler", "bogus"), ("prefill_sampler", 3),
     ("prompt_mode", "begin"), ("prompt_mode", None), ("prefill_budget", "1024"),
     ("prefill_budget", 1.5), ("prefill_budget", 512),  # stream mode: end only
@@ -332,7 +334,7 @@ BUILD_CASES = [
     (["--kv-budget", "1" + "0" * 30], "--kv-budget"),
     (["--kv-chunk-size", str(MAX_LEN + 1), "--kv-budget", "256"],
      "--kv-chunk-size 4097 is above --max-model-len 4096"),
-    (["--kv-budget", "256", "--block-size", "64"], "--kv-budget: max_tokens must be >="),
+    (["--kv-budget", "192", "--block-size", "64"], "--kv-budget: max_tokens must be >="),
     (["--kv-keep-ratio", "0.5", "--additional-config", '{"nexus": {"block_size": 2048}}'],
      "nexus.block_size 2048"),
     (["--kv-budget", "256", "--additional-config", '{"nexus": {"window": 5000}}'],

@@ -48,7 +48,7 @@ def test_bad_flag_values_name_the_flag(flags, flag) -> None:  # noqa: ANN001
     ("prompt_mode: end\nprefill_budget: 2048\n", {"max_tokens": 1024, "prompt_mode": "keep"},
      "--kv-prompt-mode"),
     ("prompt_mode: end\nprefill_budget: 512\n", {"max_tokens": 1024}, "--kv-budget"),
-    ("max_tokens: 256\n", {"block_size": 64}, "--block-size"),
+    ("max_tokens: 192\n", {"block_size": 64}, "--block-size"),
 ])
 def test_the_flag_named_comes_from_the_error_field(tmp_path, file, flags, flag) -> None:  # noqa: ANN001
     f = tmp_path / "preset.yaml"
