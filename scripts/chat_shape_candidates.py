@@ -1,8 +1,14 @@
 """What makes the prompt-end event work on chat-shaped prompts: every candidate of issue 27
 side by side, on the tuning set, on the transformers path.
 
-    python scripts/chat_shape_candidates.py                     # 8 samples x 4 tasks
+    python scripts/chat_shape_candidates.py                     # 8 samples x 5 tasks
     python scripts/chat_shape_candidates.py --samples 2 --tasks facts --out /tmp/c
+    python scripts/chat_shape_candidates.py --set second --samples 6 --threads 1 \
+        --tasks niah_single_prose,niah_multikey,niah_multivalue --out runs/cand2_a &
+    python scripts/chat_shape_candidates.py --set second --samples 6 --threads 1 \
+        --tasks facts,chat_multiturn --out runs/cand2_b; wait
+    python scripts/chat_shape_candidates.py --set second \
+        --merge runs/cand2_{a,b}/candidates.json --out runs/cand2   # one table
 
 A chat-shaped prompt (``eval.tasks``, protocol ``chat``: instruction, document and
 question in one user message, the chat template up to the assistant's header, no answer
@@ -22,6 +28,11 @@ blocks outside the forced set, as the prompt-end event does):
   keeps twice the budget (scored as the candidate scores), then the deferred one brings it
   down to the budget;
 * ``knorm``: key norms, which need no query at all.
+
+``--set second`` (the second round): each block's best row instead of the rows' mean,
+and fewer forced recent blocks; ``--set normalized``: that best row over the rows as
+softmax gives them, or renormalised after the maximum over heads and layers as the
+shipped event does.
 
 Prints a table (score per task, pooled, and the paired comparison of each candidate
 against the first one that wins) and writes it to ``--out`` as ``candidates.md`` and
@@ -111,8 +122,9 @@ NORMALIZED = [
               heads="max", rows_reduce="max of normalized", carry=1, recent=2),
 ]
 SETS = {"first": CANDIDATES, "second": SECOND_ROUND, "normalized": NORMALIZED}
-# What each round shipped: the others are paired against it.
-SHIPPED = {"first": "max over heads + carry 1",
+# The candidate the others of a set are paired against: what the round shipped (for
+# "normalized", the second round's winner as the script measured it).
+REFERENCE = {"first": "max over heads + carry 1",
            "second": "max over heads and rows + carry 1, 2 recent blocks",
            "normalized": "max over heads and rows + carry 1, 2 recent blocks"}
 RATIO = 0.2
@@ -324,6 +336,10 @@ def _table(scores: dict[str, dict[str, list[float]]], tasks: list[str], ref: str
     return "\n".join(lines)
 
 
+def _set_name(data_seed: int) -> str:
+    return {0: "tuning set", 1: "report set"}.get(data_seed, "sample set")
+
+
 def _merge(paths: list[pathlib.Path]) -> tuple[dict[str, dict[str, list[float]]], dict[str, Any]]:
     """The scores of runs split by task (one process per core), as one run's."""
     scores: dict[str, dict[str, list[float]]] = {}
@@ -354,17 +370,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         scores, run_args = _merge(args.merge)
         tasks = [t for t in tasks if t in scores["dense"]]
-        header = (f"Chat-shaped tuning set (data_seed {run_args['data_seed']}, "
+        header = (f"Chat-shaped {_set_name(int(run_args['data_seed']))} (data_seed "
+                  f"{run_args['data_seed']}, "
                   f"{run_args['samples']} samples per task, {run_args['context']}-token "
                   f"prompts, 20% budget), SmolLM2-135M, transformers path; runs "
                   f"{', '.join(str(p) for p in args.merge)} merged.")
-        report = _table(scores, tasks, SHIPPED[run_args.get("set", "first")], header)
+        report = _table(scores, tasks, REFERENCE[run_args.get("set", "first")], header)
     else:
         scores, seconds = _run(args, tasks)
-        header = (f"Chat-shaped tuning set (data_seed {args.data_seed}, {args.samples} "
+        header = (f"Chat-shaped {_set_name(args.data_seed)} (data_seed {args.data_seed}, "
+                  f"{args.samples} "
                   f"samples per task, {args.context}-token prompts, 20% budget), "
                   f"SmolLM2-135M, transformers path; {seconds:.0f} s.")
-        report = _table(scores, tasks, SHIPPED[args.set], header)
+        report = _table(scores, tasks, REFERENCE[args.set], header)
     print(report)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "candidates.md").write_text(report + "\n")
