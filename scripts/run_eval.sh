@@ -12,6 +12,13 @@ run() {  # name, extra args...
   local name=$1; shift
   "$PY" -m nexus_vllm.cli eval --config "configs/eval/$name.yaml" --out "$OUT/$name" "$@"
 }
+merge_report() {  # name, parts...: one records.jsonl from the runs ${name}_<part>, one report
+  local name=$1; shift
+  local parts=()
+  for part in "$@"; do parts+=("$OUT/${name}_$part/records.jsonl"); done
+  "$PY" -m nexus_vllm.cli records "${parts[@]}" --out "$OUT/$name/records.jsonl"
+  run "$name" --report-only
+}
 what=${1:-all}
 # The default before the chat shape's second round (four recent blocks, the rows' mean at
 # the prompt-end event), as the reports label its committed records.
@@ -34,9 +41,7 @@ if want dialogues; then
     run dialogues --tasks "$task" --out "$OUT/dialogues_$task" &
   done
   wait
-  "$PY" -m nexus_vllm.cli records "$OUT/dialogues_multiturn/records.jsonl" \
-    "$OUT/dialogues_longgen/records.jsonl" --out "$OUT/dialogues/records.jsonl"
-  run dialogues --report-only
+  merge_report dialogues multiturn longgen
 fi
 if want dialogues_pps; then
   # Reuse the 20 streams of `dialogues` for the methods compared here.
@@ -58,9 +63,7 @@ if want scoring_cost; then
   run scoring_cost --out "$OUT/scoring_cost_b" --methods \
     'nexus:prefill_window=16,layer_stride=1;nexus:prefill_window=16,layer_stride=2' &
   wait
-  "$PY" -m nexus_vllm.cli records "$OUT/scoring_cost_a/records.jsonl" \
-    "$OUT/scoring_cost_b/records.jsonl" --out "$OUT/scoring_cost/records.jsonl"
-  run scoring_cost --report-only
+  merge_report scoring_cost a b
 fi
 if want scoring_cost_report; then
   # The defaults' records (paired and dialogues runs, method `nexus`) are reused under their
@@ -96,7 +99,6 @@ want prompt_end_tuning && run prompt_end_tuning
 # then one report over all tasks.
 per_task() {  # config, seed run, tasks...
   local name=$1 seed=$2; shift 2
-  local parts=()
   for task in "$@"; do
     mkdir -p "$OUT/${name}_$task"
     if [ -e "$OUT/$seed/records.jsonl" ]; then
@@ -105,11 +107,9 @@ per_task() {  # config, seed run, tasks...
         --out "$OUT/${name}_$task/records.jsonl"
     fi
     run "$name" --tasks "$task" --out "$OUT/${name}_$task" &
-    parts+=("$OUT/${name}_$task/records.jsonl")
   done
   wait
-  "$PY" -m nexus_vllm.cli records "${parts[@]}" --out "$OUT/$name/records.jsonl"
-  run "$name" --report-only
+  merge_report "$name" "$@"
 }
 want prompt_modes && per_task prompt_modes paired niah_single_noise niah_single_prose niah_multikey
 want prompt_modes_capped && per_task prompt_modes_capped none niah_single_noise niah_single_prose niah_multikey
@@ -130,9 +130,7 @@ if want chat_report; then
     --out "$OUT/chat_report_a" &
   run chat_report --tasks niah_multiquery,summary,chat_multiturn --out "$OUT/chat_report_b" &
   wait
-  "$PY" -m nexus_vllm.cli records "$OUT/chat_report_a/records.jsonl" \
-    "$OUT/chat_report_b/records.jsonl" --out "$OUT/chat_report/records.jsonl"
-  run chat_report --report-only
+  merge_report chat_report a b
 fi
 if want completion_report; then
   # The former defaults' records are prompt_modes' (identical samples), relabelled with
@@ -156,9 +154,7 @@ if want completion_report; then
     --out "$OUT/completion_report_a" &
   run completion_report --tasks niah_multikey --out "$OUT/completion_report_b" &
   wait
-  "$PY" -m nexus_vllm.cli records "$OUT/completion_report_a/records.jsonl" \
-    "$OUT/completion_report_b/records.jsonl" --out "$OUT/completion_report/records.jsonl"
-  run completion_report --report-only
+  merge_report completion_report a b
 fi
 if want docs; then
   # Ours and kvpress's presses side by side: headline records + the peer's records.

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nexus_vllm.core import EvictionConfig
+from nexus_vllm.core import POLICIES, EvictionConfig
 from nexus_vllm.eval.dialogues import DIALOGUE_TASKS, Dialogue, dialogue_protocol, make_dialogue
 from nexus_vllm.eval.records import Record, SampleId, read_records, record_key, record_writer
 from nexus_vllm.eval.tasks import CHAT_ONLY_TASKS, Sample, make_sample
@@ -116,17 +116,15 @@ class RunConfig:
                 except ValueError as exc:
                     raise ValueError(f"method {spec.label!r} at budget {b!r}: {exc}") from None
 
-
     def knobs_for(self, spec: MethodSpec) -> dict[str, Any]:
         """The run's knobs, then the method's own. A run-level knob of policies other than
         ``spec``'s (``prefill_direct`` is Nexus's) is left out for it."""
-        from nexus_vllm.core import POLICIES
-
         takes = set(POLICIES[spec.method].knobs()) if spec.method in POLICIES else set()
         others = {k for cls in POLICIES.values() for k in cls.knobs()} - takes
         run = {k: v for k, v in self.knobs.items()
                if k.removeprefix("prefill_") not in others}
         return {**run, **spec.knobs}
+
 
 @dataclass(frozen=True)
 class Run:
