@@ -23,6 +23,20 @@ what=${1:-all}
 # The default before the chat shape's second round (four recent blocks, the rows' mean at
 # the prompt-end event), as the reports label its committed records.
 BEFORE_ROUND_2="nexus:recent_blocks=4,prefill_direct=mean"
+# The second round's default (each row of maxima renormalised before a block's best share
+# is read), likewise.
+ROUND_2="nexus:prefill_direct=max_normalized"
+seed_defaults() {  # report, out: the earlier defaults' records from the committed report
+  local report=$1 out=$2 m seeds=()
+  [ -e "$out" ] && return 0  # it may hold a resumed run
+  for m in "$BEFORE_ROUND_2" "$ROUND_2"; do
+    seeds+=("$out.${#seeds[@]}")
+    "$PY" -m nexus_vllm.cli records "docs/figures/$report/records.jsonl" --where "method=$m" \
+      --out "${seeds[-1]}"
+  done
+  "$PY" -m nexus_vllm.cli records "${seeds[@]}" --out "$out"
+  rm -f "${seeds[@]}"
+}
 want() { [ "$what" = all ] || [ "$what" = "$1" ]; }
 case "$what" in
   calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|docs|all) ;;
@@ -119,12 +133,10 @@ want chat_tuning && run chat_tuning
 want completion_tuning && run completion_tuning
 if want chat_report; then
   # Two processes (one core each) split by task, then one report over all tasks. The
-  # default before the chat shape's second round runs no more: its records are the
-  # committed run's.
+  # earlier defaults run no more: their records are the committed run's.
   for part in a b; do
     mkdir -p "$OUT/chat_report_$part"
-    "$PY" -m nexus_vllm.cli records docs/figures/chat_report/records.jsonl \
-      --where "method=$BEFORE_ROUND_2" --if-missing --out "$OUT/chat_report_$part/records.jsonl"
+    seed_defaults chat_report "$OUT/chat_report_$part/records.jsonl"
   done
   run chat_report --tasks niah_single_prose,niah_multikey,niah_multivalue,facts \
     --out "$OUT/chat_report_a" &
@@ -135,11 +147,10 @@ fi
 if want completion_report; then
   # The former defaults' records are prompt_modes' (identical samples), relabelled with
   # their knobs spelled out; only the new default runs. One process per half of the tasks.
-  # The default before the chat shape's second round is this report's committed run's.
+  # The chat shape's earlier defaults are this report's committed run's.
   src="$OUT/prompt_modes/records.jsonl"
   [ -e "$src" ] || src=docs/figures/prompt_modes/records.jsonl
-  "$PY" -m nexus_vllm.cli records docs/figures/completion_report/records.jsonl \
-    --where "method=$BEFORE_ROUND_2" --if-missing --out "$OUT/completion_report_before.jsonl"
+  seed_defaults completion_report "$OUT/completion_report_before.jsonl"
   for part in a b; do
     mkdir -p "$OUT/completion_report_$part"
     "$PY" -m nexus_vllm.cli records "$src" "$OUT/completion_report_before.jsonl" \

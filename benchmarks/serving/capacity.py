@@ -11,8 +11,9 @@ config          server
 ``snapkv`` ...  the same with a baseline policy (``--configs``; any served method)
 ==============  ===============================================================
 
-and drives each with ``vllm bench serve`` (random prompts of exactly ``--input-len``
-tokens, ``--output-len`` tokens each, EOS ignored) at each ``--concurrency`` level
+and drives each with ``vllm bench serve`` (random prompts of ``--input-len`` tokens, as
+far as the tokenizer re-encodes them to that length, ``--output-len`` tokens each, EOS
+ignored; each row's bound follows the longest prompt sent) at each ``--concurrency`` level
 (``--prompts-per-slot`` x level prompts, at least ``--min-prompts``). The budget is
 ``--keep`` of the input, rounded up to whole blocks; evicting servers prefill in chunks of
 ``--chunk`` tokens, so an evicting request never holds more than its *bound* = budget
@@ -146,10 +147,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             args.out = REPO / "runs" / "serving_capacity_gpu"
     if args.smoke:
         args.input_len, args.output_len, args.chunk = 1024, 16, 64
-        # Streaming mode: its bound (budget + one chunk) holds whatever length the tiny
-        # tokenizer makes the random prompts; end's is the prompt's own length.
+        # Both prompt modes: end's bound is the longest prompt's own length (the tiny
+        # tokenizer re-encodes some random prompts longer than --input-len), stream's is
+        # budget + one chunk.
         args.concurrency = "1,2"
-        args.configs = "stock;nexus:prompt_mode=stream;streaming:prompt_mode=stream"
+        args.configs = "stock;nexus;streaming:prompt_mode=stream"
         args.prompts_per_slot, args.min_prompts = 1, 2
     names = split_configs(args.configs)
     evicting = {n: config_knobs(n) for n in names if n not in STOCK}
@@ -245,22 +247,43 @@ def derive(args: argparse.Namespace) -> dict[str, int]:
     }
 
 
-def config_bound(name: str, d: dict[str, int], args: argparse.Namespace) -> int:
+def config_bound(name: str, d: dict[str, int], args: argparse.Namespace,
+                 prompt_tokens: int | None = None) -> int:
     """Most blocks one request of config ``name`` may hold: the server's own rule
     (``EvictionConfig.bound_blocks``, which follows the config's ``prompt_mode``), so the
     benchmark cannot drift from what admission reserves. Stock: the whole sequence
-    (the planner's rule, ``nexus_vllm.plan``)."""
+    (the planner's rule, ``nexus_vllm.plan``). ``prompt_tokens``: the longest prompt
+    sent (default ``--input-len``; a prompt's own length sets the bound of ``end``)."""
     from nexus_vllm.core import EvictionConfig
     from nexus_vllm.plan import stock_bound_blocks
 
+    prompt = args.input_len if prompt_tokens is None else int(prompt_tokens)
     if name in STOCK:
-        return stock_bound_blocks(args.input_len + args.output_len, d["block_size"])
+        return stock_bound_blocks(prompt + args.output_len, d["block_size"])
 
     method, knobs = config_knobs(name)
     cfg = EvictionConfig.from_dict({"method": method, "max_tokens": d["budget_tokens"],
                                     "chunk_size": d["chunk_tokens"],
                                     "block_size": d["block_size"], **knobs})
-    return cfg.bound_blocks(args.input_len, args.input_len + args.output_len)
+    return cfg.bound_blocks(prompt, prompt + args.output_len)
+
+
+def longest_prompt(res: dict[str, Any], input_len: int, special_tokens: int) -> int:
+    """Tokens of the longest prompt the server got in a ``vllm bench serve`` result
+    (saved with ``--save-detailed``): the random prompts are ``input_len`` tokens only as
+    far as the tokenizer re-encodes them to that length (vLLM's benchmark gives up after
+    some retries), plus what the server's tokenizer adds (a BOS)."""
+    lens = [int(n) for n in res.get("input_lens") or ()]
+    return (max(lens) if lens else input_len) + special_tokens
+
+
+def added_special_tokens(model: str) -> int:
+    """Tokens the model's tokenizer adds to a completion prompt (the benchmark counts a
+    random prompt without them)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    return len(tok("x").input_ids) - len(tok("x", add_special_tokens=False).input_ids)
 
 
 def server_flags(name: str, d: dict[str, int], max_seqs: int, gpu: bool) -> list[str]:
@@ -341,7 +364,7 @@ def run_level(server: Any, name: str, level: int, args: argparse.Namespace,
         res = bench_serve(server, input_len=args.input_len, output_len=args.output_len,
                           num_prompts=num_prompts, concurrency=level, result_dir=result_dir,
                           label=f"bench-{file_stem(name)}-c{level}", seed=args.seed + level,
-                          in_process=True)
+                          extra=["--save-detailed"], in_process=True)
     finally:
         time.sleep(max(2 * args.poll, 0.5))  # the last steps' stats reach /metrics
         poller.stop()
@@ -359,6 +382,7 @@ def run_level(server: Any, name: str, level: int, args: argparse.Namespace,
     else:
         peak_req = poller.peak_per_request
     errors: Any = res.get("errors") or []
+    prompt = longest_prompt(res, args.input_len, d["special_tokens"])
     row: dict[str, Any] = {
         "config": name, "concurrency": level, "num_prompts": num_prompts,
         "completed": int(res["completed"]), "failed": int(res["failed"]),
@@ -373,7 +397,8 @@ def run_level(server: Any, name: str, level: int, args: argparse.Namespace,
         "peak_pool_blocks": round(poller.peak_pool, 1),
         "peak_pool_frac": round(poller.peak_pool / d["usable_blocks"], 4),
         "peak_blocks_per_request": round(peak_req, 1),
-        "bound_blocks": config_bound(name, d, args),
+        "longest_prompt": prompt,
+        "bound_blocks": config_bound(name, d, args, prompt),
         "overhead": (scoring_s + policy_s) / step_s if evicting and step_s > 0 else None,
         "scoring_s": round(scoring_s, 4), "policy_s": round(policy_s, 4),
         "step_s": round(step_s, 4),
@@ -485,6 +510,7 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 
         model = str(default_model_path())
     d = derive(args)
+    d["special_tokens"] = added_special_tokens(model)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "runs").mkdir(exist_ok=True)

@@ -63,7 +63,8 @@ class EvictionConfig:
         :func:`~nexus_vllm.core.policies.carry_forward`). 0: off.
     head_reduce : {"mean", "max"}
         How the scored heads' and layers' attention becomes the evidence: their mean, or
-        their maximum with rows renormalised (:data:`~nexus_vllm.core.scoring.HEAD_REDUCES`).
+        their maximum with rows renormalised and each row's total kept
+        (:meth:`~nexus_vllm.core.policies.Evidence.from_scores`).
     interval : int
         Decode tokens between eviction events once over budget.
     window, prefill_window : int

@@ -32,6 +32,7 @@ import torch
 
 from ._validate import ConfigError, check_choice, check_float, check_int, check_mass
 from .sampling import SAMPLERS, sample_blocks, top_k_indices
+from .scoring import HEAD_REDUCES, normalize_rows
 from .weights import DIRECT_MODES, WALK_ROWS, check_indirect, nexus_weights
 
 __all__ = [
@@ -57,6 +58,16 @@ __all__ = [
 # Rows of a mass matrix must sum to 1 within this (float32 sums over thousands of blocks,
 # averaged over heads and layers, drift by far less).
 _ROW_SUM_TOLERANCE = 1e-3
+
+
+def _check_per_item(name: str, values: object, n: int, what: str) -> None:
+    if values is None:
+        return
+    if not isinstance(values, torch.Tensor) or tuple(values.shape) != (n,) \
+            or not bool(torch.isfinite(values).all()):
+        shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values)
+        raise ValueError(f"{name} must be {n} finite values, {what} (Tensor[{n}]); "
+                         f"got {shape}")
 
 
 def forced_blocks(num_blocks: int, sink_blocks: int, recent_blocks: int) -> torch.Tensor:
@@ -107,27 +118,40 @@ class Evidence:
         allowed). For policies that read no mass, :meth:`uniform` builds it.
     key_norms : Tensor[N], optional
         Mean key norm per live block (for policies that need ``"key_norms"``).
+    row_scale : Tensor[W], optional
+        Each row's total as scored, before it was renormalised into ``mass``: under
+        ``head_reduce: max`` a row of maxima over heads and layers sums to 1 or more, and
+        ``mass * row_scale[:, None]`` gives back each block's largest softmax share
+        (:meth:`from_scores`). None: the rows were distributions as scored.
 
     Raises
     ------
     ValueError
         ``mass`` not 2-D, not finite, negative or with a row not summing to 1;
-        ``key_norms`` not N finite values.
+        ``key_norms`` not N finite values; ``row_scale`` not W finite values >= 0.
     """
 
     mass: torch.Tensor
     key_norms: torch.Tensor | None = None
+    row_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         check_mass(self.mass, row_sum_tolerance=_ROW_SUM_TOLERANCE)
-        norms = self.key_norms
-        if norms is not None:
-            n = self.num_blocks
-            if not isinstance(norms, torch.Tensor) or tuple(norms.shape) != (n,) \
-                    or not bool(torch.isfinite(norms).all()):
-                shape = tuple(norms.shape) if isinstance(norms, torch.Tensor) else type(norms)
-                raise ValueError(f"key_norms must be {n} finite values, one per block "
-                                 f"(Tensor[{n}]); got {shape}")
+        _check_per_item("key_norms", self.key_norms, self.num_blocks, "one per block")
+        _check_per_item("row_scale", self.row_scale, int(self.mass.shape[0]), "one per row")
+        if self.row_scale is not None and bool((self.row_scale < 0).any()):
+            raise ValueError("row_scale must be >= 0")
+
+    @classmethod
+    def from_scores(cls, scores: torch.Tensor, key_norms: torch.Tensor | None = None, *,
+                    head_reduce: str) -> Evidence:
+        """Evidence from the scorer's rows ``[W, N]``, combined over heads and layers by
+        ``head_reduce``: under ``mean`` they are distributions already; under ``max``
+        each row is renormalised and its total kept as :attr:`row_scale`."""
+        check_choice("head_reduce", head_reduce, HEAD_REDUCES)
+        if head_reduce == "mean":
+            return cls(scores, key_norms)
+        return cls(normalize_rows(scores), key_norms, row_scale=scores.sum(dim=-1))
 
     @classmethod
     def uniform(cls, num_blocks: int, key_norms: torch.Tensor | None = None) -> Evidence:
@@ -321,9 +345,11 @@ class NexusPolicy(EvictionPolicy):
 
     Parameters
     ----------
-    direct : {"mean", "max"}
-        How the direct score reads the window's rows: their mean (the paper's) or each
-        block's largest share of any one row (the prompt-end event's default in ``end``).
+    direct : {"mean", "max", "max_normalized"}
+        How the direct score reads the window's rows: their mean (the paper's), each
+        block's largest share of any one row as softmax gave it (the prompt-end event's
+        default in ``end``), or that share after each row of maxima was renormalised
+        (the chat shape's second round); see :func:`~nexus_vllm.core.weights.direct_scores`.
     indirect : {"walk", "none"}
     steps : int
         Walk steps H (>= 1).
@@ -386,6 +412,7 @@ class NexusPolicy(EvictionPolicy):
     def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
         weights = nexus_weights(
             evidence.mass,
+            row_scale=evidence.row_scale,
             direct=self.direct,
             indirect=self.indirect,
             steps=self.steps,

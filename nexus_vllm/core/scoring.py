@@ -24,7 +24,8 @@ __all__ = [
 
 KV_LAYOUTS = ("NHD", "HND")
 # How the mass of the query heads (and then of the scored layers) becomes one row per
-# query: their mean, or their maximum with each row renormalised to sum to 1. A block is
+# query: their mean, or their maximum (each row renormalised to sum to 1 by the evidence,
+# which keeps its total: ``Evidence.from_scores``). A block is
 # shared by every head and layer, so the choice stays per block; ``max`` lets one head
 # that attends to a block sharply (a retrieval head) keep it, where the mean over heads
 # that look elsewhere dilutes it (docs/algorithm.md, "Head-aware evidence").
@@ -66,11 +67,14 @@ def combine_layer_masses(masses: list[torch.Tensor], head_reduce: str = "mean") 
         One per scored layer, each reduced over its heads by ``head_reduce``.
     head_reduce : {"mean", "max"}
         ``mean``: the mean over layers (rows sum to 1). ``max``: the elementwise maximum
-        over layers, each row then renormalised to sum to 1.
+        over layers, as softmax gave it (rows sum to 1 or more;
+        :meth:`~nexus_vllm.core.policies.Evidence.from_scores` renormalises them and keeps
+        their totals).
 
     Returns
     -------
-    Tensor[W, N] (float32), rows summing to 1 (or 0 for a query that saw nothing).
+    Tensor[W, N] (float32): under ``mean`` rows summing to 1 (or 0 for a query that saw
+    nothing); under ``max`` rows of maxima.
     """
     _check_head_reduce(head_reduce)
     if not masses:
@@ -78,7 +82,7 @@ def combine_layer_masses(masses: list[torch.Tensor], head_reduce: str = "mean") 
     stacked = torch.stack([m.float() for m in masses])
     if head_reduce == "mean":
         return stacked.mean(dim=0)
-    return normalize_rows(stacked.amax(dim=0))
+    return stacked.amax(dim=0)
 
 
 def block_attention_mass(
@@ -105,8 +109,7 @@ def block_attention_mass(
     Tensor[W, N] (float32)
         ``N = ceil(T / block_size)``. Entry ``[i, j]`` is the softmax mass (scale
         ``1/sqrt(D)``) query ``i`` puts on block ``j``, averaged over query heads (each
-        row sums to 1), or with ``max`` the largest over query heads (not renormalised:
-        :func:`combine_layer_masses` renormalises after the layers' maximum).
+        row sums to 1), or with ``max`` the largest over query heads (not renormalised).
     """
     _check_block_size(block_size)
     _check_head_reduce(head_reduce)

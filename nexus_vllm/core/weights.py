@@ -14,7 +14,7 @@ from ._validate import ConfigError, check_choice, check_float, check_int, check_
 __all__ = ["DIRECT_MODES", "INDIRECT_MODES", "WALK_ROWS", "check_indirect", "direct_scores",
            "indirect_scores", "nexus_weights"]
 
-DIRECT_MODES = ("mean", "max")
+DIRECT_MODES = ("mean", "max", "max_normalized")
 INDIRECT_MODES = ("walk", "none")
 WALK_ROWS = ("newest", "oldest", "cycle")
 
@@ -47,17 +47,24 @@ def _l1_normalise(x: torch.Tensor) -> torch.Tensor:
     return x / total if float(total) > 0 else torch.zeros_like(x)
 
 
-def direct_scores(mass: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
-    """How much the window attends to each block, from the row-normalised mass.
+def direct_scores(mass: torch.Tensor, reduce: str = "mean",
+                  row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """How much the window attends to each block.
 
     Parameters
     ----------
     mass : Tensor[W, N]
-    reduce : {"mean", "max"}
-        ``mean`` (the paper's): the mean over the rows. ``max``: each block's largest share
-        of any one row, normalised to sum to 1; a block that one row of the question
-        reads closely is not diluted by the rows that read elsewhere (several facts asked
-        at once, a chat's earlier turns; docs/algorithm.md, "The chat shape").
+    reduce : {"mean", "max", "max_normalized"}
+        ``mean`` (the paper's): the mean over the rows, each normalised to sum to 1.
+        ``max``: each block's largest share of any one row as the scorer gave it (rows
+        times ``row_scale``), normalised to sum to 1; a block that one row of the
+        question reads closely is not diluted by the rows that read elsewhere (several
+        facts asked at once, a chat's earlier turns; docs/algorithm.md, "The chat
+        shape"). ``max_normalized``: the same over rows each normalised to sum to 1 (the
+        second round's event: a row of maxima whose heads disagree counts for less).
+    row_scale : Tensor[W], optional
+        Each row's total before it was renormalised
+        (:attr:`~nexus_vllm.core.policies.Evidence.row_scale`); read by ``max`` only.
 
     Returns
     -------
@@ -67,6 +74,11 @@ def direct_scores(mass: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
     check_choice("direct", reduce, DIRECT_MODES)
     if mass.shape[0] == 0:
         return torch.zeros(mass.shape[1], dtype=torch.float64, device=mass.device)
+    if reduce == "max":
+        rows = mass.double()
+        if row_scale is not None:
+            rows = rows * row_scale.to(rows).view(-1, 1)
+        return _l1_normalise(rows.amax(dim=0))
     rows = _row_normalise(mass.double())
     if reduce == "mean":
         return rows.mean(dim=0)
@@ -123,6 +135,7 @@ def indirect_scores(
 def nexus_weights(
     mass: torch.Tensor,
     *,
+    row_scale: torch.Tensor | None = None,
     direct: str = "mean",
     indirect: str = "walk",
     steps: int = 3,
@@ -137,7 +150,9 @@ def nexus_weights(
     mass : Tensor[W, N]
         Attention mass each window query puts on each block (rows need not be
         normalised).
-    direct : {"mean", "max"}
+    row_scale : Tensor[W], optional
+        Each row's total before it was renormalised; see :func:`direct_scores`.
+    direct : {"mean", "max", "max_normalized"}
         How the direct score ``a`` reads the rows; see :func:`direct_scores`.
     indirect : {"walk", "none"}
         How the indirect score ``c`` is built; see :func:`indirect_scores`.
@@ -156,7 +171,7 @@ def nexus_weights(
     """
     check_float("lam", lam, low=0.0)
     check_float("eps", eps, low=0.0)
-    a = direct_scores(mass, direct)
+    a = direct_scores(mass, direct, row_scale)
     c = indirect_scores(mass, indirect=indirect, steps=steps, walk_rows=walk_rows)
     n = a.numel()
     ramp = torch.arange(n, dtype=torch.float64, device=a.device) / max(n - 1, 1)

@@ -62,7 +62,8 @@ class SamplerTrace:
             live = ev.live_blocks.tolist()
             n = len(live)
             policy = cfg.policy(prefill=ev.prefill)
-            weights = policy.score(Evidence(mass=ev.mass), None).to(torch.float64)
+            evidence = Evidence.from_scores(ev.mass, head_reduce=cfg.head_reduce)
+            weights = policy.score(evidence, None).to(torch.float64)
             forced = set(forced_blocks(n, cfg.sink_blocks, cfg.recent_blocks).tolist())
             cand = [i for i in range(n) if i not in forced]
             k = ev.budget_blocks - len(forced)

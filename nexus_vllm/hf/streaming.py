@@ -126,7 +126,9 @@ class EvictionEvent:
     budget_blocks: int
     kept_positions: torch.Tensor  # LongTensor[T_after], logical positions still cached
     # What the policy read: the logical ids of the live blocks it scored (LongTensor[N],
-    # in cache order) and their mass (Tensor[W, N]; None for score-free policies).
+    # in cache order) and the scorer's rows over them (Tensor[W, N], combined over heads
+    # and layers by the config's head_reduce: Evidence.from_scores reads them back; None
+    # for score-free policies).
     live_blocks: torch.Tensor | None = None
     mass: torch.Tensor | None = None
 
@@ -218,7 +220,8 @@ class StreamingSession:
 
     def block_mass(self, window: int) -> torch.Tensor:
         """Attention mass ``[W, N]`` of the newest ``window`` queries over the scored layers
-        and heads, combined by the config's ``head_reduce``."""
+        and heads, combined by the config's ``head_reduce`` (:func:`combine_layer_masses`:
+        rows of maxima under ``max``)."""
         cfg = self.config
         assert cfg is not None
         masses = []
@@ -275,9 +278,10 @@ class StreamingSession:
         policy = cfg.policy(prefill=prefill, prompt_tokens=self.prompt_tokens)
         scored = "mass" in policy.needs
         norms = self.key_norms() if "key_norms" in policy.needs else None
+        mass = None
         if scored:
             mass = self.block_mass(policy.window(cfg.prefill_window if prefill else cfg.window))
-            evidence = Evidence(mass, norms)
+            evidence = Evidence.from_scores(mass, norms, head_reduce=cfg.head_reduce)
         else:
             evidence = Evidence.uniform(n_blocks, norms)
         live_blocks = self.positions[::b] // b if self.record_events else None
@@ -297,7 +301,7 @@ class StreamingSession:
                 seen=self.seen, prefill=prefill, blocks_before=n_blocks,
                 blocks_after=num_blocks_for(self.cache_len, b), budget_blocks=budget_blocks,
                 kept_positions=self.positions.clone(), live_blocks=live_blocks,
-                mass=evidence.mass.detach().cpu() if scored else None))
+                mass=mass.detach().cpu() if mass is not None else None))
         return True
 
     def decode_step_done(self, n: int = 1) -> None:

@@ -186,6 +186,29 @@ def test_direct_max_keeps_what_one_row_reads_closely():
         direct_scores(mass, "median")
 
 
+def test_best_row_reads_the_shares_softmax_gave():
+    # Rows of maxima over heads and layers: row 0's heads disagree (its maxima sum to 2),
+    # one of them reads block 1 at 0.8; row 1's heads agree on block 2 at 0.5.
+    maxima = torch.tensor([[0.4, 0.8, 0.2, 0.6],
+                           [0.25, 0.0, 0.5, 0.25]])
+    evidence = Evidence.from_scores(maxima, head_reduce="max")
+    torch.testing.assert_close(evidence.mass.sum(1), torch.ones(2))
+    torch.testing.assert_close(evidence.row_scale, torch.tensor([2.0, 1.0]))
+    raw = direct_scores(evidence.mass, "max", evidence.row_scale)
+    renormalised = direct_scores(evidence.mass, "max_normalized", evidence.row_scale)
+    assert int(raw.argmax()) == 1 and int(renormalised.argmax()) == 2
+    torch.testing.assert_close(raw, direct_scores(maxima, "max"))
+    # Nexus reads the scale through its evidence; under a mean there is none to read.
+    nexus = get_policy("nexus", direct="max", indirect="none", sampler="topk",
+                       sink_blocks=1, recent_blocks=0)
+    assert nexus.select(evidence, 3).tolist() == [0, 1, 3]
+    assert Evidence.from_scores(evidence.mass, head_reduce="mean").row_scale is None
+    with pytest.raises(ValueError, match="row_scale"):
+        Evidence(evidence.mass, row_scale=torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="row_scale"):
+        Evidence(evidence.mass, row_scale=torch.tensor([1.0, -1.0]))
+
+
 def test_prompt_end_event_reads_each_blocks_best_row():
     cfg = EvictionConfig(method="nexus", max_tokens=1024)
     assert (cfg.policy().direct, cfg.policy(prefill=True).direct) == ("mean", "max")

@@ -319,9 +319,10 @@ def test_admission_bound_stops_at_max_model_len() -> None:
 
 
 # -- evictor ---------------------------------------------------------------------------
-def _scored(method: str):  # noqa: ANN202
+def _scored(method: str, **flags):  # noqa: ANN003, ANN202
     """A manager whose request "r" (600-token prompt) was just scored at 512 tokens."""
-    mgr, single, pool = scheduler_side(64, max_tokens=256, chunk_size=128, method=method)
+    mgr, single, pool = scheduler_side(64, max_tokens=256, chunk_size=128, method=method,
+                                       **flags)
     r = _request("r", 600)
     single.allocate_new_blocks("r", 512, 512)
     r.num_computed_tokens = 512
@@ -379,3 +380,28 @@ def test_evictor_skips_a_request_whose_evidence_the_worker_dropped() -> None:
     norms = torch.linspace(1.0, 2.0, 16).numpy()
     mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id, key_norms={"r": norms}), reqs)
     assert mgr.live_count("r") == 8
+
+
+@pytest.mark.parametrize(("direct", "want"), [("max", [1, 2, 3, 4]),
+                                              ("max_normalized", [5, 6, 7, 8])])
+def test_evictor_reads_rows_of_maxima_as_softmax_gave_them(direct, want) -> None:  # noqa: ANN001
+    """Under head_reduce max the worker sends rows of maxima over heads and layers; the
+    evictor keeps their totals, so a block's best share is the one softmax gave (``max``)
+    and not the share after its row was renormalised (``max_normalized``)."""
+    from nexus_vllm.integration.protocol import WorkerReply
+
+    mgr, _, plan, reqs = _scored(
+        "nexus", head_reduce="max", carry=0,
+        prefill_args={"direct": direct, "indirect": "none", "sampler": "topk"})
+    rows = torch.zeros(plan.score["r"].window, 16)
+    # Row 0's heads disagree (its maxima sum past 3): one reads blocks 1-4 at 0.30 each.
+    rows[0, 1:5], rows[0, 5:13] = 0.30, 0.25
+    # Row 1's heads agree on blocks 5-8 at 0.20 each: its 0.20 beats row 0's 0.30 only
+    # once row 0 is divided by its total.
+    rows[1, 5:9], rows[1, 0] = 0.20, 0.20
+    mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id, masses={"r": rows.numpy()}),
+                      reqs)
+    sinks, forced_recent = int(mgr.server_cfg.sink_blocks), [13, 14, 15]
+    assert mgr.live_count("r") == 8
+    kept = sorted(set(range(16)) - set(mgr.channel.unacked["r"]))
+    assert kept == [*range(sinks), *want, *forced_recent]

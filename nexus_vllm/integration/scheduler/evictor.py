@@ -104,8 +104,9 @@ class Evictor:
         ----------
         mass : torch.Tensor or None
             ``[rows, live blocks]``: attention mass of the window's queries over the
-            live blocks among the first ``sreq.num_logical_blocks``; None for a policy
-            that reads no mass (it gets one uniform row).
+            live blocks among the first ``sreq.num_logical_blocks``, combined over heads
+            and layers by the config's ``head_reduce`` (rows of maxima under ``max``);
+            None for a policy that reads no mass (it gets one uniform row).
         key_norms : torch.Tensor, optional
             ``[live blocks]``: mean key norm of each (policies that read them).
         """
@@ -117,7 +118,7 @@ class Evictor:
                         "skipping this event")
             return
         else:
-            evidence = Evidence(mass, key_norms)
+            evidence = Evidence.from_scores(mass, key_norms, head_reduce=st.cfg.head_reduce)
         tokens = int(sreq.tokens_after)
         budget = int(st.cfg.target_blocks(tokens, st.prompt_tokens))
         if len(live) <= budget:

@@ -226,8 +226,8 @@ class BlockScorer:
         worker's ring holds (one stage).
     head_reduce : {"mean", "max"}
         How heads and layers combine (``EvictionConfig.head_reduce``): a mean (summed over
-        ranks), or a maximum (reduced by max over ranks, each row renormalised on the
-        host).
+        ranks), or a maximum (reduced by max over ranks; the scheduler renormalises each
+        row, ``Evidence.from_scores``).
     fault : callable
         ``(kind, message, exc=...)``: count and log a fault.
     self_check : bool
@@ -466,11 +466,9 @@ class BlockScorer:
                 block = values[:n_mass].reshape(len(pending.mass_due), pending.rows,
                                                 pending.cols)
                 for r, d in enumerate(pending.mass_due):
-                    mass = block[r, pending.rows - d.window:, :d.live].copy()
-                    if self.head_reduce == "max":  # rows of maxima: back to distributions
-                        sums = mass.sum(axis=1, keepdims=True)
-                        mass /= np.where(sums > 0, sums, 1.0)
-                    masses[d.req_id] = mass
+                    # Rows of maxima under head_reduce max: the scheduler renormalises
+                    # them and keeps their totals (Evidence.from_scores).
+                    masses[d.req_id] = block[r, pending.rows - d.window:, :d.live].copy()
                 per_block = values[n_mass:-1].reshape(len(pending.norm_due), pending.cols)
                 for r, d in enumerate(pending.norm_due):
                     norms[d.req_id] = per_block[r, :d.live].copy()
