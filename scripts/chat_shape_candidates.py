@@ -9,6 +9,13 @@ side by side, on the tuning set, on the transformers path.
         --tasks facts,chat_multiturn --out runs/cand2_b; wait
     python scripts/chat_shape_candidates.py --set second \
         --merge runs/cand2_{a,b}/candidates.json --out runs/cand2   # one table
+    python scripts/chat_shape_candidates.py --set fourth --samples 6 --threads 1 \
+        --tasks niah_multivalue,niah_multiquery,facts --out runs/cand4_a &
+    python scripts/chat_shape_candidates.py --set fourth --samples 6 --threads 1 \
+        --tasks niah_single_prose,niah_multikey,chat_multiturn --out runs/cand4_b; wait
+    python scripts/chat_shape_candidates.py --set fourth --merge runs/cand4_{a,b}/candidates.json \
+        --tasks niah_single_prose,niah_multikey,niah_multivalue,niah_multiquery,facts,chat_multiturn \
+        --out runs/cand4
 
 A chat-shaped prompt (``eval.tasks``, protocol ``chat``: instruction, document and
 question in one user message, the chat template up to the assistant's header, no answer
@@ -31,8 +38,9 @@ blocks outside the forced set, as the prompt-end event does):
 
 ``--set second`` (the second round): each block's best row instead of the rows' mean,
 and fewer forced recent blocks; ``--set normalized``: that best row over the rows as
-softmax gives them, or renormalised after the maximum over heads and layers as the
-shipped event does.
+softmax gives them (the third round's event, shipped), or renormalised after the maximum
+over heads and layers (the second round's); ``--set fourth``: around the third round's
+event, the rows it reads, carry, and two ways between the best row and the mean.
 
 Prints a table (score per task, pooled, and the paired comparison of each candidate
 against the first one that wins) and writes it to ``--out`` as ``candidates.md`` and
@@ -70,7 +78,9 @@ class Candidate:
     graded: float = 0.0  # > 0: a prompt-end event to graded x budget first
     knorm: bool = False
     rows_reduce: str = "mean"  # "mean" (of each row's normalized mass), "max", or
-    # "max of normalized" (each row renormalised after the maximum over heads and layers)
+    # "max of normalized" (each row renormalised after the maximum over heads and layers),
+    # "top 2" (the sum of a block's two best shares), "max + mean" (the best share's and
+    # the rows' mean's scores, each normalised to sum to 1, added)
     recent: int = 4  # forced recent blocks (4 until the second round)
 
 
@@ -121,12 +131,26 @@ NORMALIZED = [
     Candidate("max over heads, rows renormalised, max over rows + carry 1, 2 recent blocks",
               heads="max", rows_reduce="max of normalized", carry=1, recent=2),
 ]
-SETS = {"first": CANDIDATES, "second": SECOND_ROUND, "normalized": NORMALIZED}
+# The fourth round, around the third round's event (each block's best share as softmax
+# gave it): what the best share still loses on several values and queries asked at once.
+_BEST = {"heads": "max", "rows_reduce": "max", "carry": 1, "recent": 2}
+FOURTH_ROUND = [
+    Candidate("best share (shipped)", **_BEST),
+    Candidate("best share, the question's rows", rows="question", **_BEST),
+    Candidate("best share, 16 rows", window=16, **_BEST),
+    Candidate("best share, 64 rows", window=64, **_BEST),
+    Candidate("best share, no carry", **{**_BEST, "carry": 0}),
+    Candidate("two best shares", **{**_BEST, "rows_reduce": "top 2"}),
+    Candidate("best share + rows' mean", **{**_BEST, "rows_reduce": "max + mean"}),
+]
+SETS = {"first": CANDIDATES, "second": SECOND_ROUND, "normalized": NORMALIZED,
+        "fourth": FOURTH_ROUND}
 # The candidate the others of a set are paired against: what the round shipped (for
 # "normalized", the second round's winner as the script measured it).
 REFERENCE = {"first": "max over heads + carry 1",
            "second": "max over heads and rows + carry 1, 2 recent blocks",
-           "normalized": "max over heads and rows + carry 1, 2 recent blocks"}
+           "normalized": "max over heads and rows + carry 1, 2 recent blocks",
+           "fourth": "best share (shipped)"}
 RATIO = 0.2
 # Captured query rows: the widest window, or the question plus the deferred answer.
 _CAPTURE_ROWS = 160
@@ -212,6 +236,12 @@ def _weights(c: Candidate, session: Any, p: _Prompt) -> torch.Tensor:
         w = -rank.min(0).values + 1e-3 * per.mean(0) / per.mean(0).max()
     elif c.heads == "max" and c.rows_reduce == "max":
         w = mass.amax(0).amax(0)
+    elif c.heads == "max" and c.rows_reduce == "top 2":
+        w = mass.amax(0).topk(min(2, mass.shape[1]), dim=0).values.sum(0)
+    elif c.heads == "max" and c.rows_reduce == "max + mean":
+        best = mass.amax(0).amax(0)
+        mean = normalize_rows(mass.amax(0)).mean(0)
+        w = best / best.sum().clamp_min(1e-12) + mean / mean.sum().clamp_min(1e-12)
     elif c.heads == "max" and c.rows_reduce == "max of normalized":
         w = normalize_rows(mass.amax(0)).amax(0)
     elif c.heads == "max":

@@ -107,7 +107,9 @@ def test_an_evicting_engine_runs_through_the_ray_actor_worker(tiny_model, monkey
               dtype="float32", max_model_len=4096, max_num_seqs=8, block_size=32,
               num_gpu_blocks_override=160)
     try:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0))
+        # ignore_eos: 16 tokens each by construction (a random model may sample its EOS).
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0,
+                                                    ignore_eos=True))
         assert [len(o.outputs[0].token_ids) for o in outs] == [16, 16]
         core = llm.llm_engine.engine_core.engine_core
         executor, scheduler = core.model_executor, core.scheduler
