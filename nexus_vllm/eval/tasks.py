@@ -21,7 +21,7 @@ teacher-forced with is the answer prefix followed by the answer (what a model th
 restates the question says). Decide on this shape (docs/results.md); keep the completion
 shape as a check that nothing regresses.
 
-Two tasks are scored against dense's own answer rather than a reference (``metric
+One task is scored against dense's own answer rather than a reference (``metric
 "dense"``: ROUGE-L F1 against the uncompressed model's greedy answer, 1 for dense by
 definition): ``summary`` asks for a summary of an essay, whose right answer is whatever
 the uncompressed model writes.
