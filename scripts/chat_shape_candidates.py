@@ -177,9 +177,9 @@ ORACLE = [
               **_BEST),
 ]
 # The fifth round: on the report set's six-turn chats the oracle above kept 0.69 where
-# the shipped event kept 0.50; in most turns it lost, the block the question found
-# ranked first to third and the block before it (the start of the fact's sentence) did
-# not make the budget.
+# the shipped event kept 0.50; in six of the nine turns it lost, the block the question
+# found made the budget and its neighbour, the rest of the fact's sentence, did not (in
+# four of them the block before it, which carry forward never raises).
 FIFTH_ROUND = [
     Candidate("best share (shipped)", **_BEST),
     Candidate("best share, carry back 1", carry_back=1.0, **_BEST),
