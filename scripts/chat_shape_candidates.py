@@ -81,6 +81,8 @@ from typing import Any
 
 import torch
 
+from nexus_vllm.core import EvictionConfig
+
 DEFAULT_TASKS = "niah_single_prose,niah_multikey,niah_multivalue,facts,chat_multiturn"
 
 
@@ -188,7 +190,7 @@ FIFTH_ROUND = [
               **_BEST),
 ]
 ORACLE_LEAD = 24
-_BLOCK = 32  # EvictionConfig's default block size, which run_candidate keeps
+_BLOCK = EvictionConfig.block_size  # the default, which every candidate's config keeps
 SETS = {"first": CANDIDATES, "second": SECOND_ROUND, "normalized": NORMALIZED,
         "fourth": FOURTH_ROUND, "oracle": ORACLE, "fifth": FIFTH_ROUND}
 # The candidate the others of a set are paired against: what the round shipped (for
@@ -375,12 +377,17 @@ def _dense_states(model: Any, p: _Prompt, defers: set[int], eos: set[int]) -> No
         last = session.forward(torch.tensor([tok]))[-1]
 
 
+def _config(c: Candidate) -> EvictionConfig:
+    """The config a candidate evicts under: a 20% budget, prompt mode end."""
+    return EvictionConfig(method="nexus", keep_ratio=RATIO, prompt_mode="end",
+                          recent_blocks=c.recent)
+
+
 def run_candidate(c: Candidate, model: Any, tokenizer: Any, p: _Prompt,
                   eos: set[int]) -> str:
-    from nexus_vllm.core import EvictionConfig, EvictionTrigger, cdiv
+    from nexus_vllm.core import EvictionTrigger, cdiv
 
-    cfg = EvictionConfig(method="nexus", keep_ratio=RATIO, prompt_mode="end")
-    cfg = cfg.replace(recent_blocks=c.recent)
+    cfg = _config(c)
     if c.defer not in p.dense_states:  # the answer ended before d tokens: nothing to defer
         return str(tokenizer.decode(p.dense_states[0][2] or [], skip_special_tokens=True))
     base, logits, generated = p.dense_states[0 if c.graded else c.defer]
@@ -495,12 +502,10 @@ def _answer_ranks(c: Candidate, p: _Prompt) -> dict[str, Any]:
     """Where ``c`` ranks the oracle's blocks at the prompt-end event: each answer block's
     0-based rank among the blocks outside the forced set (None: forced), and how many of
     those the budget keeps (``free``)."""
-    from nexus_vllm.core import EvictionConfig
     from nexus_vllm.core.policies import forced_blocks
 
     session = p.dense_states[0][0].clone()
-    cfg = EvictionConfig(method="nexus", keep_ratio=RATIO, prompt_mode="end")
-    session.config = cfg = cfg.replace(recent_blocks=c.recent)
+    session.config = cfg = _config(c)
     w = _weights(c, session, p)
     forced = set(forced_blocks(w.numel(), cfg.sink_blocks, cfg.recent_blocks).tolist())
     order = [b for b in torch.argsort(-w, stable=True).tolist() if b not in forced]
