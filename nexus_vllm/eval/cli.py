@@ -13,6 +13,8 @@ Writes into ``--out``: ``records.jsonl`` (one line per run, resumable), ``result
 writes ``calibration.md``: keep tasks and lengths where dense is well above chance.
 ``--report-only`` rebuilds the reports from the records on disk; ``--publish DIR`` then
 copies the run's reports and records into DIR (``docs/figures/<run>``).
+``--peer kvpress`` adds kvpress's presses on the same samples (``--peer-presses`` picks
+some: :mod:`nexus_vllm.eval.peers`), written to ``kvpress_records.jsonl``.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true", help="dense only; write calibration.md")
     p.add_argument("--peer", choices=["kvpress"], default=None,
                    help="also run the reference library's presses (own virtualenv)")
+    p.add_argument("--peer-presses", default=None,
+                   help="comma list of kvpress presses for --peer kvpress (default: all; "
+                        "see nexus_vllm.eval.peers.PEER_PRESSES)")
     p.add_argument("--out", type=pathlib.Path, required=False, default=None)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--report-only", action="store_true",
@@ -150,6 +155,26 @@ def run_config(opts: dict[str, Any]) -> RunConfig:
     return cfg
 
 
+def _peer_presses(opts: dict[str, Any]) -> list[str] | None:
+    """The kvpress presses asked for (None: all), checked before anything runs.
+
+    Raises
+    ------
+    SystemExit
+        Naming the unknown presses and the choices, or a list without ``--peer kvpress``.
+    """
+    if opts.get("peer_presses") is None:
+        return None
+    if opts.get("peer") != "kvpress":
+        raise SystemExit("nexus-vllm eval: --peer-presses needs --peer kvpress")
+    from nexus_vllm.eval.peers import check_presses
+
+    try:
+        return check_presses(_as_list(opts["peer_presses"]))
+    except ValueError as exc:
+        raise SystemExit(f"nexus-vllm eval: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     opts = _merge(args)
@@ -165,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     from nexus_vllm.eval.runner import config_dict, run_eval
 
     cfg = run_config(opts)
+    peer_presses = _peer_presses(opts)
     out.mkdir(parents=True, exist_ok=True)
     _write_config(out, config_dict(cfg))
 
@@ -179,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.get("peer") == "kvpress":
         from nexus_vllm.eval.peers import run_kvpress_peer
 
-        records = records + run_kvpress_peer(cfg, out)
+        records = records + run_kvpress_peer(cfg, out, presses=peer_presses)
     write_reports(out, cfg, records, calibrate=bool(opts.get("calibrate")))
     print(f"nexus-vllm eval: wrote {out}/results.json, table.md, plots", file=sys.stderr)
     if opts.get("publish") is not None:

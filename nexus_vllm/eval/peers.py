@@ -5,10 +5,25 @@ kvpress gets its own virtualenv, created on demand (``.venv-kvpress`` next to ``
 or ``$NEXUS_VLLM_KVPRESS_VENV``), and runs ``_kvpress_worker.py`` there on the token ids
 our harness produced. :func:`run_kvpress_peer` is ``nexus-vllm eval --peer kvpress``: it
 prepares the samples, runs the presses and writes our records.
+
+Two kinds of press, each in kvpress's own protocol:
+
+* ``PROMPT_PRESSES`` compress the context once, when its prefill ends, before the question
+  is seen (kvpress's query-agnostic setting); ratio budgets only (``compression_ratio`` is
+  ``1 - budget``). They run on the one-prompt tasks.
+* ``DECODING_PRESSES`` (``decoding_<press>``) are kvpress's ``DecodingPress`` around a
+  scorer press, for long generation: the prompt is kept whole, the generated tokens are
+  fed as decode steps and the cache is compressed to ``target_size`` tokens every
+  ``compression_interval`` (512, kvpress's default) steps. They run on ``longgen``; a token
+  budget is the ``target_size``, a ratio budget that share of the tokens before the answer.
+
+The multi-turn families have no kvpress protocol here (kvpress compresses one prompt or
+one generation) and are skipped.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -22,11 +37,19 @@ if TYPE_CHECKING:
     from nexus_vllm.eval.records import Record, SampleId
     from nexus_vllm.eval.runner import RunConfig
 
-__all__ = ["KVPRESS_VERSION", "PEER_PRESSES", "ensure_kvpress_venv", "run_kvpress",
-           "run_kvpress_peer"]
+__all__ = ["DECODING_PRESSES", "KVPRESS_VERSION", "PEER_PRESSES", "PROMPT_PRESSES",
+           "check_presses", "ensure_kvpress_venv", "run_kvpress", "run_kvpress_peer"]
 
 KVPRESS_VERSION = "0.5.5"
-PEER_PRESSES = ("snapkv", "streaming", "tova", "knorm", "expected_attention")
+# kvpress 0.5.5's SnapKVPress, StreamingLLMPress, TOVAPress, KnormPress,
+# ExpectedAttentionPress and KVzipPress (``_kvpress_worker.PRESS_CLASSES``).
+PROMPT_PRESSES = ("snapkv", "streaming", "tova", "knorm", "expected_attention", "kvzip")
+# DecodingPress(base_press=...) around each scorer press (KVzip is not one).
+DECODING_PRESSES = ("decoding_snapkv", "decoding_streaming", "decoding_tova",
+                    "decoding_knorm", "decoding_expected_attention")
+PEER_PRESSES = PROMPT_PRESSES + DECODING_PRESSES
+# The long-generation family: decoding presses; the other dialogue families: none.
+_DECODING_TASKS = ("longgen",)
 _WORKER = pathlib.Path(__file__).with_name("_kvpress_worker.py")
 
 
@@ -64,15 +87,37 @@ def ensure_kvpress_venv(venv: pathlib.Path | None = None) -> pathlib.Path:
     return python
 
 
-def _check_ratios(budgets: list[Any]) -> None:
-    """kvpress compresses by a ratio: every budget must be a keep ratio by our one rule."""
+def check_presses(presses: Iterable[str]) -> list[str]:
+    """``presses`` as a list, every name one of ``PEER_PRESSES``.
+
+    Raises
+    ------
+    ValueError
+        Naming the unknown presses and listing the choices.
+    """
+    presses = list(presses)
+    unknown = [p for p in presses if p not in PEER_PRESSES]
+    if unknown:
+        raise ValueError(f"kvpress peer presses {unknown} unknown; choose from "
+                         f"{list(PEER_PRESSES)}")
+    if not presses:
+        raise ValueError(f"no kvpress peer press given; choose from {list(PEER_PRESSES)}")
+    return presses
+
+
+def _check_budgets(presses: list[str], budgets: list[Any]) -> None:
+    """Every budget must pass our one budget rule; a prompt press compresses by a ratio, so
+    with one every budget must be a keep ratio (a decoding press also takes a token count:
+    its ``target_size``)."""
     from nexus_vllm.core import EvictionConfig
 
+    ratios_only = any(p in PROMPT_PRESSES for p in presses)
     for b in budgets:
-        if not isinstance(b, float):
-            raise ValueError(f"peer budgets must be keep ratios (floats in (0, 1]); kvpress "
-                             f"has no token budget; got {b!r}")
-        # The method only names a config; any one applies the same ratio rule.
+        if ratios_only and not isinstance(b, float):
+            raise ValueError(f"peer budgets of {[p for p in presses if p in PROMPT_PRESSES]} "
+                             f"must be keep ratios (floats in (0, 1]); kvpress has no token "
+                             f"budget for a prompt press; got {b!r}")
+        # The method only names a config; any one applies the same budget rule.
         EvictionConfig.from_budget("streaming", b)
 
 
@@ -80,8 +125,8 @@ def run_kvpress(
     samples: Iterable[dict[str, Any]],
     *,
     model: str,
-    presses: Iterable[str],
-    budgets: Iterable[float],
+    presses: Iterable[str] | None = None,
+    budgets: Iterable[float | int] | None = None,
     python: pathlib.Path | None = None,
     threads: int = 1,
     on_record: Callable[[dict[str, Any]], None] | None = None,
@@ -92,28 +137,39 @@ def run_kvpress(
     ----------
     samples : iterable of dict
         ``{"key", "ids", "n_context", "n_prompt", "max_new_tokens"}``: the full prompt +
-        answer token ids and where the context and the question end.
+        answer token ids and where the context and the question end; optionally
+        ``"feed": "decode"`` (the tokens from ``n_context`` to ``n_prompt`` are the model's
+        own output, fed as decode steps: long generation) and the sample's own
+        ``"presses"`` and ``"budgets"`` (default: the arguments).
     model : str
         Path of the HF checkpoint (the same one our side loads).
-    presses : iterable of str
-        Names from ``PEER_PRESSES``.
-    budgets : iterable of float
+    presses : iterable of str, optional
+        Names from ``PEER_PRESSES``, for every sample without its own.
+    budgets : iterable of float or int, optional
         Keep ratios in (0, 1] (floats, by the budget rule of
-        ``EvictionConfig.from_budget``); kvpress's ``compression_ratio`` is ``1 - budget``.
+        ``EvictionConfig.from_budget``); a prompt press's ``compression_ratio`` is
+        ``1 - budget``. Token counts (ints) for decoding presses only: their
+        ``target_size``.
 
     Returns
     -------
     list of dict, one per (sample, press, budget), with the keys the worker prints.
     """
-    presses = list(presses)
-    unknown = sorted(set(presses) - set(PEER_PRESSES))
-    if unknown:
-        raise ValueError(f"--peer presses {unknown} unknown; allowed: {list(PEER_PRESSES)}")
-    budgets = list(budgets)
-    _check_ratios(budgets)
+    presses = None if presses is None else check_presses(presses)
+    budgets = None if budgets is None else list(budgets)
+    if presses is not None and budgets is not None:
+        _check_budgets(presses, budgets)
+    samples = list(samples)
+    for s in samples:  # a sample's own presses and budgets follow the same rules
+        own_presses, own_budgets = s.get("presses", presses), s.get("budgets", budgets)
+        if own_presses is None or own_budgets is None:
+            raise ValueError(f"sample {s.get('key')!r} has no presses or budgets, and none "
+                             f"were given for every sample")
+        if "presses" in s or "budgets" in s:
+            _check_budgets(check_presses(own_presses), list(own_budgets))
     python = python or ensure_kvpress_venv()
-    job = {"model": model, "presses": presses, "budgets": budgets, "threads": threads,
-           "samples": list(samples)}
+    job = {"model": model, "presses": presses or [], "budgets": budgets or [],
+           "threads": threads, "samples": samples}
     records: list[dict[str, Any]] = []
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(job, fh)
@@ -138,12 +194,21 @@ def run_kvpress(
     return records
 
 
-def run_kvpress_peer(cfg: RunConfig, out: pathlib.Path) -> list[Record]:
+def run_kvpress_peer(cfg: RunConfig, out: pathlib.Path,
+                     presses: Iterable[str] | None = None) -> list[Record]:
     """kvpress presses on exactly ``cfg``'s samples' token ids (own virtualenv).
 
-    Records go to ``out/kvpress_records.jsonl`` (resumable per sample) in our record
-    format, with methods named ``kvpress:<press>``, seed 0 and one event (the press
-    compresses once, when the context's prefill ends). Only ``cfg``'s ratio budgets run.
+    Records go to ``out/kvpress_records.jsonl`` (resumable per sample, press and budget) in
+    our record format, with methods named ``kvpress:<press>`` and seed 0. Prompt presses
+    run on the one-prompt tasks at ``cfg``'s ratio budgets (one event: the press
+    compresses once, when the context's prefill ends); decoding presses run on ``longgen``
+    at every budget (events: the compressions before the answer). The multi-turn families
+    are skipped.
+
+    Parameters
+    ----------
+    presses : iterable of str, optional
+        Names from ``PEER_PRESSES`` (default: all of them); each runs where it applies.
 
     Returns
     -------
@@ -151,55 +216,81 @@ def run_kvpress_peer(cfg: RunConfig, out: pathlib.Path) -> list[Record]:
     """
     from transformers import AutoTokenizer
 
-    from nexus_vllm.eval.dialogues import DIALOGUE_TASKS
-    from nexus_vllm.eval.records import Record, read_records, record_writer
+    from nexus_vllm.eval.dialogues import DIALOGUE_TASKS, make_dialogue
+    from nexus_vllm.eval.records import Record, read_records, record_key, record_writer
     from nexus_vllm.eval.runner import iter_samples
-    from nexus_vllm.eval.tasks import Sample, make_sample
+    from nexus_vllm.eval.tasks import make_sample
     from nexus_vllm.hf.generate import encode_prompt
     from nexus_vllm.models import resolve_model_path
 
+    chosen = check_presses(PEER_PRESSES if presses is None else presses)
     path = resolve_model_path(None if cfg.model == "default" else cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     rec_path = out / "kvpress_records.jsonl"
     records = read_records(rec_path)
-    budgets = [b for b in cfg.budgets if isinstance(b, float)]
-    per_sample: dict[SampleId, int] = {}
-    for r in records:
-        per_sample[r.sample] = per_sample.get(r.sample, 0) + 1
-    # A sample is done when every press x budget came back (the worker streams per sample).
-    done = {k for k, n in per_sample.items() if n >= len(PEER_PRESSES) * len(budgets)}
+    seen = {r.key for r in records}
+    ratios = [b for b in cfg.budgets if isinstance(b, float)]
     jobs: list[dict[str, Any]] = []
-    meta: dict[str, tuple[SampleId, Sample]] = {}
+    # key -> (sample id, scorer of a prediction, reference answers, prompt tokens)
+    meta: dict[str, tuple[SampleId, Callable[[str], float], tuple[str, ...], int]] = {}
     for sid in iter_samples(cfg):
-        if sid in done or sid.task in DIALOGUE_TASKS:  # kvpress compresses one prompt
+        kind: tuple[str, ...]
+        if sid.task in _DECODING_TASKS:
+            kind, budgets = DECODING_PRESSES, list(cfg.budgets)
+        elif sid.task in DIALOGUE_TASKS:  # multi-turn: no kvpress protocol
             continue
-        s = make_sample(sid.task, seed=cfg.data_seed, index=sid.index,
-                        target_tokens=sid.context, tokenizer=tokenizer, protocol=sid.protocol)
-        split = encode_prompt(tokenizer, s.context, s.question, preamble=s.preamble,
-                              answer=s.target)
+        else:
+            kind, budgets = PROMPT_PRESSES, ratios
+        # Only the (press, budget) pairs not on record yet; a press with any missing runs
+        # all its budgets again (the repeats are not written twice).
+        todo = [p for p in chosen if p in kind and any(
+            record_key(sid, f"kvpress:{p}", b, 0) not in seen for b in budgets)]
+        if not todo or not budgets:
+            continue
         key = json.dumps(sid.as_list())
-        meta[key] = (sid, s)
-        jobs.append({"key": key, "ids": split.ids.tolist(), "n_context": split.n_context,
-                     "n_prompt": split.n_prompt, "max_new_tokens": s.max_new_tokens})
+        if sid.task in _DECODING_TASKS:
+            d = make_dialogue(sid.task, seed=cfg.data_seed, index=sid.index,
+                              target_tokens=sid.context, tokenizer=tokenizer)
+            (turn,) = d.turns
+            probe = turn.probe
+            meta[key] = (sid, functools.partial(d.score, 0), turn.answers, d.num_tokens)
+            jobs.append({"key": key, "ids": list(d.ids[:probe.answer_end]), "feed": "decode",
+                         "n_context": probe.prompt_end, "n_prompt": probe.forced_end,
+                         "max_new_tokens": probe.max_new_tokens, "presses": todo,
+                         "budgets": budgets})
+        else:
+            s = make_sample(sid.task, seed=cfg.data_seed, index=sid.index,
+                            target_tokens=sid.context, tokenizer=tokenizer,
+                            protocol=sid.protocol)
+            split = encode_prompt(tokenizer, s.context, s.question, preamble=s.preamble,
+                                  answer=s.target)
+            meta[key] = (sid, s.score, tuple(s.answers), s.num_tokens)
+            jobs.append({"key": key, "ids": split.ids.tolist(), "n_context": split.n_context,
+                         "n_prompt": split.n_prompt, "max_new_tokens": s.max_new_tokens,
+                         "presses": todo, "budgets": budgets})
     if not jobs:
         return records
-    seen = {r.key for r in records}
     with record_writer(rec_path) as write:
         def on_record(r: dict[str, Any]) -> None:
-            sid, s = meta[r["key"]]
+            sid, score, answers, prompt_tokens = meta[r["key"]]
+            decoding = sid.task in _DECODING_TASKS
+            value = score(r["prediction"])
             rec = Record.build(
-                sid, f"kvpress:{r['press']}", r["budget"], 0, score=s.score(r["prediction"]),
-                prediction=r["prediction"], answers=s.answers,
+                sid, f"kvpress:{r['press']}", r["budget"], 0, score=value,
+                prediction=r["prediction"], answers=answers,
                 answer_loglik=r["answer_loglik"], dense_answer_loglik=r["dense_answer_loglik"],
                 answer_tokens=r["answer_tokens"], kl=r["kl"], kl_answer=r["kl_answer"],
-                prompt_tokens=s.num_tokens, cache_tokens=r["cache_tokens"], events=1,
-                seconds=r["seconds"])
+                prompt_tokens=prompt_tokens, cache_tokens=r["cache_tokens"],
+                events=r.get("events", 1), seconds=r["seconds"],
+                # A long generation is a one-turn stream: per-turn fields as our side's.
+                turn_scores=[value] if decoding else (),
+                turn_delta_loglik=([r["answer_loglik"] - r["dense_answer_loglik"]]
+                                   if decoding else ()))
             if rec.key in seen:  # re-run of a partially finished sample
                 return
             seen.add(rec.key)
             write(rec)
             records.append(rec)
 
-        run_kvpress(jobs, model=path, presses=PEER_PRESSES, budgets=budgets,
-                    threads=cfg.threads, on_record=on_record)
+        run_kvpress(jobs, model=path, threads=cfg.threads, on_record=on_record)
     return records
