@@ -6,6 +6,7 @@ are tested against.
 
 from ._validate import ConfigError
 from .config import EvictionConfig
+from .evidence import EVIDENCE_KINDS, EvidenceKind, evidence_kind, register_evidence
 from .policies import (
     METHODS,
     POLICIES,
@@ -24,6 +25,7 @@ from .policies import (
     get_policy,
     register_policy,
 )
+from .rotary import Rotary
 from .sampling import SAMPLERS, inclusion_probabilities, sample_blocks
 from .scoring import (
     HEAD_REDUCES,
@@ -48,6 +50,7 @@ from .weights import (
 __all__ = [
     "HEAD_REDUCES",
     "DIRECT_MODES",
+    "EVIDENCE_KINDS",
     "INDIRECT_MODES",
     "METHODS",
     "POLICIES",
@@ -58,6 +61,7 @@ __all__ = [
     "EvictionConfig",
     "Evidence",
     "EvictionPolicy",
+    "EvidenceKind",
     "EvictionTrigger",
     "H2OPolicy",
     "KNormPolicy",
@@ -72,6 +76,7 @@ __all__ = [
     "cdiv",
     "combine_layer_masses",
     "direct_scores",
+    "evidence_kind",
     "first_prompt_event",
     "forced_blocks",
     "gather_paged_keys",
@@ -81,6 +86,8 @@ __all__ = [
     "nexus_weights",
     "normalize_rows",
     "num_blocks_for",
+    "register_evidence",
     "register_policy",
+    "Rotary",
     "sample_blocks",
 ]

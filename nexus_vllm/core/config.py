@@ -439,6 +439,12 @@ class EvictionConfig:
         return POLICIES[self.method](sink_blocks=sinks, recent_blocks=self.recent_blocks,
                                      carry=self.carry, **knobs)
 
+    def evidence_kinds(self) -> frozenset[str]:
+        """Every evidence kind this config's events read (decode and prefill events)."""
+        if self.method == "none":
+            return frozenset()
+        return self.policy().needs | self.policy(prefill=True).needs
+
     def generator(self, request_seed: int | str = 0) -> torch.Generator:
         """CPU generator seeded from (global seed, request seed): a recomputed (preempted)
         request draws the same evictions."""

@@ -1,8 +1,9 @@
 """Eviction policies: one small frozen dataclass each, sharing the forced set.
 
-A policy sees the :class:`Evidence` of one request's event (the block attention mass
-``[W, N]`` of its live blocks in logical order, or their key norms) and returns the blocks
-to KEEP. Every policy keeps the forced set: the first ``sink_blocks`` blocks (the attention
+A policy sees the :class:`~nexus_vllm.core.evidence.Evidence` of one request's event (a
+mapping from evidence kind to tensor over its live blocks in logical order: the window's
+attention mass ``[W, N]``, key norms; :mod:`nexus_vllm.core.evidence`)
+and returns the blocks to KEEP. Every policy keeps the forced set: the first ``sink_blocks`` blocks (the attention
 sink), the newest ``recent_blocks`` full blocks and the current (last) block. The rest of
 the budget is filled by :meth:`EvictionPolicy.score` and the policy's sampler.
 
@@ -30,9 +31,9 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from ._validate import ConfigError, check_choice, check_float, check_int, check_mass
+from ._validate import ConfigError, check_choice, check_float, check_int
+from .evidence import Evidence
 from .sampling import SAMPLERS, sample_blocks, top_k_indices
-from .scoring import HEAD_REDUCES, normalize_rows
 from .weights import DIRECT_MODES, WALK_ROWS, check_indirect, nexus_weights
 
 __all__ = [
@@ -54,21 +55,6 @@ __all__ = [
     "get_policy",
     "register_policy",
 ]
-
-# Rows of a mass matrix must sum to 1 within this (float32 sums over thousands of blocks,
-# averaged over heads and layers, drift by far less).
-_ROW_SUM_TOLERANCE = 1e-3
-
-
-def _check_per_item(name: str, values: object, n: int, what: str) -> None:
-    if values is None:
-        return
-    if not isinstance(values, torch.Tensor) or tuple(values.shape) != (n,) \
-            or not bool(torch.isfinite(values).all()):
-        shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values)
-        raise ValueError(f"{name} must be {n} finite values, {what} (Tensor[{n}]); "
-                         f"got {shape}")
-
 
 def forced_blocks(num_blocks: int, sink_blocks: int, recent_blocks: int) -> torch.Tensor:
     """Indices that are never evicted: sinks, the ``recent_blocks`` newest full blocks and
@@ -104,71 +90,6 @@ def carry_forward(weights: torch.Tensor, carry: int) -> torch.Tensor:
         prev = torch.cat([weights[:shift], weights[:-shift]])
         out = torch.maximum(out, prev)
     return out
-
-
-@dataclass(frozen=True)
-class Evidence:
-    """What a policy may read at one event of one request; validated on construction.
-
-    Attributes
-    ----------
-    mass : Tensor[W, N]
-        Block attention mass of the newest window queries on the N live blocks, in
-        logical order. Each row sums to 1 (a row of zeros, a query that saw nothing, is
-        allowed). For policies that read no mass, :meth:`uniform` builds it.
-    key_norms : Tensor[N], optional
-        Mean key norm per live block (for policies that need ``"key_norms"``).
-    row_scale : Tensor[W], optional
-        Each row's total as scored, before it was renormalised into ``mass``: under
-        ``head_reduce: max`` a row of maxima over heads and layers sums to 1 or more, and
-        ``mass * row_scale[:, None]`` gives back each block's largest softmax share
-        (:meth:`from_scores`). None: the rows were distributions as scored.
-
-    Raises
-    ------
-    ValueError
-        ``mass`` not 2-D, not finite, negative or with a row not summing to 1;
-        ``key_norms`` not N finite values; ``row_scale`` not W finite values >= 0.
-    """
-
-    mass: torch.Tensor
-    key_norms: torch.Tensor | None = None
-    row_scale: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        check_mass(self.mass, row_sum_tolerance=_ROW_SUM_TOLERANCE)
-        _check_per_item("key_norms", self.key_norms, self.num_blocks, "one per block")
-        _check_per_item("row_scale", self.row_scale, int(self.mass.shape[0]), "one per row")
-        if self.row_scale is not None and bool((self.row_scale < 0).any()):
-            raise ValueError("row_scale must be >= 0")
-
-    @classmethod
-    def from_scores(cls, scores: torch.Tensor, key_norms: torch.Tensor | None = None, *,
-                    head_reduce: str) -> Evidence:
-        """Evidence from the scorer's rows ``[W, N]``, combined over heads and layers by
-        ``head_reduce``: under ``mean`` they are distributions already; under ``max``
-        each row is renormalised and its total kept as :attr:`row_scale`."""
-        check_choice("head_reduce", head_reduce, HEAD_REDUCES)
-        if head_reduce == "mean":
-            return cls(scores, key_norms)
-        return cls(normalize_rows(scores), key_norms, row_scale=scores.sum(dim=-1))
-
-    @classmethod
-    def uniform(cls, num_blocks: int, key_norms: torch.Tensor | None = None) -> Evidence:
-        """Evidence for a policy that reads no mass: one uniform row ``[1, N]`` over the
-        ``num_blocks`` live blocks (the scorer computed nothing for it)."""
-        check_int("num_blocks", num_blocks, low=0)
-        return cls(torch.full((1, num_blocks), 1.0 / max(1, num_blocks)), key_norms)
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.mass.shape[1])
-
-    @property
-    def holds(self) -> frozenset[str]:
-        """The kinds of evidence present, in the vocabulary of ``EvictionPolicy.needs``."""
-        return frozenset({"mass"}) | (frozenset() if self.key_norms is None
-                                       else frozenset({"key_norms"}))
 
 
 @dataclass(frozen=True)
@@ -294,7 +215,7 @@ class EvictionPolicy:
             raise ValueError(
                 f"{self.name}.score returned shape {tuple(weights.shape)}, want ({n},)"
             )
-        if self.carry and "mass" in self.needs:
+        if self.carry and self.needs & CARRIED_KINDS:
             weights = carry_forward(weights, self.carry)
         if n <= budget_blocks:
             keep = torch.arange(n, dtype=torch.long)
@@ -316,6 +237,10 @@ class EvictionPolicy:
     def after_select(self, keep: torch.Tensor, state: dict[str, Any] | None) -> None:
         """Hook for stateful policies to re-index their state to the kept blocks."""
 
+
+# Evidence whose weight a chosen block carries to its successor (attention that finds a
+# fact's key; its value often starts the next block). Key norms do not carry.
+CARRIED_KINDS = frozenset({"mass"})
 
 # name -> class, filled by @register_policy in definition order.
 POLICIES: dict[str, type[EvictionPolicy]] = {}

@@ -34,18 +34,21 @@ from nexus_vllm.core import (
     EvictionConfig,
     EvictionTrigger,
     Evidence,
-    block_attention_mass,
-    combine_layer_masses,
+    Rotary,
+    evidence_kind,
     num_blocks_for,
 )
+from nexus_vllm.core.evidence import DenseLayer, DenseSequence
 
 __all__ = ["CAPTURE_ATTENTION", "EvictionEvent", "StreamingSession", "make_config",
-           "use_capture_attention"]
+           "rotary_of", "use_capture_attention"]
 
 # The attention implementation of a session's model (see the module docstring).
 CAPTURE_ATTENTION = "nexus_capture_sdpa"
 _registered = False
 _register_lock = threading.Lock()
+# Rows of a rotary table for a config without max_position_embeddings.
+_ROTARY_ROWS = 1 << 15
 # A prompt length no stream reaches: the prompt has not ended yet.
 _UNKNOWN = 1 << 62
 
@@ -93,6 +96,22 @@ def use_capture_attention(model: Any) -> None:
                          f"with attn_implementation='sdpa' (it has {current!r})")
     with _register_lock:
         model.set_attn_implementation(CAPTURE_ATTENTION)
+
+
+def rotary_of(model: Any, positions: int) -> Rotary:
+    """A transformers model's rotary embedding as a :class:`Rotary` table of ``positions``
+    rows (its ``rotary_emb``: ``inv_freq`` and ``attention_scaling``; Llama-style
+    rotate-half pairs)."""
+    base = getattr(model, "model", model)
+    emb = getattr(base, "rotary_emb", None)
+    inv_freq = getattr(emb, "inv_freq", None)
+    if inv_freq is None:
+        raise ValueError(f"{type(model).__name__} has no rotary_emb.inv_freq: evidence that "
+                         "un-rotates queries (expected_attention) needs a RoPE model")
+    head_size = int(getattr(model.config, "head_dim", 0)
+                    or model.config.hidden_size // model.config.num_attention_heads)
+    return Rotary.from_inv_freq(inv_freq, positions, head_size=head_size,
+                                scaling=float(getattr(emb, "attention_scaling", 1.0)))
 
 
 def make_config(method: str, budget: float | int | None, **knobs: Any) -> EvictionConfig | None:
@@ -178,6 +197,7 @@ class StreamingSession:
         keep = max(config.window, config.prefill_window) if config is not None else 0
         self._query_keep = max(keep, int(capture_rows))
         self._queries: list[torch.Tensor | None] = [None] * self.num_layers
+        self._rotary: Rotary | None = None
 
     # ------------------------------------------------------------------ forward
     def _record_queries(self, layer_idx: int, query: torch.Tensor) -> None:
@@ -218,33 +238,50 @@ class StreamingSession:
         layers = self.config.scored_layers(self.num_layers)
         return layers if len(layers) else range(self.num_layers - 1, self.num_layers)
 
-    def block_mass(self, window: int) -> torch.Tensor:
-        """Attention mass ``[W, N]`` of the newest ``window`` queries over the scored layers
-        and heads, combined by the config's ``head_reduce`` (:func:`combine_layer_masses`:
-        rows of maxima under ``max``)."""
+    def _sequence(self, window: int, kinds: frozenset[str]) -> DenseSequence:
+        """The scored layers' newest ``window`` query rows and cached keys (what every
+        dense gatherer reads), with the model's rotary table when a kind needs it."""
         cfg = self.config
         assert cfg is not None
-        masses = []
+        layers = []
         for li in self._scored_layers():
             q = self._queries[li]
             if q is None:
                 raise RuntimeError("no queries recorded yet: feed tokens before evicting")
-            q = q[:, -window:].transpose(0, 1)  # [W, Hq, D]
-            k = self.cache.layers[li].keys[0].transpose(0, 1)  # [T, Hkv, D]
-            masses.append(block_attention_mass(q, k, cfg.block_size,
-                                               head_reduce=cfg.head_reduce))
-        return combine_layer_masses(masses, cfg.head_reduce)
+            layers.append(DenseLayer(queries=q[:, -window:].transpose(0, 1),  # [W, Hq, D]
+                                     keys=self.cache.layers[li].keys[0].transpose(0, 1)))
+        w = int(layers[0].queries.shape[0]) if layers else 0
+        rotary = (self.rotary() if any(evidence_kind(k).needs_rotary for k in kinds)
+                  else None)
+        return DenseSequence(layers=layers, block_size=cfg.block_size,
+                             head_reduce=cfg.head_reduce,
+                             query_positions=torch.arange(self.seen - w, self.seen),
+                             next_position=self.seen, rotary=rotary)
+
+    def gather(self, kinds: frozenset[str], window: int) -> dict[str, torch.Tensor]:
+        """Each evidence kind in ``kinds`` for this sequence now, as its registered dense
+        gatherer computes it (``mass``: ``[W, N]`` rows combined over heads and layers by
+        the config's ``head_reduce``, rows of maxima under ``max``)."""
+        seq = self._sequence(window, kinds)
+        return {name: evidence_kind(name).gather_dense(seq) for name in sorted(kinds)}
+
+    def block_mass(self, window: int) -> torch.Tensor:
+        """Attention mass ``[W, N]`` of the newest ``window`` queries over the scored
+        layers and heads, combined by the config's ``head_reduce``."""
+        return self.gather(frozenset({"mass"}), window)["mass"]
 
     def key_norms(self) -> torch.Tensor:
         """Mean key L2 norm per block ``[N]`` over scored layers and KV heads (for knorm)."""
-        assert self.config is not None
-        b = self.config.block_size
-        norms = torch.stack([self.cache.layers[li].keys[0].float().norm(dim=-1).mean(0)
-                             for li in self._scored_layers()]).mean(0)  # [T]
-        n = num_blocks_for(norms.shape[0], b)
-        padded = torch.full((n * b,), float("nan"), device=norms.device)
-        padded[: norms.shape[0]] = norms
-        return padded.view(n, b).nanmean(dim=1)
+        return self.gather(frozenset({"key_norms"}), 1)["key_norms"]
+
+    def rotary(self) -> Rotary:
+        """The model's rotary table: ``max_position_embeddings`` rows, as vLLM's
+        ``cos_sin_cache`` holds (so both paths clamp the same positions), or
+        ``_ROTARY_ROWS`` when the config names no maximum."""
+        if self._rotary is None:
+            rows = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+            self._rotary = rotary_of(self.model, rows or _ROTARY_ROWS)
+        return self._rotary
 
     @property
     def prompt_tokens(self) -> int:
@@ -276,14 +313,11 @@ class StreamingSession:
         b = cfg.block_size
         t = self.cache_len
         policy = cfg.policy(prefill=prefill, prompt_tokens=self.prompt_tokens)
-        scored = "mass" in policy.needs
-        norms = self.key_norms() if "key_norms" in policy.needs else None
-        mass = None
-        if scored:
-            mass = self.block_mass(policy.window(cfg.prefill_window if prefill else cfg.window))
-            evidence = Evidence.from_scores(mass, norms, head_reduce=cfg.head_reduce)
-        else:
-            evidence = Evidence.uniform(n_blocks, norms)
+        window = policy.window(cfg.prefill_window if prefill else cfg.window)
+        gathered = self.gather(policy.needs, window) if policy.needs else {}
+        mass = gathered.get("mass")
+        evidence = Evidence.from_gathered(gathered, head_reduce=cfg.head_reduce,
+                                          num_blocks=n_blocks)
         live_blocks = self.positions[::b] // b if self.record_events else None
         keep = policy.select(
             evidence, budget_blocks, generator=self.generator, state=self.state

@@ -72,11 +72,10 @@ class ScoreRequest:
         next plan masks the live blocks in ``[sink_blocks, evictable_below)``.
     prefill : bool
         The step was a prefill chunk (the policy uses its prefill variant).
-    needs_mass : bool
-        The policy reads the window's attention mass (False for streaming and random:
-        the worker computes nothing for them; the event still counts as due, for masking).
-    needs_key_norms : bool
-        The policy reads the mean key norm of each live block (knorm).
+    kinds : frozenset of str
+        The evidence kinds the policy reads (:data:`nexus_vllm.core.EVIDENCE_KINDS`);
+        empty for streaming and random: the worker computes nothing for them (the event
+        still counts as due, for masking).
     tokens_after : int
         The request's computed tokens once the step runs, as the scheduler planned it:
         the event's budget and its full-block limit, whatever steps vLLM scheduled for
@@ -91,8 +90,7 @@ class ScoreRequest:
     num_logical_blocks: int
     evictable_below: int
     prefill: bool = False
-    needs_mass: bool = True
-    needs_key_norms: bool = False
+    kinds: frozenset[str] = frozenset({"mass"})
     tokens_after: int = 0
     epoch: int = 0
 
@@ -132,13 +130,13 @@ class WorkerReply:
     step_id : int or None
         The plan this step applied (its acknowledgement); None when the worker got no
         usable plan.
-    masses : dict[str, ndarray[W, N] float32]
-        Attention mass of each scored request's ``window`` newest queries on its ``N``
-        live blocks (the live blocks among its first ``num_logical_blocks``, in logical
-        order), averaged over scored layers and all query heads of all ranks.
-    key_norms : dict[str, ndarray[N] float32]
-        Mean key L2 norm of each live block (its tokens, all KV heads, the scored layers)
-        for requests whose policy reads them.
+    evidence : dict[str, dict[str, ndarray]]
+        Per evidence kind, per scored request, the reduced values over its ``N`` live
+        blocks (the live blocks among its first ``num_logical_blocks``, in logical order):
+        ``[W, N]`` for a ``rows`` kind (the mass of its ``window`` newest queries,
+        combined over the scored layers and all query heads of all ranks by the server's
+        ``head_reduce``), ``[N]`` for a ``blocks`` kind (key norms, expected attention).
+        A request the worker dropped (a fault it counted) is absent.
     scoring_seconds : float
         Device time spent scoring (wall time on CPU).
     faults : dict[str, int]
@@ -146,10 +144,13 @@ class WorkerReply:
     """
 
     step_id: int | None
-    masses: dict[str, np.ndarray] = field(default_factory=dict)
-    key_norms: dict[str, np.ndarray] = field(default_factory=dict)
+    evidence: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     scoring_seconds: float = 0.0
     faults: dict[str, int] = field(default_factory=dict)
+
+    def of(self, kind: str) -> dict[str, np.ndarray]:
+        """The reply's values of one evidence kind, by request (empty if none)."""
+        return self.evidence.get(kind, {})
 
 
 def attach_plan(scheduler_output: object, plan: StepPlan, *,

@@ -51,7 +51,7 @@ def _reply(plan, mgr, req_ids=None, seed: int = 0, ack: int | None = -1):  # noq
         g = torch.Generator().manual_seed(seed)
         masses[req_id] = torch.softmax(torch.randn(sreq.window, len(live), generator=g),
                                        dim=-1).numpy().astype(np.float32)
-    return WorkerReply(step_id=plan.step_id if ack == -1 else ack, masses=masses,
+    return WorkerReply(step_id=plan.step_id if ack == -1 else ack, evidence={"mass": masses},
                        scoring_seconds=0.001)
 
 
@@ -172,7 +172,7 @@ def test_stale_scores_are_skipped() -> None:
     reqs = {"r": _request("r", prompt=600)}
     plan = _step(mgr, single, reqs, {"r": 512}, new=("r",))
     reply = _reply(plan, mgr)
-    reply.masses["r"] = reply.masses["r"][:, :-1]  # one column short
+    reply.of("mass")["r"] = reply.of("mass")["r"][:, :-1]  # one column short
     free = pool.get_num_free_blocks()
     mgr.apply_reply(plan, reply, reqs)
     assert pool.get_num_free_blocks() == free and mgr.counters.faults["stale_scores"] == 1
@@ -185,7 +185,7 @@ def test_a_reply_that_cannot_be_applied_is_a_counted_fault() -> None:
     reqs = {"r": _request("r", prompt=600)}
     plan = _step(mgr, single, reqs, {"r": 512}, new=("r",))
     reply = _reply(plan, mgr)
-    reply.masses["r"] = reply.masses["r"].tolist()
+    reply.of("mass")["r"] = reply.of("mass")["r"].tolist()
     free = pool.get_num_free_blocks()
     mgr.apply_reply(plan, reply, reqs)
     assert pool.get_num_free_blocks() == free and mgr.counters.faults["reply_error"] == 1

@@ -137,7 +137,7 @@ def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: s
         first_stage_done.set()
     dist.barrier()
     results.put((rank, {"output": layout.is_output, "local": local,
-                        "masses": {k: v.tolist() for k, v in reply.masses.items()},
+                        "masses": {k: v.tolist() for k, v in reply.of("mass").items()},
                         "faults": dict(reply.faults), "step_id": reply.step_id,
                         "table_a": runner.table[0, :5].tolist()}))
     dist.destroy_process_group()

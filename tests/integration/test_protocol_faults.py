@@ -95,7 +95,7 @@ def test_worker_never_reads_a_freed_block(seed: int, fault_rate: float) -> None:
                 live = mgr.live_indices(rid, requests[rid].num_computed_tokens)
                 m = torch.softmax(torch.randn(sreq.window, len(live)), dim=-1)
                 masses[rid] = m.numpy().astype(np.float32)
-            reply = WorkerReply(step_id=reply.step_id, masses=masses)
+            reply = WorkerReply(step_id=reply.step_id, evidence={"mass": masses})
         mgr.apply_reply(plan, reply, requests)
         state.end_step(step)
         # Some requests finish (vLLM frees their blocks at once).

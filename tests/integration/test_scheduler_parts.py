@@ -340,7 +340,7 @@ def test_evictor_runs_a_scoreless_policy_without_masses() -> None:
     from nexus_vllm.integration.protocol import WorkerReply
 
     mgr, pool, plan, reqs = _scored("streaming")
-    assert not plan.score["r"].needs_mass
+    assert not plan.score["r"].kinds
     free = pool.get_num_free_blocks()
     mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id), reqs)
     assert mgr.live_count("r") == 8
@@ -373,12 +373,12 @@ def test_evictor_skips_a_request_whose_evidence_the_worker_dropped() -> None:
     from nexus_vllm.integration.protocol import WorkerReply
 
     mgr, pool, plan, reqs = _scored("knorm")
-    assert plan.score["r"].needs_key_norms
+    assert "key_norms" in plan.score["r"].kinds
     free = pool.get_num_free_blocks()
     mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id), reqs)  # no key norms
     assert pool.get_num_free_blocks() == free and mgr.channel.unacked == {}
     norms = torch.linspace(1.0, 2.0, 16).numpy()
-    mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id, key_norms={"r": norms}), reqs)
+    mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id, evidence={"key_norms": {"r": norms}}), reqs)
     assert mgr.live_count("r") == 8
 
 
@@ -399,7 +399,7 @@ def test_evictor_reads_rows_of_maxima_as_softmax_gave_them(direct, want) -> None
     # Row 1's heads agree on blocks 5-8 at 0.20 each: its 0.20 beats row 0's 0.30 only
     # once row 0 is divided by its total.
     rows[1, 5:9], rows[1, 0] = 0.20, 0.20
-    mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id, masses={"r": rows.numpy()}),
+    mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id, evidence={"mass": {"r": rows.numpy()}}),
                       reqs)
     sinks, forced_recent = int(mgr.server_cfg.sink_blocks), [13, 14, 15]
     assert mgr.live_count("r") == 8

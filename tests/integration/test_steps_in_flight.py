@@ -242,7 +242,7 @@ class FakeEngine:
         if reply.step_id is None:
             return reply
         masses = {r: self._masses(r, sreq) for r, sreq in plan.score.items()}
-        return WorkerReply(step_id=reply.step_id, masses=masses, faults=reply.faults)
+        return WorkerReply(step_id=reply.step_id, evidence={"mass": masses}, faults=reply.faults)
 
     def _masses(self, req_id: str, sreq: Any) -> np.ndarray:
         """Scores that depend only on the request, the block and the request's progress

@@ -213,13 +213,13 @@ def test_plan_and_reply_survive_pickling() -> None:
                     track=("r",))
     attach_plan(out, plan)
     assert read_plan(pickle.loads(pickle.dumps(out))) == plan
-    reply = WorkerReply(step_id=3, masses={"r": np.ones((4, 7), dtype=np.float32)},
+    reply = WorkerReply(step_id=3, evidence={"mass": {"r": np.ones((4, 7), dtype=np.float32)}},
                         faults={"plan_gap": 1})
     mro = attach_reply(EMPTY_MODEL_RUNNER_OUTPUT, reply)
     assert read_reply(EMPTY_MODEL_RUNNER_OUTPUT) is None  # the shared constant untouched
     back = read_reply(pickle.loads(pickle.dumps(mro)))
     assert back is not None and back.step_id == 3 and back.faults == {"plan_gap": 1}
-    assert np.array_equal(back.masses["r"], reply.masses["r"])
+    assert np.array_equal(back.of("mass")["r"], reply.of("mass")["r"])
     # vLLM's message queue pickles them (not msgspec, which would drop the attributes).
     assert "pickle.Pickler" in _vllm_file("distributed/device_communicators/shm_broadcast.py")
 

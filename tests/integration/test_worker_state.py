@@ -198,19 +198,19 @@ def test_capture_and_scoring_equal_the_oracle() -> None:
 
     # Step 1: prefill chunks up to 3 tokens before the end; nothing due.
     r1 = run_step(1, (t_a - 3, t_b - 1), (0, 0), {})
-    assert r1.step_id == 1 and not r1.masses
+    assert r1.step_id == 1 and not r1.of("mass")
     # Step 2: the last tokens, with block 1 of "a" evicted; both due (windows 6 and 8).
     sreqs = {"a": ScoreRequest(window=6, num_logical_blocks=5, evictable_below=2),
              "b": ScoreRequest(window=8, num_logical_blocks=4, evictable_below=1)}
     r2 = run_step(2, (t_a, t_b), (t_a - 3, t_b - 1), {"evict": {"a": (1,)}, "score": sreqs})
-    assert r2.step_id == 2 and set(r2.masses) == {"a", "b"}
+    assert r2.step_id == 2 and set(r2.of("mass")) == {"a", "b"}
     live_a = torch.cat([key_a[:BS], key_a[2 * BS:]])
     want_a = sum(block_attention_mass(queries[li][t_a - 6: t_a], live_a, BS)
                  for li in (1, 2)) / 2
     want_b = sum(block_attention_mass(queries[li][t_a + t_b - 8: t_a + t_b], key_b, BS)
                  for li in (1, 2)) / 2
-    torch.testing.assert_close(torch.from_numpy(r2.masses["a"]), want_a, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(torch.from_numpy(r2.masses["b"]), want_b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(r2.of("mass")["a"]), want_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(r2.of("mass")["b"]), want_b, atol=1e-5, rtol=1e-5)
     assert r2.scoring_seconds > 0
     # Finished requests release their slots and bookkeeping.
     step = state.begin_step(scheduler_output(finished=("a",)), _plan(3))
@@ -288,7 +288,7 @@ def test_scoring_failure_drops_the_event(monkeypatch) -> None:  # noqa: ANN001
     state.finish_forward()
     reply = state.reply(step)
     state.end_step(step)
-    assert reply.step_id == 1 and reply.masses == {} and reply.faults == {"score_error": 1}
+    assert reply.step_id == 1 and reply.of("mass") == {} and reply.faults == {"score_error": 1}
 
 
 def test_self_check_catches_a_wrong_key_view(monkeypatch) -> None:  # noqa: ANN001
@@ -351,7 +351,7 @@ def test_scoring_every_request_with_mass_and_key_norms_in_one_step() -> None:
                        layers={0: key_view("CPU_ATTN", kv, D, "vec")})
     lens = {"a": 5 * BS, "b": 4 * BS}
     score = {r: ScoreRequest(window=4, num_logical_blocks=n // BS, evictable_below=1,
-                             needs_mass=True, needs_key_norms=True)
+                             kinds=frozenset({"mass", "key_norms"}))
              for r, n in lens.items()}
     step = state.begin_step(scheduler_output(new=("a", "b")),
                      _plan(1, track=("a", "b"), score=score))
@@ -361,8 +361,8 @@ def test_scoring_every_request_with_mass_and_key_norms_in_one_step() -> None:
     reply = state.reply(step)
     state.end_step(step)
     assert reply.faults == {}
-    assert {r: m.shape for r, m in reply.masses.items()} == {"a": (4, 5), "b": (4, 4)}
-    assert {r: n.shape for r, n in reply.key_norms.items()} == {"a": (5,), "b": (4,)}
+    assert {r: m.shape for r, m in reply.of("mass").items()} == {"a": (4, 5), "b": (4, 4)}
+    assert {r: n.shape for r, n in reply.of("key_norms").items()} == {"a": (5,), "b": (4,)}
 
 
 # -- async scheduling: a step's reply is built after the next step has begun ---------------
@@ -434,7 +434,7 @@ def test_async_outputs_carry_the_reply_of_their_own_step() -> None:
         step = forward(runner, state, queries, *args)
         want.append(state.reply(step))
         state.end_step(step)
-    assert set(want[1].masses) == {"a", "b"} and set(want[2].masses) == {"b"}
+    assert set(want[1].of("mass")) == {"a", "b"} and set(want[2].of("mass")) == {"b"}
 
     # Two in flight: step 3 runs before step 2's output is taken, in another thread.
     runner, state, queries = setup()
@@ -455,9 +455,9 @@ def test_async_outputs_carry_the_reply_of_their_own_step() -> None:
     for step_id, reference in ((2, want[1]), (3, want[2])):
         reply = read_reply(got[step_id])
         assert reply is not None and reply.step_id == reference.step_id == step_id
-        assert set(reply.masses) == set(reference.masses)
-        for req_id, mass in reference.masses.items():
-            np.testing.assert_array_equal(reply.masses[req_id], mass)
+        assert set(reply.of("mass")) == set(reference.of("mass"))
+        for req_id, mass in reference.of("mass").items():
+            np.testing.assert_array_equal(reply.of("mass")[req_id], mass)
 
 
 def test_a_plan_made_for_another_step_is_not_applied() -> None:

@@ -99,6 +99,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
     from vllm.v1.worker.utils import AttentionGroup
 
+    from nexus_vllm.core import Rotary
+
 __all__ = [
     "NULL_BLOCK_ID",
     "SUPPORTED_VLLM",
@@ -599,3 +601,22 @@ def cpu_key_layout_probe(head_size: int, block_size: int, dtype: torch.dtype,
     writer(probe, torch.zeros_like(probe), kc, vc, torch.arange(block_size, dtype=torch.int64),
            isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
     return kv
+
+
+def rotary_table(model: torch.nn.Module) -> Rotary | None:
+    """The model's rotary embedding as a :class:`~nexus_vllm.core.Rotary` (its first
+    ``RotaryEmbeddingBase`` module: ``cos_sin_cache``, ``is_neox_style``, ``head_size``;
+    every scaling variant subclasses it), or None for a model without one. Evidence that
+    un-rotates the captured queries (expected attention) reads it."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+
+    from nexus_vllm.core import Rotary
+
+    for module in model.modules():
+        if isinstance(module, RotaryEmbeddingBase):
+            cache = getattr(module, "cos_sin_cache", None)
+            if not isinstance(cache, torch.Tensor):
+                return None
+            return Rotary(cache.detach().float().clone(), neox=bool(module.is_neox_style),
+                          head_size=int(module.head_size))
+    return None

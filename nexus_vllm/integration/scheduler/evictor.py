@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from nexus_vllm.core.policies import Evidence
+from nexus_vllm.core.evidence import Evidence
 from nexus_vllm.integration import faults
 from nexus_vllm.integration.compat.vllm_compat import preemption_count
 from nexus_vllm.integration.compat.vllm_types import EngineRequest
@@ -72,22 +72,15 @@ class Evictor:
                 self._fault("scores_preempted", "a request was preempted between its "
                             "eviction plan and the reply; the event is dropped")
                 continue
-            norms = None
-            if sreq.needs_key_norms:
-                norms_np = reply.key_norms.get(req_id)
-                if norms_np is None:
-                    continue  # dropped by the worker (a fault it counted)
-                norms = torch.from_numpy(norms_np)
-            mass = None  # the policy reads no mass
-            if sreq.needs_mass:
-                scores = reply.masses.get(req_id)
-                if scores is None:
-                    continue
-                mass = torch.from_numpy(scores)
+            found = {kind: reply.evidence.get(kind, {}).get(req_id) for kind in sreq.kinds}
+            if any(values is None for values in found.values()):
+                continue  # dropped by the worker (a fault it counted)
+            gathered = {kind: torch.from_numpy(values) for kind, values in found.items()
+                        if values is not None}
             try:
                 if faults.fires("policy_error"):
                     raise RuntimeError("injected policy failure")
-                self.evict(st, request, sreq, mass, norms)
+                self.evict(st, request, sreq, gathered)
             except Exception:
                 # A policy error skips this event: nothing was freed (freeing is the
                 # last step of evict), so the worker's view stays consistent.
@@ -95,30 +88,26 @@ class Evictor:
                             exc=True)
 
     def evict(self, st: RequestEvictionState, request: EngineRequest, sreq: ScoreRequest,
-              mass: torch.Tensor | None, key_norms: torch.Tensor | None = None) -> None:
+              gathered: Mapping[str, torch.Tensor]) -> None:
         """One eviction event: the policy keeps ``target_blocks`` of the request's live
         blocks; the others that are full and below ``sreq.evictable_below`` are nulled
         and freed.
 
         Parameters
         ----------
-        mass : torch.Tensor or None
-            ``[rows, live blocks]``: attention mass of the window's queries over the
-            live blocks among the first ``sreq.num_logical_blocks``, combined over heads
-            and layers by the config's ``head_reduce`` (rows of maxima under ``max``);
-            None for a policy that reads no mass (it gets one uniform row).
-        key_norms : torch.Tensor, optional
-            ``[live blocks]``: mean key norm of each (policies that read them).
+        gathered : mapping of evidence kind to Tensor
+            What the worker gathered for ``sreq.kinds`` over the live blocks among the
+            first ``sreq.num_logical_blocks`` (``mass``: ``[rows, live blocks]``,
+            combined over heads and layers by the config's ``head_reduce``; a blocks kind:
+            ``[live blocks]``); empty for a policy that reads nothing.
         """
         live = self.blocks.live_indices(st, sreq.num_logical_blocks)
-        if mass is None:
-            evidence = Evidence.uniform(len(live), key_norms)
-        elif len(live) != mass.shape[1]:
+        if any(int(v.shape[-1]) != len(live) for v in gathered.values()):
             self._fault("stale_scores", "scores do not match the request's live blocks; "
                         "skipping this event")
             return
-        else:
-            evidence = Evidence.from_scores(mass, key_norms, head_reduce=st.cfg.head_reduce)
+        evidence = Evidence.from_gathered(gathered, head_reduce=st.cfg.head_reduce,
+                                          num_blocks=len(live))
         tokens = int(sreq.tokens_after)
         budget = int(st.cfg.target_blocks(tokens, st.prompt_tokens))
         if len(live) <= budget:

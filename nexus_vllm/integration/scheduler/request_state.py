@@ -210,8 +210,7 @@ class RequestEvictionState:
         return ScoreRequest(window=window,
                             num_logical_blocks=cdiv(tokens_after, block_size),
                             evictable_below=evictable_below, prefill=prefill,
-                            needs_mass="mass" in policy.needs,
-                            needs_key_norms="key_norms" in policy.needs,
+                            kinds=frozenset(policy.needs),
                             tokens_after=tokens_after, epoch=int(epoch))
 
 

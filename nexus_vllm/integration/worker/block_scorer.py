@@ -1,10 +1,12 @@
 """Scoring after the forward: every request due, all scored layers, one call; reduction
 over tensor-parallel ranks, and the pipeline stages' parts sent to the last stage.
 
-:meth:`BlockScorer.score` runs after vLLM's forward: it scores every request the plan
-marks as due with one ``nexus_vllm.kernels.block_attention_mass_paged_layers`` call over
-the query ring and this worker's scored layers' keys (and key norms for policies that
-read them), sums the results over the tensor-parallel ranks with a validity flag (a
+:meth:`BlockScorer.score` runs after vLLM's forward: it gathers, for every request the plan
+marks as due, each kind of evidence its policy reads (``ScoreRequest.kinds``), with that
+kind's registered worker gatherer (:mod:`nexus_vllm.core.evidence`) over the query ring
+and this worker's scored layers' keys, into one float vector laid out as the registry
+says (the kinds reduced by their maximum first, then those summed, then a validity flag),
+reduces it over the tensor-parallel ranks (a
 failure on one rank drops the event on every rank instead of deadlocking). With pipeline
 parallelism each stage holds some of the layers: TP rank 0 of every other stage sends its
 stage's part to the last stage (non-blocking, on a communicator of its own:
@@ -18,6 +20,7 @@ that copy and returns the per-request evidence for the reply.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,14 +30,15 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from nexus_vllm.core import cdiv
+from nexus_vllm.core import EVIDENCE_KINDS, Rotary, cdiv, evidence_kind
+from nexus_vllm.core.evidence import PagedBatch
 from nexus_vllm.integration import faults
 from nexus_vllm.integration.compat.vllm_compat import tp_all_reduce
 from nexus_vllm.integration.worker.query_ring import QueryRing
 from nexus_vllm.integration.worker.worker_step import Batch, SelfCheckError, Staging, Step
 
-__all__ = ["BlockScorer", "Evidence", "PendingScores", "RankLayout", "StageLinks",
-           "add_stage_parts", "reduce_over_tp"]
+__all__ = ["BlockScorer", "GatheredEvidence", "PendingScores", "RankLayout", "StageLinks",
+           "add_stage_parts", "reduce_over_tp", "wire_layout"]
 
 _SELF_CHECK_SCORING_STEPS = 4
 
@@ -172,24 +176,62 @@ class _Due:
 
     row: int  # batch row
     req_id: str
-    window: int  # query rows (0: the policy reads no mass)
+    window: int  # query rows (0: its kinds read no query)
     live: int  # live blocks
-    norms: bool  # the policy reads key norms
+    kinds: frozenset[str]  # the evidence kinds its policy reads
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """One evidence kind's part of the wire vector: ``[len(due), rows, cols]`` for a
+    ``rows`` kind, ``[len(due), cols]`` for a ``blocks`` kind, from ``offset``."""
+
+    kind: str
+    due: tuple[_Due, ...]
+    rows: int  # W_s (1 for a blocks kind)
+    cols: int  # N_max
+    offset: int
+
+    @property
+    def size(self) -> int:
+        return len(self.due) * self.rows * self.cols
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        part = flat[self.offset:self.offset + self.size]
+        if evidence_kind(self.kind).layout == "rows":
+            return part.view(len(self.due), self.rows, self.cols)
+        return part.view(len(self.due), self.cols)
+
+
+def wire_layout(due: list[_Due], head_reduce: str) -> tuple[list[_Segment], int]:
+    """The segments of one step's wire vector, and where its maximum-reduced prefix ends:
+    one per evidence kind any due request reads, in registry order, those reduced by
+    their maximum over ranks first (``EvidenceKind.rank_reduce``)."""
+    n_max = max((d.live for d in due), default=0)
+    kinds = [k for k in EVIDENCE_KINDS if any(k in d.kinds for d in due)]
+    kinds.sort(key=lambda k: evidence_kind(k).rank_reduce(head_reduce) != "max")
+    segments: list[_Segment] = []
+    offset = max_prefix = 0
+    for name in kinds:
+        kind_due = tuple(d for d in due if name in d.kinds)
+        rows = max(d.window for d in kind_due) if evidence_kind(name).layout == "rows" else 1
+        seg = _Segment(name, kind_due, rows, n_max, offset)
+        segments.append(seg)
+        offset += seg.size
+        if evidence_kind(name).rank_reduce(head_reduce) == "max":
+            max_prefix = offset
+    return segments, max_prefix
 
 
 @dataclass
 class PendingScores:
     """Scores on their way to the host (non-blocking copy started in ``score``).
 
-    ``host`` is one float32 vector: the masses ``[R_mass, W_s, N_max]``, then the key
-    norms ``[R_norms, N_max]``, then the validity flag (the number of ranks that
-    succeeded).
+    ``host`` is one float32 vector: each kind's segment (``segments``), then the validity
+    flag (the number of ranks that succeeded).
     """
 
-    mass_due: list[_Due]
-    norm_due: list[_Due]
-    rows: int  # W_s, rows computed per request
-    cols: int  # N_max, columns computed per request
+    segments: list[_Segment]
     host: torch.Tensor
     done: torch.cuda.Event | None  # recorded after the copy (CUDA only)
     timer: _Timer
@@ -197,11 +239,10 @@ class PendingScores:
 
 
 @dataclass(frozen=True)
-class Evidence:
+class GatheredEvidence:
     """What one step's scoring produced for the reply."""
 
-    masses: dict[str, np.ndarray]  # req_id -> [W, live blocks]
-    key_norms: dict[str, np.ndarray]  # req_id -> [live blocks]
+    evidence: dict[str, dict[str, np.ndarray]]  # kind -> req_id -> array over live blocks
     seconds: float
     faults: dict[str, int] = field(default_factory=dict)  # seen while collecting
 
@@ -236,6 +277,8 @@ class BlockScorer:
         Reduce a tensor over the TP group (default: vLLM's).
     stages : StageLinks, optional
         Links to the last pipeline stage (needed when ``layout.pp_size > 1``).
+    rotary : Rotary, optional
+        The model's rotary table (kinds that un-rotate queries need it).
     """
 
     # Sends to the last stage not yet known complete, beyond which the oldest is waited
@@ -246,10 +289,11 @@ class BlockScorer:
                  device: torch.device, backend: str, layout: RankLayout,
                  fault: Callable[..., None], self_check: bool, scored_layers: int = 0,
                  head_reduce: str = "mean", tp_reduce: Reduce = tp_all_reduce,
-                 stages: StageLinks | None = None) -> None:
+                 stages: StageLinks | None = None, rotary: Rotary | None = None) -> None:
         if layout.pp_size > 1 and stages is None:
             raise ValueError("pipeline parallelism needs links to the last stage")
         self.ring = ring
+        self.rotary = rotary
         self.head_reduce = head_reduce
         self.block_size = int(block_size)
         self.device = device
@@ -265,14 +309,13 @@ class BlockScorer:
         self._checks = 0
         tokens = int(max_requests) * ring.window
         self._qidx = Staging(tokens, device)
-        # The batch rows of the mass requests, then those of the key-norm requests: a
-        # request whose policy reads both (Nexus with knorm_prior > 0) is in each list.
-        self._rows = Staging(2 * int(max_requests), device)
+        # The batch rows of one kind's requests (put again for each kind, in turn).
+        self._rows = Staging(int(max_requests), device)
 
     # -- after the forward ---------------------------------------------------------------
     def score(self, step: Step | None) -> None:
-        """Score the requests due (after the forward); on the output rank, start the host
-        copy (``step.pending``)."""
+        """Gather the evidence of the requests due (after the forward); on the output
+        rank, start the host copy (``step.pending``)."""
         if step is None:
             return
         step.pending = None
@@ -282,20 +325,9 @@ class BlockScorer:
         if not due:
             return
         batch = step.batch
-        mass_due = [d for d in due if d.window]
-        norm_due = [d for d in due if d.norms]
-        w_s = max((d.window for d in mass_due), default=0)
-        n_max = max(d.live for d in due)
-        r_m, r_n = len(mass_due), len(norm_due)
-        # Query rows of each request in time order (rows before its start are dropped with
-        # the other unused rows on the host).
-        qidx = np.empty((r_m, w_s), dtype=np.int64)
-        for r, d in enumerate(mass_due):
-            qidx[r] = self.ring.rows(d.req_id, int(batch.logical_lens[d.row]), w_s)
-        n_mass = r_m * w_s * n_max
-        flat = torch.zeros(n_mass + r_n * n_max + 1, dtype=torch.float32, device=self.device)
-        mass_out = flat[:n_mass].view(r_m, w_s, n_max)
-        norm_out = flat[n_mass:-1].view(r_n, n_max)
+        segments, max_prefix = wire_layout(due, self.head_reduce)
+        size = sum(seg.size for seg in segments)
+        flat = torch.zeros(size + 1, dtype=torch.float32, device=self.device)
         timer = _Timer(self.device)
         timer.start()
         try:
@@ -303,24 +335,13 @@ class BlockScorer:
                 raise RuntimeError("injected scoring failure")
             if step.capture_failed:
                 raise RuntimeError("query capture failed in this step")
-            rows_dev = self._rows.put(np.array([d.row for d in mass_due + norm_due],
-                                               dtype=np.int64))
-            qidx_dev = self._qidx.put(qidx.reshape(-1))
             # A stage without scored layers adds zeros (it still joins the reduction).
-            local = bool(self.ring.layer_keys)
-            if r_m and local:
-                self._score_into(mass_out, batch, rows_dev[:r_m], qidx_dev, n_max,
-                                 self.backend)
-            if r_n and local:
-                self._key_norms_into(norm_out, batch, rows_dev[r_m:], n_max)
-            if r_m and local and self.self_check and self._checks < _SELF_CHECK_SCORING_STEPS:
-                self._checks += 1
-                ref = torch.zeros_like(mass_out)
-                self._score_into(ref, batch, rows_dev[:r_m], qidx_dev, n_max, "torch")
-                err = float((ref - mass_out).abs().max())
-                if err > 1e-3:
-                    raise SelfCheckError(f"nexus-vllm self-check: the scoring kernel differs "
-                                         f"from the torch reference by {err:.3g}")
+            if self.ring.layer_keys:
+                for seg in segments:
+                    paged = self._paged_batch(batch, seg)
+                    evidence_kind(seg.kind).gather_paged(paged, seg.view(flat))
+                    if seg.kind == "mass":
+                        self._self_check_mass(paged, seg.view(flat))
             flat[-1] = 1.0
         except SelfCheckError:
             raise
@@ -332,7 +353,6 @@ class BlockScorer:
         # Every rank of every stage reaches the TP reduction and the stage links, failed
         # or not (no deadlock); the event is used only if every rank's flag made it (sum
         # == TP x PP size).
-        max_prefix = n_mass if self.head_reduce == "max" else 0
         flat = reduce_over_tp(flat, self.tp_size, self._tp_reduce, max_prefix=max_prefix)
         layout = self.layout
         total: torch.Tensor | None = flat
@@ -347,9 +367,51 @@ class BlockScorer:
             done.record()
         else:
             host, done = total, None
-        step.pending = PendingScores(mass_due=mass_due, norm_due=norm_due, rows=w_s,
-                                     cols=n_max, host=host, done=done, timer=timer,
+        step.pending = PendingScores(segments=segments, host=host, done=done, timer=timer,
                                      world=layout.world)
+
+    def _paged_batch(self, batch: Batch, seg: _Segment) -> PagedBatch:
+        """What a gatherer reads for one kind's requests: their query rows in time order
+        (rows before a request's start are padding, outside its ``rows``), block tables,
+        lengths and positions."""
+        ring = self.ring.ring
+        assert ring is not None
+        layers, slots, w, heads, dim = ring.shape
+        r = len(seg.due)
+        w_s = max(1, max(d.window for d in seg.due))
+        qidx = np.empty((r, w_s), dtype=np.int64)
+        ends = np.empty(r, dtype=np.int64)
+        for i, d in enumerate(seg.due):
+            ends[i] = int(batch.logical_lens[d.row])
+            qidx[i] = (self.ring.rows(d.req_id, int(ends[i]), w_s) if d.window
+                       else np.zeros(w_s, dtype=np.int64))
+        rows_dev = self._rows.put(np.array([d.row for d in seg.due], dtype=np.int64))
+        qidx_dev = self._qidx.put(qidx.reshape(-1))
+        q = ring.view(layers, slots * w, heads, dim).index_select(1, qidx_dev)
+        positions = torch.from_numpy(ends[:, None] - w_s + np.arange(w_s)[None, :])
+        return PagedBatch(
+            queries=q.view(layers, r, w_s, heads, dim),
+            rows=torch.tensor([max(1, d.window) for d in seg.due], device=self.device),
+            query_positions=positions.clamp_(min=0).to(self.device),
+            next_positions=torch.from_numpy(ends).to(self.device),
+            key_caches=[layer.key_cache for layer in self.ring.layer_keys],
+            tables=batch.tables.index_select(0, rows_dev)[:, :seg.cols],
+            seq_lens=batch.seq_lens.index_select(0, rows_dev),
+            head_reduce=self.head_reduce, layers_divisor=self._layers_divisor(),
+            backend=self.backend, rotary=self.rotary)
+
+    def _self_check_mass(self, paged: PagedBatch, out: torch.Tensor) -> None:
+        """``NEXUS_VLLM_SELF_CHECK``: the first scoring steps' mass recomputed with the
+        torch reference of the kernel."""
+        if not self.self_check or self._checks >= _SELF_CHECK_SCORING_STEPS:
+            return
+        self._checks += 1
+        ref = torch.zeros_like(out)
+        evidence_kind("mass").gather_paged(dataclasses.replace(paged, backend="torch"), ref)
+        err = float((ref - out).abs().max())
+        if err > 1e-3:
+            raise SelfCheckError(f"nexus-vllm self-check: the scoring kernel differs "
+                                 f"from the torch reference by {err:.3g}")
 
     def _join_stages(self, flat: torch.Tensor, max_prefix: int) -> torch.Tensor | None:
         """TP rank 0 of a stage before the last sends its part to the last stage (and
@@ -379,11 +441,11 @@ class BlockScorer:
         due = []
         for i, req_id in enumerate(batch.req_ids):
             sreq = step.plan.score.get(req_id)
-            if sreq is None or not (sreq.needs_mass or sreq.needs_key_norms):
+            if sreq is None or not sreq.kinds:
                 continue
             end = int(batch.logical_lens[i])
             window = 0
-            if sreq.needs_mass:
+            if any(evidence_kind(k).reads_queries for k in sreq.kinds):
                 window = min(sreq.window, self.ring.window, self.ring.valid_rows(req_id, end))
                 if window <= 0:
                     self._fault("window_missing", "a request due for scoring has no "
@@ -396,50 +458,8 @@ class BlockScorer:
                 continue
             due.append(_Due(row=i, req_id=req_id, window=window,
                             live=nblk - int(batch.evicted_counts[i]),
-                            norms=sreq.needs_key_norms))
+                            kinds=frozenset(sreq.kinds)))
         return due
-
-    def _score_into(self, out: torch.Tensor, batch: Batch, rows: torch.Tensor,
-                    qidx: torch.Tensor, n_max: int, backend: str) -> None:
-        """Every scored layer for all requests due in one call, into ``out``: this rank's
-        share of the mean over the model's layers and heads, or its maximum over them."""
-        from nexus_vllm.kernels import block_attention_mass_paged_layers
-
-        ring = self.ring.ring
-        assert ring is not None
-        r_due, w_s, _ = out.shape
-        layers, slots, w, heads, dim = ring.shape
-        tables = batch.tables.index_select(0, rows)[:, :n_max]
-        lens = batch.seq_lens.index_select(0, rows)
-        q = ring.view(layers, slots * w, heads, dim).index_select(1, qidx)
-        keys = self.ring.layer_keys
-        block_attention_mass_paged_layers(
-            q.view(layers, r_due, w_s, heads, dim), [layer.key_cache for layer in keys],
-            tables, lens, kv_layout="HND", backend=backend, out=out,
-            head_reduce=self.head_reduce)
-        if self.head_reduce == "mean":
-            out.div_(self._layers_divisor())
-
-    def _key_norms_into(self, out: torch.Tensor, batch: Batch, rows: torch.Tensor,
-                        n_max: int) -> None:
-        """Mean key L2 norm of each live block (over its tokens, the KV heads and the
-        scored layers) into ``out [R, n_max]``, as the transformers path computes it."""
-        tables = batch.tables.index_select(0, rows)[:, :n_max].long()
-        lens = batch.seq_lens.index_select(0, rows).long()
-        r = out.shape[0]
-        keys = self.ring.layer_keys
-        total: torch.Tensor | None = None
-        for layer in keys:
-            cache = layer.key_cache  # [nb, Hkv, bs, D]
-            blocks = cache.index_select(0, tables.reshape(-1)).float()
-            per_token = blocks.norm(dim=-1).mean(dim=1).view(r, n_max, -1)  # [R, n, bs]
-            total = per_token if total is None else total + per_token
-        assert total is not None
-        bs = total.shape[-1]
-        pos = torch.arange(n_max * bs, device=total.device).view(1, n_max, bs)
-        valid = (pos < lens[:, None, None]).to(total.dtype)
-        per_block = (total * valid).sum(-1) / valid.sum(-1).clamp_(min=1.0)
-        out.copy_(per_block.div_(self._layers_divisor()))
 
     def _layers_divisor(self) -> int:
         """Scored layers of the model x TP ranks: the sum over every rank of every stage
@@ -447,33 +467,31 @@ class BlockScorer:
         return (self.scored_layers or len(self.ring.layer_keys)) * self.tp_size
 
     # -- after sampling ------------------------------------------------------------------
-    def collect(self, pending: PendingScores | None) -> Evidence:
-        """A step's evidence (waits for the copy :meth:`score` started into
-        ``pending``). Touches nothing but ``pending``: under async scheduling it runs
-        in vLLM's output thread while the next step runs."""
-        masses: dict[str, np.ndarray] = {}
-        norms: dict[str, np.ndarray] = {}
+    def collect(self, pending: PendingScores | None) -> GatheredEvidence:
+        """A step's evidence by kind and request (waits for the copy :meth:`score`
+        started into ``pending``). Touches nothing but ``pending``: under async
+        scheduling it runs in vLLM's output thread while the next step runs."""
+        evidence: dict[str, dict[str, np.ndarray]] = {}
         seconds = 0.0
         faults: dict[str, int] = {}
         if pending is not None:
             if pending.done is not None:
                 pending.done.synchronize()
             seconds = pending.timer.seconds()
-            values = pending.host.cpu().numpy()
+            values = pending.host.cpu()
             valid = int(round(float(values[-1])))
             if valid == pending.world:
-                n_mass = len(pending.mass_due) * pending.rows * pending.cols
-                block = values[:n_mass].reshape(len(pending.mass_due), pending.rows,
-                                                pending.cols)
-                for r, d in enumerate(pending.mass_due):
-                    # Rows of maxima under head_reduce max: the scheduler renormalises
-                    # them and keeps their totals (Evidence.from_scores).
-                    masses[d.req_id] = block[r, pending.rows - d.window:, :d.live].copy()
-                per_block = values[n_mass:-1].reshape(len(pending.norm_due), pending.cols)
-                for r, d in enumerate(pending.norm_due):
-                    norms[d.req_id] = per_block[r, :d.live].copy()
+                for seg in pending.segments:
+                    part = seg.view(values).numpy()
+                    per_req = evidence.setdefault(seg.kind, {})
+                    for r, d in enumerate(seg.due):
+                        # A rows kind keeps the request's own newest rows (rows of maxima
+                        # under head_reduce max: the scheduler's Evidence renormalises).
+                        per_req[d.req_id] = (
+                            part[r, seg.rows - d.window:, :d.live].copy() if part.ndim == 3
+                            else part[r, :d.live].copy())
             elif valid:
                 faults["score_error_peer"] = 1
                 self._fault("score_error_peer", "block scoring failed on another rank; "
                             "dropping this step's eviction events", count=False)
-        return Evidence(masses=masses, key_norms=norms, seconds=seconds, faults=faults)
+        return GatheredEvidence(evidence=evidence, seconds=seconds, faults=faults)

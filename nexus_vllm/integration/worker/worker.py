@@ -30,6 +30,7 @@ from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.outputs import AsyncModelRunnerOutput
 
+from nexus_vllm.core import evidence_kind
 from nexus_vllm.integration.compat.runners import RunnerAdapter, runner_adapter
 from nexus_vllm.integration.compat.vllm_compat import (
     StageLink,
@@ -40,6 +41,7 @@ from nexus_vllm.integration.compat.vllm_compat import (
     group_builders,
     is_async_output,
     pp_rank_and_size,
+    rotary_table,
     steps_in_flight,
     tp_rank_and_size,
 )
@@ -178,6 +180,12 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         # reduction, adding zeros); the head shape is the same on every layer.
         impl = layers[0].impl
         state.allocate_ring(len(scored), int(impl.num_heads), int(impl.head_size), dtype)
+        state.scorer.rotary = rotary_table(self.model_runner.model)
+        rotary_kinds = sorted(k for k in cfg.evidence_kinds() if evidence_kind(k).needs_rotary)
+        if state.scorer.rotary is None and rotary_kinds:
+            raise RuntimeError(f"nexus-vllm: this model has no rotary embedding, and the "
+                               f"eviction config ({cfg.method}) reads {rotary_kinds}, which "
+                               "un-rotate the captured queries")
         self.nexus = state
         logger.info("nexus-vllm worker: %d of %d attention layers scored here (%d in the "
                     "model), query ring %.1f MiB (%d requests x %d queries), TP rank %d/%d, "

@@ -104,9 +104,8 @@ class ReplyToken:
         faults = dict(self.faults)
         for kind, n in evidence.faults.items():
             faults[kind] = faults.get(kind, 0) + n
-        return WorkerReply(step_id=self.ack, masses=evidence.masses,
-                           key_norms=evidence.key_norms, scoring_seconds=evidence.seconds,
-                           faults=faults)
+        return WorkerReply(step_id=self.ack, evidence=evidence.evidence,
+                           scoring_seconds=evidence.seconds, faults=faults)
 
 
 class WorkerEvictionState:
