@@ -2,7 +2,7 @@
 
 A policy sees the :class:`~nexus_vllm.core.evidence.Evidence` of one request's event (a
 mapping from evidence kind to tensor over its live blocks in logical order: the window's
-attention mass ``[W, N]``, key norms; :mod:`nexus_vllm.core.evidence`)
+attention mass ``[W, N]``, key norms, expected attention; :mod:`nexus_vllm.core.evidence`)
 and returns the blocks to KEEP. Every policy keeps the forced set: the first ``sink_blocks`` blocks (the attention
 sink), the newest ``recent_blocks`` full blocks and the current (last) block. The rest of
 the budget is filled by :meth:`EvictionPolicy.score` and the policy's sampler.
@@ -42,6 +42,7 @@ __all__ = [
     "SERVABLE_METHODS",
     "Evidence",
     "EvictionPolicy",
+    "ExpectedAttentionPolicy",
     "H2OPolicy",
     "KNormPolicy",
     "MethodNames",
@@ -240,7 +241,7 @@ class EvictionPolicy:
 
 # Evidence whose weight a chosen block carries to its successor (attention that finds a
 # fact's key; its value often starts the next block). Key norms do not carry.
-CARRIED_KINDS = frozenset({"mass"})
+CARRIED_KINDS = frozenset({"mass", "expected_attention"})
 
 # name -> class, filled by @register_policy in definition order.
 POLICIES: dict[str, type[EvictionPolicy]] = {}
@@ -291,6 +292,13 @@ class NexusPolicy(EvictionPolicy):
         is multiplied by ``exp(-beta * z)``, ``z`` its mean key norm standardised over
         the live blocks (low-norm keys draw attention: KNorm's observation). 0, the
         default, is plain Nexus; > 0 also reads the blocks' key norms.
+    expected : float
+        Share ``alpha`` in [0, 1] of expected attention (query-agnostic evidence,
+        :mod:`nexus_vllm.core.evidence.expected_attention`) in the evidence the walk
+        and the sampler run on: every mass row becomes
+        ``(1 - alpha) * row + alpha * expected`` (still a distribution over the blocks).
+        0, the default, reads the window's attention only; 1 reads expected attention
+        only (one row, no mass gathered).
     """
 
     direct: str = "mean"
@@ -302,6 +310,7 @@ class NexusPolicy(EvictionPolicy):
     sampler: str = "pps"
     n: int = 4
     knorm_prior: float = 0.0
+    expected: float = 0.0
 
     name: ClassVar[str] = "nexus"
     # After a prompt chunk the walk runs whatever ``indirect`` says at decode (the prefill
@@ -325,10 +334,30 @@ class NexusPolicy(EvictionPolicy):
         check_float("lam", self.lam, low=0.0, high=1e6)
         check_float("eps", self.eps, low=0.0)
         check_float("knorm_prior", self.knorm_prior, low=0.0, high=100.0)
+        check_float("expected", self.expected, low=0.0, high=1.0)
 
     @property
     def needs(self) -> frozenset[str]:
-        return self.evidence | {"key_norms"} if self.knorm_prior > 0 else self.evidence
+        needs = set(self.evidence)
+        if self.knorm_prior > 0:
+            needs.add("key_norms")
+        if self.expected > 0:
+            needs.add("expected_attention")
+        if self.expected >= 1:
+            needs.discard("mass")
+        return frozenset(needs)
+
+    def combined_mass(self, evidence: Evidence) -> torch.Tensor:
+        """The rows the walk and the sampler read: the window's mass mixed with expected
+        attention by :attr:`expected` (``[W, N]``; one row when ``expected`` is 1)."""
+        alpha = float(self.expected)
+        if alpha <= 0:
+            return evidence.mass
+        expected = evidence["expected_attention"].to(torch.float64).view(1, -1)
+        if alpha >= 1:
+            return expected
+        mass = evidence.mass.to(torch.float64)
+        return (1.0 - alpha) * mass + alpha * expected
 
     @property
     def stochastic(self) -> bool:
@@ -336,8 +365,8 @@ class NexusPolicy(EvictionPolicy):
 
     def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
         weights = nexus_weights(
-            evidence.mass,
-            row_scale=evidence.row_scale,
+            self.combined_mass(evidence),
+            row_scale=evidence.row_scale if self.expected < 1 else None,
             direct=self.direct,
             indirect=self.indirect,
             steps=self.steps,
@@ -454,6 +483,21 @@ class KNormPolicy(EvictionPolicy):
     def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
         assert evidence.key_norms is not None  # select() checks what the policy needs
         return -evidence.key_norms.detach().to("cpu", torch.float64)
+
+
+@register_policy
+@dataclass(frozen=True)
+class ExpectedAttentionPolicy(EvictionPolicy):
+    """Expected attention alone, top-K: the blocks the queries still to come are expected
+    to attend to, from the statistics of the recent queries (kvpress's
+    ``ExpectedAttentionPress`` at block level, without its value-norm factor; reads no
+    attention of the window)."""
+
+    name: ClassVar[str] = "expected"
+    evidence: ClassVar[frozenset[str]] = frozenset({"expected_attention"})
+
+    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+        return evidence["expected_attention"].detach().to("cpu", torch.float64)
 
 
 class MethodNames(Sequence[str]):

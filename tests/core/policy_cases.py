@@ -53,12 +53,14 @@ class PolicyCase:
 _MASS = torch.tensor([[0.10, 0.05, 0.40, 0.05, 0.10, 0.10, 0.10, 0.10],   # older query
                       [0.10, 0.30, 0.05, 0.05, 0.20, 0.10, 0.10, 0.10]])  # newest query
 _KEY_NORMS = torch.tensor([1.0, 2.0, 0.5, 3.0, 1.5, 0.7, 1.0, 1.0])
-HAND_EVIDENCE = Evidence(_MASS, _KEY_NORMS)
+_EXPECTED = torch.tensor([0.10, 0.02, 0.08, 0.30, 0.05, 0.25, 0.10, 0.10])
+HAND_EVIDENCE = Evidence(_MASS, _KEY_NORMS, expected_attention=_EXPECTED)
 HAND_BUDGET = 5
 HAND_SINKS, HAND_RECENT = 1, 1
 HAND_FORCED = (0, 6, 7)
 # Candidate column sums: 1: .35, 2: .45, 3: .10, 4: .30, 5: .20; the newest row alone:
-# 1: .30, 4: .20; the lowest key norms: 2 (0.5), 5 (0.7).
+# 1: .30, 4: .20; the lowest key norms: 2 (0.5), 5 (0.7); the most expected attention:
+# 3 (.30), 5 (.25).
 
 POLICY_CASES: tuple[PolicyCase, ...] = (
     # lam 0 and top-K: the direct score alone (the mean row, ranked as the column sums).
@@ -70,4 +72,6 @@ POLICY_CASES: tuple[PolicyCase, ...] = (
     PolicyCase("streaming", needs=frozenset(), keep=(0, 4, 5, 6, 7)),  # the newest blocks
     PolicyCase("random", needs=frozenset(), stochastic=True),
     PolicyCase("knorm", needs=frozenset({"key_norms"}), keep=(0, 2, 5, 6, 7)),  # lowest norms
+    PolicyCase("expected", needs=frozenset({"expected_attention"}),
+               keep=(0, 3, 5, 6, 7)),  # the most expected attention
 )

@@ -42,7 +42,8 @@ def run_select(name, mass, budget, seed=0, **knobs):
     policy = get_policy(name, **knobs)
     gen = torch.Generator().manual_seed(seed)
     norms = torch.rand(mass.shape[1], generator=gen) + 0.5
-    evidence = Evidence(mass, norms)
+    expected = torch.rand(mass.shape[1], generator=gen)
+    evidence = Evidence(mass, norms, expected_attention=expected / expected.sum())
     return policy.select(evidence, budget, generator=torch.Generator().manual_seed(seed),
                          state={})
 

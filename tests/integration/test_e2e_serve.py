@@ -228,7 +228,7 @@ def test_evicting_request_unaffected_by_block_reuse(evict_server) -> None:  # no
 
 
 @pytest.mark.parametrize("method", ["streaming", "random", "nexus", "h2o", "snapkv", "tova",
-                                    "knorm"])
+                                    "knorm", "expected"])
 def test_server_and_transformers_paths_evict_alike(evict_server, tiny_model,
                                                    method) -> None:  # noqa: ANN001
     """The same token-id prompt through the server and through the transformers path

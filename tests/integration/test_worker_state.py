@@ -365,6 +365,55 @@ def test_scoring_every_request_with_mass_and_key_norms_in_one_step() -> None:
     assert {r: n.shape for r, n in reply.of("key_norms").items()} == {"a": (5,), "b": (4,)}
 
 
+def test_expected_attention_through_the_worker_equals_the_dense_gatherer() -> None:
+    """Nexus mixing expected attention reads two kinds; the worker's reply carries both,
+    and each request's expected attention equals the kind's transformers-path gatherer on
+    the same keys and captured queries (their logical positions un-rotated with the
+    model's rotary table)."""
+    from nexus_vllm.core import EvictionConfig, Rotary, evidence_kind
+    from nexus_vllm.core.evidence import DenseLayer, DenseSequence
+    from nexus_vllm.integration.protocol import ScoreRequest
+    from nexus_vllm.integration.worker.attention import key_view
+
+    policy = EvictionConfig(method="nexus", max_tokens=192,
+                            policy_args={"expected": 0.5}).policy()
+    assert policy.needs == {"mass", "expected_attention"}
+    torch.manual_seed(4)
+    runner = FakeRunner({"a": PHYS["a"], "b": PHYS["c"]})
+    kv = torch.zeros(16, HKV, BS, 2 * D)
+    keys = {"a": torch.randn(5 * BS, HKV, D), "b": torch.randn(4 * BS, HKV, D)}
+    write_keys(kv, keys["a"], torch.randn(5 * BS, HKV, D), PHYS["a"])
+    write_keys(kv, keys["b"], torch.randn(4 * BS, HKV, D), PHYS["c"])
+    state = make_state(runner, window=4, max_requests=2,
+                       layers={0: key_view("CPU_ATTN", kv, D, "vec")})
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    state.scorer.rotary = Rotary.from_inv_freq(inv_freq, 4096, head_size=D)
+    lens = {"a": 5 * BS, "b": 4 * BS}
+    score = {r: ScoreRequest(window=4, num_logical_blocks=n // BS, evictable_below=1,
+                             kinds=frozenset(policy.needs)) for r, n in lens.items()}
+    step = state.begin_step(scheduler_output(new=("a", "b")),
+                            _plan(1, track=("a", "b"), score=score))
+    state.compact(common_metadata(runner, list(lens.values()), list(lens.values())))
+    queries = torch.randn(sum(lens.values()), HQ, D)
+    state.capture(0, queries)
+    state.finish_forward()
+    reply = state.reply(step)
+    state.end_step(step)
+    assert reply.faults == {}
+    assert set(reply.of("mass")) == set(reply.of("expected_attention")) == {"a", "b"}
+    start = 0
+    for req_id, n in lens.items():
+        rows = queries[start + n - 4:start + n]
+        start += n
+        seq = DenseSequence(layers=[DenseLayer(queries=rows, keys=keys[req_id])],
+                            block_size=BS, head_reduce="mean",
+                            query_positions=torch.arange(n - 4, n), next_position=n,
+                            rotary=state.scorer.rotary)
+        want = evidence_kind("expected_attention").gather_dense(seq)
+        torch.testing.assert_close(torch.from_numpy(reply.of("expected_attention")[req_id]),
+                                   want, atol=1e-5, rtol=1e-4)
+
+
 # -- async scheduling: a step's reply is built after the next step has begun ---------------
 def _async_output(step_id: int):  # noqa: ANN202
     """A runner's ``AsyncModelRunnerOutput`` of one step."""

@@ -1,0 +1,88 @@
+"""Expected attention (``core/evidence/expected_attention.py``): its reference against an
+explicit evaluation of its formula (D x D covariances, the mean of transformers' rotation
+matrices over the horizon), and what it is for: keys along the future queries' direction.
+The paged gatherer is checked with every kind in ``test_evidence.py``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nexus_vllm.core import Evidence, evidence_kind
+from nexus_vllm.core.evidence.expected_attention import HORIZON, expected_attention
+from tests.core.test_evidence import HEAD_SHAPES, _rope, _rotary
+
+
+def _explicit_expected_attention(queries, positions, keys, next_position, head_size, block_size):
+    """The formula of the module docstring, term by term: D x D covariances and the
+    explicit mean of the rotation matrices over the horizon."""
+    rotary = _rotary(head_size)
+    pre = rotary.unrotate(queries, positions).double()  # [W, Hq, D]
+    eye = torch.eye(head_size).view(head_size, 1, head_size)
+    mats = torch.stack([_rope(eye, torch.full((head_size,), p), head_size)[:, 0, :].T
+                        for p in range(next_position, next_position + HORIZON)]).double()
+    a = mats.mean(0)
+    t, hkv, d = keys.shape
+    hq = queries.shape[1]
+    k = keys.double().repeat_interleave(hq // hkv, dim=1)  # [T, Hq, D]
+    per_head = []
+    for h in range(hq):
+        mu = pre[:, h].mean(0)
+        centred = pre[:, h] - mu
+        sigma = centred.T @ centred / pre.shape[0]
+        mu2, sigma2 = a @ mu, a @ sigma @ a.T
+        logits = k[:, h] @ mu2 / math.sqrt(d) + torch.einsum(
+            "td,de,te->t", k[:, h], sigma2, k[:, h]) / (2 * d)
+        probs = torch.softmax(logits, 0)
+        n = -(-t // block_size)
+        per_head.append(torch.nn.functional.pad(probs, (0, n * block_size - t))
+                        .view(n, block_size).sum(-1))
+    return torch.stack(per_head).mean(0).float()
+
+
+@pytest.mark.parametrize("shape", HEAD_SHAPES[:2])
+def test_expected_attention_matches_its_formula(shape):
+    hq, hkv, d, bs = shape
+    g = torch.Generator().manual_seed(2)
+    t, w = 45, 6
+    positions = torch.arange(t - w, t)
+    queries = _rope(torch.randn(w, hq, d, generator=g), positions, d)
+    keys = _rope(torch.randn(t, hkv, d, generator=g), torch.arange(t), d)
+    got = expected_attention(queries, positions, keys, t, _rotary(d), bs)
+    want = _explicit_expected_attention(queries, positions, keys, t, d, bs)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+    assert abs(float(got.sum()) - 1.0) < 1e-4
+
+
+def test_expected_attention_follows_the_query_direction():
+    """Keys along the mean pre-RoPE query get the expected attention; the window's own
+    attention need not (its rows sit at other positions)."""
+    d, bs = 16, 4
+    rotary = _rotary(d)
+    g = torch.Generator().manual_seed(3)
+    direction = torch.randn(d, generator=g)
+    t, w = 64, 8
+    positions = torch.arange(t - w, t)
+    pre_q = direction + 0.05 * torch.randn(w, 1, d, generator=g)
+    queries = _rope(pre_q, positions, d)
+    pre_k = 0.1 * torch.randn(t, 1, d, generator=g)
+    pre_k[20:24, 0] = 3 * direction  # block 5 holds keys along the queries
+    keys = _rope(pre_k, torch.arange(t), d)
+    scores = expected_attention(queries, positions, keys, t, rotary, bs)
+    assert int(scores.argmax()) == 5
+
+
+def test_expected_attention_is_a_registered_kind():
+    kind = evidence_kind("expected_attention")
+    assert kind.layout == "blocks" and kind.needs_rotary and kind.reads_queries
+    mass = torch.full((2, 5), 0.2)
+    ev = Evidence(mass, expected_attention=torch.full((5,), 0.2))
+    assert ev.holds == {"mass", "expected_attention"}
+    with pytest.raises(ValueError, match="expected_attention must be 5 finite values"):
+        Evidence(mass, expected_attention=torch.ones(4))
+    # Gathered maxima renormalised to a distribution over the blocks.
+    ev = Evidence.from_gathered({"expected_attention": torch.tensor([1.0, 2.0, 1.0])},
+                                head_reduce="max")
+    torch.testing.assert_close(ev["expected_attention"], torch.tensor([0.25, 0.5, 0.25]))
