@@ -48,6 +48,23 @@ def test_cpu_scoring_runs() -> None:
 
 
 @pytest.mark.slow
+def test_evidence_cost_runs_every_kind_side_by_side() -> None:
+    from nexus_vllm.core import EVIDENCE_KINDS
+
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks/kernels/evidence_cost.py"),
+                          "--repeats", "1", "--cases", "1:4:4;2:3:2"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    header, *rows = out.stdout.strip().splitlines()
+    assert header.split()[-len(EVIDENCE_KINDS):][0] == "mass"
+    assert set(header.split()) >= set(EVIDENCE_KINDS) and len(rows) == 2
+    assert all(row.count("x)") == len(EVIDENCE_KINDS) and "(1.00x)" in row for row in rows)
+    bad = subprocess.run([sys.executable, str(REPO / "benchmarks/kernels/evidence_cost.py"),
+                          "--kinds", "bogus"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "unknown evidence kind 'bogus'" in bad.stderr
+
+
+@pytest.mark.slow
 def test_schedule_overhead_runs() -> None:
     """The scheduler benchmark builds vLLM's real scheduler and prints one row per size;
     the step the full reads take grows with the list, ours does not read it."""

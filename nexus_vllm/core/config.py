@@ -128,7 +128,7 @@ class EvictionConfig:
         check_choice("head_reduce", self.head_reduce, HEAD_REDUCES)
         if self.max_tokens is not None:
             check_int("max_tokens", self.max_tokens, low=1)
-            floor = self.num_forced * self.block_size
+            floor = self.forced_tokens
             if self.max_tokens < floor:
                 raise ConfigError(
                     "max_tokens",
@@ -143,7 +143,7 @@ class EvictionConfig:
                 raise ConfigError("prefill_budget", f"prefill_budget applies to prompt_mode "
                                   f"'end' only; prompt_mode is {self.prompt_mode!r}")
             check_int("prefill_budget", self.prefill_budget, low=1)
-            floor = max(self.max_tokens or 0, self.num_forced * self.block_size)
+            floor = max(self.max_tokens or 0, self.forced_tokens)
             if self.prefill_budget < floor:
                 raise ConfigError("prefill_budget", f"prefill_budget must be at least the "
                                   f"budget ({floor} tokens); got {self.prefill_budget}")
@@ -306,6 +306,12 @@ class EvictionConfig:
     def num_forced(self) -> int:
         return self.sink_blocks + self.recent_blocks + 1
 
+    @property
+    def forced_tokens(self) -> int:
+        """The always-kept blocks (sink, recent and current) in tokens: the least budget
+        a config allows."""
+        return self.num_forced * self.block_size
+
     def scored_layers(self, num_layers: int) -> range:
         """Indices of the layers whose attention is scored, of ``num_layers`` layers
         (empty when ``skip_layers`` leaves none)."""
@@ -406,6 +412,12 @@ class EvictionConfig:
         room."""
         if tokens < prompt_tokens:
             return self.bound_blocks(prompt_tokens, total_tokens)
+        return self.decode_peak_blocks(prompt_tokens, total_tokens)
+
+    def decode_peak_blocks(self, prompt_tokens: int, total_tokens: int) -> int:
+        """Most blocks a request holds while decoding (what :meth:`peak_from` reserves once
+        its prompt is computed): the decode hard limit at its longest sequence, never more
+        than the whole sequence."""
         return min(cdiv(total_tokens, self.block_size),
                    self._decode_peak(prompt_tokens, total_tokens))
 
@@ -415,16 +427,18 @@ class EvictionConfig:
         return self.hard_limit(max(total_tokens, prompt_tokens + 1), prompt_tokens)
 
     def policy_knobs(self, *, prefill: bool = False) -> dict[str, Any]:
-        """The knobs the policy runs with: ``policy_args`` at decode events; at prefill
+        """The knobs the policy runs with: ``policy_args`` (over the policy's declared
+        ``stream_defaults`` in ``prompt_mode`` ``stream``) at decode events; at prefill
         events (after a prompt chunk, and the prompt-end event) overridden by the policy's
         declared defaults for this prompt mode (``prompt_end_defaults`` in ``end``, else
         ``prefill_defaults``), then by ``prefill_args``. A knob named nowhere takes the
         policy's own default."""
         if self.method == "none":
             raise ValueError("method 'none' has no eviction policy")
-        knobs = dict(self.policy_args)
+        cls = POLICIES[self.method]
+        knobs = dict(cls.stream_defaults) if self.prompt_mode == "stream" else {}
+        knobs.update(self.policy_args)
         if prefill:
-            cls = POLICIES[self.method]
             knobs.update(cls.prompt_end_defaults if self.prompt_mode == "end"
                          else cls.prefill_defaults)
             knobs.update(self.prefill_args)

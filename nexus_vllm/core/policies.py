@@ -117,6 +117,10 @@ class EvictionPolicy:
     # in prompt_mode "stream" and "keep", and in "end". A config's own prefill_args win.
     prefill_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({})
     prompt_end_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({})
+    # Knob defaults at every event (decode included) in prompt_mode "stream", where every
+    # prompt event but the last runs before the question is seen; a config's policy_args
+    # win, and prefill events apply prefill_defaults over them.
+    stream_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({})
     # Evidence read by score(): "mass" and/or "key_norms"; empty for score-free policies.
     evidence: ClassVar[frozenset[str]] = frozenset({"mass"})
     # Newest rows of the window's mass that score() reads (None: all of them).
@@ -321,6 +325,12 @@ class NexusPolicy(EvictionPolicy):
     prefill_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({"indirect": "walk"})
     prompt_end_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType(
         {"direct": "max", "indirect": "none", "sampler": "topk"})
+    # In stream every prompt event but the last runs before the question: the window's
+    # attention predicts the next tokens, not a later question, so the walk and pps run
+    # on query-agnostic evidence too, half expected attention and a key-norm prior (the
+    # tuning sets' best; docs/algorithm.md, "The streaming regime").
+    stream_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType(
+        {"expected": 0.5, "knorm_prior": 4.0})
 
     def __post_init__(self) -> None:
         super().__post_init__()

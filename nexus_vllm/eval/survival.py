@@ -62,7 +62,8 @@ class SamplerTrace:
             live = ev.live_blocks.tolist()
             n = len(live)
             policy = cfg.policy(prefill=ev.prefill)
-            evidence = Evidence.from_scores(ev.mass, head_reduce=cfg.head_reduce)
+            evidence = Evidence.from_gathered(ev.gathered, head_reduce=cfg.head_reduce,
+                                              num_blocks=n)
             weights = policy.score(evidence, None).to(torch.float64)
             forced = set(forced_blocks(n, cfg.sink_blocks, cfg.recent_blocks).tolist())
             cand = [i for i in range(n) if i not in forced]
@@ -104,7 +105,7 @@ def trace_sample(model: Any, prompt_ids: list[int], cfg: EvictionConfig, *,
 
     _, session = generate_ids(model, prompt_ids, cfg, max_new_tokens=max_new_tokens,
                               request_seed=request_seed)
-    return [ev for ev in session.events if ev.mass is not None]
+    return [ev for ev in session.events if ev.gathered]
 
 
 def plot_survival(traces: list[SamplerTrace], path: pathlib.Path) -> None:

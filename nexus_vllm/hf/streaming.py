@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -145,11 +145,15 @@ class EvictionEvent:
     budget_blocks: int
     kept_positions: torch.Tensor  # LongTensor[T_after], logical positions still cached
     # What the policy read: the logical ids of the live blocks it scored (LongTensor[N],
-    # in cache order) and the scorer's rows over them (Tensor[W, N], combined over heads
-    # and layers by the config's head_reduce: Evidence.from_scores reads them back; None
-    # for score-free policies).
+    # in cache order) and each evidence kind as gathered over them (``mass``: Tensor[W, N]
+    # combined over heads and layers by the config's head_reduce;
+    # Evidence.from_gathered reads them back; empty for score-free policies).
     live_blocks: torch.Tensor | None = None
-    mass: torch.Tensor | None = None
+    gathered: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def mass(self) -> torch.Tensor | None:
+        return self.gathered.get("mass")
 
 
 class StreamingSession:
@@ -315,7 +319,6 @@ class StreamingSession:
         policy = cfg.policy(prefill=prefill, prompt_tokens=self.prompt_tokens)
         window = policy.window(cfg.prefill_window if prefill else cfg.window)
         gathered = self.gather(policy.needs, window) if policy.needs else {}
-        mass = gathered.get("mass")
         evidence = Evidence.from_gathered(gathered, head_reduce=cfg.head_reduce,
                                           num_blocks=n_blocks)
         live_blocks = self.positions[::b] // b if self.record_events else None
@@ -335,7 +338,7 @@ class StreamingSession:
                 seen=self.seen, prefill=prefill, blocks_before=n_blocks,
                 blocks_after=num_blocks_for(self.cache_len, b), budget_blocks=budget_blocks,
                 kept_positions=self.positions.clone(), live_blocks=live_blocks,
-                mass=mass.detach().cpu() if mass is not None else None))
+                gathered={k: v.detach().cpu() for k, v in gathered.items()}))
         return True
 
     def decode_step_done(self, n: int = 1) -> None:

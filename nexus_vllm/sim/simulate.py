@@ -195,6 +195,17 @@ class _Stream:
                 mass[int(self.spike_rows[event, j]), col] = SPIKE_PEAK_PER_ROW * w
         return (mass / mass.sum(dim=1, keepdim=True)).float()
 
+    def evidence(self, event: int, live: list[int]) -> Evidence:
+        """Every evidence kind of ``event`` over the ``live`` blocks: the mass, the key
+        norms, and as expected attention the latent importance seen through the key
+        norms' noise (normalised ``1 / key norm``: a query-agnostic estimate, the same
+        information KNorm reads)."""
+        ids = torch.tensor(live)
+        norms = self.key_norms[ids]
+        expected = 1.0 / norms
+        return Evidence(self.mass(event, live), norms,
+                        expected_attention=(expected / expected.sum()).float())
+
 
 def _run_one(
     policy: EvictionPolicy, stream: _Stream, cfg: SimulationConfig, seed: int
@@ -206,7 +217,7 @@ def _run_one(
     for event in range(cfg.events):
         live += list(range(nxt, nxt + cfg.blocks_per_event))
         nxt += cfg.blocks_per_event
-        evidence = Evidence(stream.mass(event, live), stream.key_norms[torch.tensor(live)])
+        evidence = stream.evidence(event, live)
         keep = policy.select(evidence, cfg.budget_blocks, generator=gen, state=state)
         live = [live[i] for i in keep.tolist()]
     return live

@@ -86,3 +86,51 @@ def test_expected_attention_is_a_registered_kind():
     ev = Evidence.from_gathered({"expected_attention": torch.tensor([1.0, 2.0, 1.0])},
                                 head_reduce="max")
     torch.testing.assert_close(ev["expected_attention"], torch.tensor([0.25, 0.5, 0.25]))
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, float("nan"), "half"])
+def test_a_bad_mix_is_refused_naming_the_knob(value):
+    from nexus_vllm.core import ConfigError, EvictionConfig
+
+    for given, field in (({"policy_args": {"expected": value}}, "policy_args.expected"),
+                         ({"expected": value}, "expected")):
+        with pytest.raises(ConfigError) as err:
+            EvictionConfig.from_dict({"method": "nexus", "max_tokens": 1024, **given})
+        assert err.value.field.endswith(field) and "expected" in str(err.value)
+
+
+def test_the_mix_reads_expected_attention_and_keeps_rows_distributions():
+    from nexus_vllm.core import get_policy
+
+    mass = torch.tensor([[0.1, 0.6, 0.1, 0.1, 0.1], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    expected = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0])
+    ev = Evidence(mass, expected_attention=expected)
+    half = get_policy("nexus", expected=0.5)
+    assert half.needs == {"mass", "expected_attention"}
+    mixed = half.combined_mass(ev)
+    torch.testing.assert_close(mixed.sum(-1), torch.ones(2, dtype=torch.float64))
+    torch.testing.assert_close(mixed[:, 2], torch.tensor([0.55, 0.6], dtype=torch.float64))
+    only = get_policy("nexus", expected=1.0, recent_blocks=0, sampler="topk")
+    assert only.needs == {"expected_attention"}
+    keep = only.select(Evidence(expected_attention=expected), 3)
+    assert keep.tolist() == [0, 2, 4]  # sink, the expected block, the current block
+
+
+def test_stream_defaults_apply_in_stream_only_and_a_config_overrides_them():
+    from nexus_vllm.core import EvictionConfig
+
+    stream = EvictionConfig(method="nexus", max_tokens=1024, prompt_mode="stream")
+    for prefill in (False, True):
+        policy = stream.policy(prefill=prefill)
+        assert (policy.expected, policy.knorm_prior) == (0.5, 4.0)
+        assert policy.needs == {"mass", "expected_attention", "key_norms"}
+    assert stream.policy(prefill=True).indirect == "walk"  # prefill defaults still apply
+    assert stream.evidence_kinds() == {"mass", "expected_attention", "key_norms"}
+    end = EvictionConfig(method="nexus", max_tokens=1024, prompt_mode="end")
+    assert end.evidence_kinds() == {"mass"}
+    assert (end.policy().expected, end.policy(prefill=True).knorm_prior) == (0.0, 0.0)
+    before = stream.replace(policy_args={"expected": 0, "knorm_prior": 0})
+    assert before.policy().needs == {"mass"} and before.evidence_kinds() == {"mass"}
+    # Another policy's stream mode is untouched.
+    assert EvictionConfig(method="snapkv", max_tokens=1024, prompt_mode="stream"
+                          ).evidence_kinds() == {"mass"}

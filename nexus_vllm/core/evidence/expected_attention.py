@@ -45,8 +45,8 @@ def future_query_statistics(queries: torch.Tensor, positions: torch.Tensor,
 
     Parameters
     ----------
-    queries : Tensor[R, W, Hq, D]
-        Post-RoPE query rows.
+    queries : Tensor[..., R, W, Hq, D]
+        Post-RoPE query rows (any leading dims, e.g. layers).
     positions : LongTensor[R, W]
         Their logical positions.
     rows_valid : BoolTensor[R, W]
@@ -57,32 +57,34 @@ def future_query_statistics(queries: torch.Tensor, positions: torch.Tensor,
 
     Returns
     -------
-    mean : Tensor[R, Hq, D]
+    mean : Tensor[..., R, Hq, D]
         ``A mu``.
-    centred : Tensor[R, W, Hq, D]
+    centred : Tensor[..., R, W, Hq, D]
         ``A (q_i - mu) / sqrt(n)`` for valid rows (``n`` valid rows), zeros elsewhere:
         ``Sigma' = centred^T centred`` summed over rows.
     """
-    pre = rotary.unrotate(queries, positions)  # [R, W, Hq, D]
+    pre = rotary.unrotate(queries, positions)  # [..., R, W, Hq, D]
     weight = rows_valid.float()[..., None, None]  # [R, W, 1, 1]
-    count = weight.sum(dim=1).clamp_min(1.0)  # [R, 1, 1]
-    mu = (pre * weight).sum(dim=1) / count  # [R, Hq, D]
-    centred = (pre - mu[:, None]) * weight / count[:, None].sqrt()
+    count = weight.sum(dim=-3).clamp_min(1.0)  # [R, 1, 1]
+    mu = (pre * weight).sum(dim=-3) / count  # [..., R, Hq, D]
+    centred = (pre - mu.unsqueeze(-3)) * weight / count.unsqueeze(-3).sqrt()
     rot = rotary.mean_rotation(next_position, HORIZON)  # [R, D, D]
-    mean = torch.einsum("rde,rhe->rhd", rot, mu)
-    centred = torch.einsum("rde,rwhe->rwhd", rot, centred)
+    mean = torch.einsum("rde,...rhe->...rhd", rot, mu)
+    centred = torch.einsum("rde,...rwhe->...rwhd", rot, centred)
     return mean, centred
 
 
 def _token_logits(keys: torch.Tensor, mean: torch.Tensor, centred: torch.Tensor
                   ) -> torch.Tensor:
-    """``k.mu'/sqrt(D) + k^T Sigma' k/(2D)`` for keys ``[R, T, Hkv, D]``: ``[R, Hq, T]``."""
+    """``k.mu'/sqrt(D) + k^T Sigma' k/(2D)`` for keys ``[R, T, Hkv, D]``: ``[R, Hq, T]``
+    (each query head reads its KV head's keys; no copy of the keys per query head)."""
     r, t, hkv, d = keys.shape
-    hq = mean.shape[1]
-    k = keys.float().repeat_interleave(hq // hkv, dim=2)  # [R, T, Hq, D]
-    linear = torch.einsum("rthd,rhd->rht", k, mean) / math.sqrt(d)
-    proj = torch.einsum("rthd,rwhd->rhtw", k, centred)
-    return linear + proj.square().sum(dim=-1) / (2 * d)
+    hq, w = mean.shape[1], centred.shape[1]
+    g = hq // hkv
+    k = keys.float()
+    linear = torch.einsum("rtkd,rkgd->rkgt", k, mean.view(r, hkv, g, d)) / math.sqrt(d)
+    proj = torch.einsum("rtkd,rwkgd->rkgtw", k, centred.view(r, w, hkv, g, d))
+    return (linear + proj.square().sum(dim=-1) / (2 * d)).reshape(r, hq, t)
 
 
 def _reduce_heads(per_head: torch.Tensor, head_reduce: str) -> torch.Tensor:
@@ -151,16 +153,18 @@ class ExpectedAttention(EvidenceKind):
             w - batch.rows.to(out.device).view(r, 1))
         tables = batch.tables[:, :n_max].long()
         lens = batch.seq_lens.long().to(out.device)
+        # The statistics of every layer at once (one un-rotation, one mean rotation).
+        means, centred = future_query_statistics(
+            batch.queries, batch.query_positions, valid_rows, batch.next_positions,
+            batch.rotary)
+        pos = torch.arange(n_max * batch.key_caches[0].shape[2], device=out.device)
+        beyond = pos.view(1, 1, -1) >= lens.view(r, 1, 1)
         for li, cache in enumerate(batch.key_caches):  # [nb, Hkv, bs, D]
             _, hkv, bs, d = cache.shape
             keys = cache.index_select(0, tables.reshape(-1)).view(r, n_max, hkv, bs, d)
             keys = keys.transpose(2, 3).reshape(r, n_max * bs, hkv, d)
-            mean, centred = future_query_statistics(
-                batch.queries[li], batch.query_positions, valid_rows, batch.next_positions,
-                batch.rotary)
-            logits = _token_logits(keys, mean, centred)  # [R, Hq, T]
-            pos = torch.arange(n_max * bs, device=out.device).view(1, 1, -1)
-            logits = logits.masked_fill(pos >= lens.view(r, 1, 1), float("-inf"))
+            logits = _token_logits(keys, means[li], centred[li]).masked_fill_(
+                beyond, float("-inf"))  # [R, Hq, T]
             probs = torch.softmax(logits, dim=-1).view(r, -1, n_max, bs).sum(dim=-1)
             if batch.head_reduce == "mean":
                 out.add_(probs.mean(dim=1) / batch.layers_divisor)
