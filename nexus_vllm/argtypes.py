@@ -5,10 +5,11 @@ the flag); and how an error message shows a value the user gave (:func:`describe
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["describe_value", "int_at_least"]
+__all__ = ["describe_value", "float_in", "int_at_least"]
 
 
 def int_at_least(low: int, meaning: str | None = None) -> Callable[[str], int]:
@@ -22,6 +23,30 @@ def int_at_least(low: int, meaning: str | None = None) -> Callable[[str], int]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {meaning}, got {text!r}") from None
         if value < low:
+            raise argparse.ArgumentTypeError(f"must be {meaning}, got {text!r}")
+        return value
+
+    return parse
+
+
+def float_in(low: float, high: float | None = None, *, low_open: bool = True,
+             meaning: str | None = None) -> Callable[[str], float]:
+    """argparse type: a finite float above ``low`` (at least ``low`` with ``low_open``
+    false) and, given ``high``, at most ``high``; errors say ``must be {meaning}`` (default
+    ``a number > {low}``, ``a number >= {low}`` or ``a number in ({low}, {high}]``)."""
+    if meaning is None:
+        if high is None:
+            meaning = f"a number {'>' if low_open else '>='} {low:g}"
+        else:
+            meaning = f"a number in {'(' if low_open else '['}{low:g}, {high:g}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {meaning}, got {text!r}") from None
+        above = value > low if low_open else value >= low
+        if not (math.isfinite(value) and above and (high is None or value <= high)):
             raise argparse.ArgumentTypeError(f"must be {meaning}, got {text!r}")
         return value
 

@@ -51,8 +51,15 @@ def request_methods() -> tuple[str, ...]:
     return ("default", *(m for m in SERVABLE_METHODS if m != "none"), "none")
 
 
-# The smallest budget a request may ask for is (sink + recent + current) blocks = 192.
-BUDGETS = (192, 256, 384, 512)
+def request_budgets() -> tuple[int, ...]:
+    """The ``kv_budget`` values a request may send: the least the server's default config
+    allows (its always-kept blocks, :attr:`EvictionConfig.forced_tokens`), then 256, 384
+    and 512."""
+    from nexus_vllm.core import EvictionConfig
+
+    return (EvictionConfig().forced_tokens, 256, 384, 512)
+
+
 # Server flags of the default run: eviction on at a budget most prompts exceed, chunks
 # small enough that a prompt streams in several of them, and 64 sequences so that
 # --concurrency 64 all run at once (the 2 GiB pool holds 64 requests without eviction).
@@ -554,7 +561,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--methods", type=lambda s: s.split(","), default=list(methods),
                    help="kv_eviction values drawn per request (default: no vllm_xargs)")
     p.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")],
-                   default=list(BUDGETS), help="kv_budget values drawn per request")
+                   default=list(request_budgets()),
+                   help="kv_budget values drawn per request (default: %(default)s)")
     p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")],
                    default=[0.0, 0.8],
                    help="temperature values drawn per request (sampled ones carry a seed)")

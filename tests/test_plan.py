@@ -248,6 +248,29 @@ def test_bad_flags_exit_2_naming_the_flag(capsys, flags, named):
     assert named in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--gpu-util", "1.5", "must be a number in (0, 1], got '1.5'"),
+    ("--gpu-util", "nan", "must be a number in (0, 1], got 'nan'"),
+    ("--gpu-memory-gib", "0", "must be a number > 0, got '0'"),
+    ("--gpu-memory-gib", "lots", "must be a number > 0, got 'lots'"),
+    ("--overhead-gib", "-1", "must be a number >= 0, got '-1'"),
+    ("--overhead-gib", "inf", "must be a number >= 0, got 'inf'"),
+])
+def test_number_flags_refused_as_the_server_refuses_them(capsys, flag, value, says):
+    """The float flags share the server's parser (argtypes.float_in, as --kv-keep-ratio)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "llama-3.1-8b", "--gpu-memory-gib", "80", "--context", "4096",
+              "--budget", "0.2", flag, value])
+    assert exc.value.code == 2
+    assert f"argument {flag}: {says}" in capsys.readouterr().err
+
+
+def test_no_overhead_is_allowed(capsys):
+    out = _plan(capsys, "--model", "llama-3.1-8b", "--gpu-memory-gib", "80", "--context",
+                "4096", "--budget", "0.2", "--overhead-gib", "0")
+    assert out["memory"]["overhead_bytes"] == 0
+
+
 def test_memory_or_pool_is_required(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--model", "llama-3.1-8b", "--context", "4096", "--budget", "0.2"])

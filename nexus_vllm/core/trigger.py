@@ -39,9 +39,6 @@ class EvictionTrigger:
     prompt_tokens: int
     decode_tokens: int = 0
 
-    def reset(self) -> None:
-        self.decode_tokens = 0
-
     def prefill_due(self, tokens: int, live_blocks: int) -> bool:
         """Whether an event would follow the prefill chunk that brought the sequence to
         ``tokens`` computed tokens, holding ``live_blocks`` (no state change)."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nexus_vllm.core import cdiv
+from nexus_vllm.eval.tasks import task_metric
 
 if TYPE_CHECKING:
     from nexus_vllm.eval.records import Record
@@ -19,6 +20,32 @@ __all__ = ["calibration_table", "markdown_table", "plot_bars", "plot_turns", "pl
 
 _LABELS = {"score": "score (string match)", "delta_loglik": "Δ answer log-lik vs dense",
            "kl": "KL(dense‖method) per token"}
+
+
+def _scored_against_dense(tasks: Iterable[str]) -> list[str]:
+    """The tasks among ``tasks`` whose score is ROUGE-L F1 against dense's answer, not
+    string match (:func:`~nexus_vllm.eval.tasks.task_metric` ``"dense"``)."""
+    return sorted({t for t in tasks if task_metric(t) == "dense"})
+
+
+def _label(metric: str, tasks: Iterable[str]) -> str:
+    """A plot axis's label for ``metric`` over ``tasks``."""
+    names = set(tasks)
+    dense = _scored_against_dense(names)
+    if metric != "score" or not dense:
+        return _LABELS.get(metric, metric)
+    if len(dense) == len(names):
+        return "score (ROUGE-L F1 vs dense)"
+    return f"score (string match; {', '.join(dense)}: ROUGE-L vs dense)"
+
+
+def _score_title(tasks: Iterable[str]) -> str:
+    """The score section's title over ``tasks``."""
+    dense = _scored_against_dense(tasks)
+    if not dense:
+        return "Score (RULER string match, 0-1)"
+    return (f"Score (0-1; RULER string match, {', '.join(dense)}: ROUGE-L F1 against "
+            "dense's answer)")
 
 
 def _fmt(row: dict[str, Any], m: str, digits: int) -> str:
@@ -110,7 +137,7 @@ def plot_vs_budget(rows: list[dict[str, Any]], path: pathlib.Path, *,
         ax.set_title(f"{task} · {proto} · {ctx} tok", fontsize=9)
         ax.set_xlabel("budget (kept fraction)" if budgets and isinstance(budgets[0], float)
                       else "budget")
-        ax.set_ylabel(_LABELS.get(metric, metric), fontsize=8)
+        ax.set_ylabel(_label(metric, [task]), fontsize=8)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
@@ -152,7 +179,7 @@ def plot_bars(rows: list[dict[str, Any]], path: pathlib.Path, *, metric: str = "
                linewidth=1.2 if m.startswith("nexus") else 0)
     ax.set_xticks(x)
     ax.set_xticklabels([f"{t}\n{p}" for t, p, _ in groups], fontsize=7)
-    ax.set_ylabel(_LABELS.get(metric, metric))
+    ax.set_ylabel(_label(metric, (t for t, _, _ in groups)))
     ax.set_title(f"{metric} at budget {budget}" if budget is not None else metric, fontsize=9)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7, ncol=min(8, len(methods)), loc="upper center",
@@ -252,7 +279,7 @@ def plot_turns(records: Sequence[Record], task: str, budget: Any,
             ax.plot(range(1, len(vals) + 1), vals, marker="o", label=m,
                     linewidth=2 if m.startswith("nexus") else 1.2)
         ax.set_xlabel("turn")
-        ax.set_ylabel(_LABELS[metric])
+        ax.set_ylabel(_label(metric, [task]))
         ax.grid(alpha=0.3)
     axes[0].set_title(f"{task} at budget {budget}: per turn", fontsize=9)
     axes[1].legend(fontsize=7)
@@ -263,8 +290,9 @@ def plot_turns(records: Sequence[Record], task: str, budget: Any,
     return path
 
 
-# Report sections per metric: (record field, section title, digits).
-_TABLES = (("score", "Score (RULER string match, 0-1)", 2),
+# Report sections per metric: (record field, section title, digits); the score's title
+# names how its tasks are scored (:func:`_score_title`).
+_TABLES = (("score", "Score", 2),
            ("delta_loglik", "Δ answer log-likelihood vs dense (nats)", 2),
            ("kl", "KL(dense ‖ method), mean per token (nats)", 3))
 
@@ -292,7 +320,10 @@ def write_reports(out: pathlib.Path, cfg: RunConfig, records: Sequence[Record], 
         {"config": config_dict(cfg), "rows": rows}, indent=1))
     parts = [f"# Results: {out}\n", "Cells: mean [95% bootstrap CI over samples].\n"]
     if calibrate:
-        parts += ["## Dense calibration (string match)\n", calibration_table(rows), ""]
+        dense = ", ".join(_scored_against_dense(r["task"] for r in rows))
+        how = f"string match; {dense}: ROUGE-L F1 against dense, 1 by definition" if dense \
+            else "string match"
+        parts += [f"## Dense calibration ({how})\n", calibration_table(rows), ""]
         (out / "calibration.md").write_text("\n".join(parts) + "\n")
         return
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None}, key=float)
@@ -303,6 +334,8 @@ def write_reports(out: pathlib.Path, cfg: RunConfig, records: Sequence[Record], 
                       "(pooled over tasks)\n", summary_table(records, budget=b, protocol=proto),
                       ""]
     for metric, title, digits in _TABLES:
+        if metric == "score":
+            title = _score_title(r["task"] for r in rows)
         for b in budgets:
             parts += [f"## {title} at budget {b}\n", markdown_table(rows, metric=metric,
                                                                       budget=b, digits=digits), ""]

@@ -51,6 +51,7 @@ __all__ = [
     "rouge_l",
     "string_match_all",
     "string_match_part",
+    "task_metric",
 ]
 
 PROTOCOLS = ("question-last", "question-first", "chat")
@@ -472,6 +473,14 @@ TASKS: dict[str, Callable[[random.Random], _Body]] = {
 }
 # Tasks with no answer prefix to end a completion-shaped prompt with: chat shape only.
 CHAT_ONLY_TASKS = ("summary",)
+
+
+@functools.cache
+def task_metric(task: str) -> str:
+    """How ``task``'s score is measured: ``"all"`` or ``"part"`` (RULER string match) or
+    ``"dense"`` (ROUGE-L F1 against dense's answer); tasks outside :data:`TASKS` (the
+    dialogue families) score by string match, ``"all"``."""
+    return TASKS[task](random.Random(0)).metric if task in TASKS else "all"
 
 
 # ---------------------------------------------------------------------------- assembly

@@ -8,10 +8,11 @@ draws.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nexus_vllm.core import EvictionConfig, EvictionTrigger, cdiv
+from nexus_vllm.core import ConfigError, EvictionConfig, EvictionTrigger, cdiv
 
 BLOCK = 8
 
@@ -130,6 +131,19 @@ def test_peak_from_drops_to_the_decode_bound_after_the_prompt_end() -> None:
     # An interval longer than a block: the blocks it can cross.
     wide = _config("stream", 64, interval=20)
     assert wide.decode_blocks == 3 and wide.peak_from(1050, 1000, 1100) == 64 // BLOCK + 3
+    # The decode peak on its own (what the planner's ceiling divides by), capped at the
+    # whole sequence.
+    assert end.decode_peak_blocks(1000, 1100) == end.peak_from(1000, 1000, 1100) == 9
+    keep = _config("keep", 64)
+    assert keep.decode_peak_blocks(40, 50) == cdiv(50, BLOCK)
+
+
+def test_forced_tokens_is_the_least_budget() -> None:
+    cfg = _config("end", 64)
+    assert cfg.forced_tokens == (1 + 2 + 1) * BLOCK == 32  # sink + recent + current
+    assert EvictionConfig().forced_tokens == EvictionConfig().num_forced * 32
+    with pytest.raises(ConfigError, match="= 32; got 31"):
+        _config("end", 31)
 
 
 @settings(max_examples=200, deadline=None)

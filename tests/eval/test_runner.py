@@ -162,6 +162,25 @@ def test_report_only_reproduces_the_published_tables(tmp_path) -> None:
         json.loads((src / "records.jsonl").read_text().splitlines()[0])
 
 
+def test_report_names_how_each_task_is_scored(tmp_path) -> None:
+    """docs/figures/chat_report re-reported: its score section says the summary is scored
+    by ROUGE-L F1 against dense's answer (the other tasks by string match; a run without
+    the summary keeps the string-match title: the headline test above)."""
+    import pathlib
+    import shutil
+
+    src = pathlib.Path(__file__).parents[2] / "docs" / "figures" / "chat_report"
+    out = tmp_path / "chat_report"
+    out.mkdir()
+    shutil.copy(src / "records.jsonl", out)
+    assert main(["--config", str(src / "config.yaml"), "--out", str(out),
+                 "--report-only"]) == 0
+    table = (out / "table.md").read_text()
+    assert table.splitlines()[1:] == (src / "table.md").read_text().splitlines()[1:]
+    assert ("## Score (0-1; RULER string match, summary: ROUGE-L F1 against dense's answer)"
+            " at budget 0.2") in table
+
+
 @pytest.mark.parametrize(
     "path", sorted((pathlib.Path(__file__).parents[2] / "configs" / "eval").glob("*.yaml")),
     ids=lambda p: p.stem)

@@ -15,6 +15,7 @@ from nexus_vllm.eval.tasks import (
     rouge_l,
     string_match_all,
     string_match_part,
+    task_metric,
 )
 from nexus_vllm.hf.testing import byte_tokenizer
 
@@ -86,6 +87,9 @@ def test_summary_is_chat_only_and_scored_against_dense(tok) -> None:
     s = make_sample("summary", seed=0, index=0, target_tokens=1500, tokenizer=tok,
                     protocol="chat")
     assert s.needs_reference and s.metric == "dense"
+    assert task_metric("summary") == "dense"  # what the report names it by
+    assert {task_metric(t) for t in TASKS if t != "summary"} == {"all"}
+    assert task_metric("chat_multiturn") == "all"  # a dialogue family: string match
     with pytest.raises(ValueError, match="after dense has run"):
         s.score("anything")
     with pytest.raises(ValueError, match="chat"):

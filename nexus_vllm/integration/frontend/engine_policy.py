@@ -39,7 +39,6 @@ __all__ = [
     "check_model",
     "forced_cudagraph_mode",
     "forced_engine_args",
-    "forced_tokens",
     "refuse_parallelism",
     "restate_vllm_refusal",
     "scheduler_cls_for",
@@ -320,12 +319,6 @@ def check_model(cfg: EvictionConfig, model: str, traits: AttentionTraits, max_mo
         raise ValueError(f"--kv-eviction {cfg.method}: {exc}") from None
 
 
-def forced_tokens(cfg: EvictionConfig) -> int:
-    """The always-kept blocks (sink, recent and current) in tokens: the least budget
-    ``EvictionConfig`` allows, and what must fit in the model's length."""
-    return int(cfg.num_forced * cfg.block_size)
-
-
 def check_max_model_len(cfg: EvictionConfig, max_model_len: int,
                         num_layers: int | None = None) -> None:
     """Refuse a server config that cannot work within the model's ``--max-model-len``.
@@ -336,7 +329,7 @@ def check_max_model_len(cfg: EvictionConfig, max_model_len: int,
         Naming the flag (or ``nexus.<key>`` for config-file keys), the allowed range and
         the value given.
     """
-    forced = forced_tokens(cfg)
+    forced = cfg.forced_tokens
     if forced > max_model_len:
         raise ValueError(
             f"the always-kept blocks (nexus.sink_blocks + nexus.recent_blocks + 1 = "

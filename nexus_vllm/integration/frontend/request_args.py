@@ -24,7 +24,6 @@ from nexus_vllm.argtypes import describe_value
 from nexus_vllm.core import EvictionConfig
 from nexus_vllm.core.config import PROMPT_MODES
 from nexus_vllm.integration.config import CONFIG_FIELD_OF, REQUEST_FIELDS, request_config
-from nexus_vllm.integration.frontend.engine_policy import forced_tokens
 from nexus_vllm.integration.frontend.server_config import METHODS, SERVER_FLAGS
 
 __all__ = ["REQUEST_FIELD_OF", "RequestArgError", "validate_request_args"]
@@ -120,7 +119,7 @@ def _check_question_fits(rows: int, server_cfg: EvictionConfig) -> None:
 
 
 def _budget_span(server_cfg: EvictionConfig, max_model_len: int | None) -> str:
-    floor = forced_tokens(server_cfg)
+    floor = server_cfg.forced_tokens
     return f"{floor}..{max_model_len}" if max_model_len else f">= {floor}"
 
 
@@ -131,7 +130,7 @@ def _budget(extra_args: dict[str, Any], server_cfg: EvictionConfig) -> tuple[int
         return int(extra_args["kv_budget"]), "this request's kv_budget"
     if server_cfg.max_tokens is not None:
         return int(server_cfg.max_tokens), "this server's --kv-budget"
-    return forced_tokens(server_cfg), "the always-kept blocks"
+    return server_cfg.forced_tokens, "the always-kept blocks"
 
 
 def _blame(error: ValueError, extra_args: dict[str, Any], server_cfg: EvictionConfig,
@@ -142,7 +141,7 @@ def _blame(error: ValueError, extra_args: dict[str, Any], server_cfg: EvictionCo
     field = str(getattr(error, "field", ""))
     if field == "max_tokens" and "kv_budget" in extra_args:  # under the forced set
         return RequestArgError(
-            "kv_budget", f"must be at least {forced_tokens(server_cfg)} tokens on this "
+            "kv_budget", f"must be at least {server_cfg.forced_tokens} tokens on this "
             f"server (the always-kept sink, recent and current blocks: "
             f"{server_cfg.num_forced} blocks of {server_cfg.block_size} tokens); allowed: "
             f"{_budget_span(server_cfg, max_model_len)}; got {int(extra_args['kv_budget'])}")

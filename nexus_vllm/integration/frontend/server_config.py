@@ -20,7 +20,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from nexus_vllm.argtypes import int_at_least
+from nexus_vllm.argtypes import float_in, int_at_least
 from nexus_vllm.core.config import PROMPT_MODES, EvictionConfig
 from nexus_vllm.core.policies import SERVABLE_METHODS
 from nexus_vllm.integration.config import ADDITIONAL_CONFIG_KEY
@@ -68,16 +68,7 @@ _RULE_READS = {
 # -- the --kv-* flags ----------------------------------------------------------------------
 _positive_int = int_at_least(1, "a positive integer")
 _non_negative_int = int_at_least(0)
-
-
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
-    return value
+_ratio = float_in(0, 1)
 
 
 _Parser = TypeVar("_Parser", bound=argparse.ArgumentParser)

@@ -1,0 +1,47 @@
+"""KV blocks per GPU, by vLLM's rule.
+
+The memory vLLM may use (``gpu_memory x gpu_util``) less this GPU's share of the weights
+(``weights / (tp x pp)``) less an allowance for activations, CUDA graphs and non-torch
+memory (``--overhead-gib``, 4 GiB by default: vLLM profiles it at start-up; for an
+8k-token step on 8B-72B models it is a few GiB), divided by the bytes of one block on one
+GPU::
+
+    2 (K and V) x ceil(layers / pp) x ceil(kv_heads / tp) x head_size x dtype_bytes x block_size
+
+(KV heads are replicated when ``tp > kv_heads``; the largest pipeline stage sets the
+count).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from nexus_vllm.core import cdiv
+
+from .shape import ModelShape
+
+__all__ = ["GIB", "block_bytes_per_gpu", "kv_pool_blocks"]
+
+GIB = 2**30
+
+
+def block_bytes_per_gpu(model: ModelShape, *, tp: int, pp: int, block_size: int) -> int:
+    """Bytes one KV block takes on one GPU: ``2 x ceil(layers / pp) x ceil(kv_heads / tp)
+    x head_size x dtype_bytes x block_size``."""
+    return (2 * cdiv(model.layers, pp) * cdiv(model.kv_heads, tp) * model.head_size
+            * model.dtype_bytes * block_size)
+
+
+def kv_pool_blocks(model: ModelShape, *, gpu_memory_gib: float, gpu_util: float,
+                   overhead_gib: float, tp: int, pp: int, block_size: int) -> dict[str, Any]:
+    """vLLM's block count per GPU (the pool of one replica), with the arithmetic."""
+    budget = gpu_memory_gib * GIB * gpu_util
+    weights = model.weight_bytes / (tp * pp)
+    kv_bytes = budget - weights - overhead_gib * GIB
+    per_block = block_bytes_per_gpu(model, tp=tp, pp=pp, block_size=block_size)
+    return {"usable_memory_bytes": budget, "weight_bytes_per_gpu": weights,
+            "overhead_bytes": overhead_gib * GIB, "kv_bytes_per_gpu": kv_bytes,
+            "block_bytes_per_gpu": per_block,
+            "pool_blocks": max(0, math.floor(kv_bytes / per_block))}
+
