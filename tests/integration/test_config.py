@@ -513,3 +513,15 @@ def test_a_layer_knob_is_checked_against_the_flag_method() -> None:
     cfg = resolve_config(additional={"method": "h2o"}, flags={"method": "nexus",
                                                               "max_tokens": 512})
     assert cfg.method == "nexus"
+
+
+@pytest.mark.parametrize("additional, knob", [
+    ({"expected": 2}, "expected must be <= 1.0"),
+    ({"prefill_expected": -1}, "prefill_expected must be >= 0.0"),
+    ({"knorm_prior": "strong"}, "knorm_prior"),
+])
+def test_bad_evidence_knobs_name_the_flag_and_the_knob(additional, knob) -> None:  # noqa: ANN001
+    """The streaming-regime knobs fail at startup like every other: the flag they came
+    with, then the knob."""
+    with pytest.raises(ValueError, match=f"^--additional-config nexus: {knob}"):
+        resolve_config(additional=additional, flags={"method": "nexus", "max_tokens": 1024})

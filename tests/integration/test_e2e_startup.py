@@ -17,6 +17,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow,
     (["--kv-eviction", "nexus"], "--kv-budget"),
     (["--kv-eviction", "nexus", "--kv-budget", "1024",
       "--additional-config", '{"nexus": {"widow": 3}}'], "--additional-config"),
+    (["--kv-eviction", "nexus", "--kv-budget", "1024", "--kv-prompt-mode", "stream",
+      "--additional-config", '{"nexus": {"expected": 2}}'], "--additional-config"),
 ])
 def test_bad_flags_stop_startup(tiny_model, serve_tmp, argv, flag) -> None:  # noqa: ANN001
     from nexus_vllm.eval.server import server_env, vllm_cmd
