@@ -7,6 +7,7 @@ worker's eviction state runs unmodified against them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
@@ -144,3 +145,20 @@ def scheduler_side(num_blocks: int = 64, **flags: Any) -> tuple[Any, Any, Any]:
     cfg = resolve_config(flags={"method": "nexus", "seed": 3, "prompt_mode": "stream",
                                 **flags})
     return EvictionManager(cfg, kvm, BS), single, pool
+
+
+def fake_evidence(kinds: Iterable[str], rows: int, live: int,
+                  generator: torch.Generator) -> dict[str, np.ndarray]:
+    """Random evidence of every kind in ``kinds`` over ``live`` blocks, shaped as the
+    registry lays each out (a rows kind: ``rows`` row-normalised rows; a blocks kind:
+    positive values), as a worker's reply carries it for one request."""
+    from nexus_vllm.core import evidence_kind
+
+    out = {}
+    for name in kinds:
+        if evidence_kind(name).layout == "rows":
+            values = torch.softmax(torch.randn(rows, live, generator=generator), dim=-1)
+        else:
+            values = torch.rand(live, generator=generator) + 0.5
+        out[name] = values.numpy().astype(np.float32)
+    return out

@@ -41,17 +41,20 @@ def _step(mgr, single, requests, sched, new=()):  # noqa: ANN001, ANN202
 
 
 def _reply(plan, mgr, req_ids=None, seed: int = 0, ack: int | None = -1):  # noqa: ANN001, ANN202
-    """The worker's reply to ``plan``: random row-normalised masses over live blocks."""
+    """The worker's reply to ``plan``: random evidence of every kind each request's policy
+    reads (row-normalised masses) over its live blocks."""
     from nexus_vllm.integration.protocol import WorkerReply
+    from tests.integration.fakes import fake_evidence
 
-    masses = {}
+    evidence: dict[str, dict[str, np.ndarray]] = {}
     for req_id in req_ids if req_ids is not None else plan.score:
         sreq = plan.score[req_id]
         live = [j for j in mgr.live_indices(req_id) if j < sreq.num_logical_blocks]
         g = torch.Generator().manual_seed(seed)
-        masses[req_id] = torch.softmax(torch.randn(sreq.window, len(live), generator=g),
-                                       dim=-1).numpy().astype(np.float32)
-    return WorkerReply(step_id=plan.step_id if ack == -1 else ack, evidence={"mass": masses},
+        for kind, values in fake_evidence(sorted(sreq.kinds), sreq.window, len(live),
+                                          g).items():
+            evidence.setdefault(kind, {})[req_id] = values
+    return WorkerReply(step_id=plan.step_id if ack == -1 else ack, evidence=evidence,
                        scoring_seconds=0.001)
 
 

@@ -24,6 +24,7 @@ from tests.integration.fakes import (
     FakeRunner,
     common_metadata,
     engine_request,
+    fake_evidence,
     make_state,
     scheduler_side,
 )
@@ -90,12 +91,13 @@ def test_worker_never_reads_a_freed_block(seed: int, fault_rate: float) -> None:
             _check_reads(cm, rows, seq, single)
         reply = state.reply(step)
         if reply.step_id is not None:
-            masses = {}
+            evidence: dict[str, dict[str, np.ndarray]] = {}
             for rid, sreq in plan.score.items():
                 live = mgr.live_indices(rid, requests[rid].num_computed_tokens)
-                m = torch.softmax(torch.randn(sreq.window, len(live)), dim=-1)
-                masses[rid] = m.numpy().astype(np.float32)
-            reply = WorkerReply(step_id=reply.step_id, evidence={"mass": masses})
+                for kind, values in fake_evidence(sorted(sreq.kinds), sreq.window, len(live),
+                                                  torch.default_generator).items():
+                    evidence.setdefault(kind, {})[rid] = values
+            reply = WorkerReply(step_id=reply.step_id, evidence=evidence)
         mgr.apply_reply(plan, reply, requests)
         state.end_step(step)
         # Some requests finish (vLLM frees their blocks at once).

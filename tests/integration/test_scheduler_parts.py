@@ -390,8 +390,9 @@ def test_evictor_reads_rows_of_maxima_as_softmax_gave_them(direct, want) -> None
     and not the share after its row was renormalised (``max_normalized``)."""
     from nexus_vllm.integration.protocol import WorkerReply
 
+    # The window's attention alone (not the stream defaults' mix): this is about the mass.
     mgr, _, plan, reqs = _scored(
-        "nexus", head_reduce="max", carry=0,
+        "nexus", head_reduce="max", carry=0, policy_args={"expected": 0, "knorm_prior": 0},
         prefill_args={"direct": direct, "indirect": "none", "sampler": "topk"})
     rows = torch.zeros(plan.score["r"].window, 16)
     # Row 0's heads disagree (its maxima sum past 3): one reads blocks 1-4 at 0.30 each.
@@ -399,8 +400,8 @@ def test_evictor_reads_rows_of_maxima_as_softmax_gave_them(direct, want) -> None
     # Row 1's heads agree on blocks 5-8 at 0.20 each: its 0.20 beats row 0's 0.30 only
     # once row 0 is divided by its total.
     rows[1, 5:9], rows[1, 0] = 0.20, 0.20
-    mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id, evidence={"mass": {"r": rows.numpy()}}),
-                      reqs)
+    mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id,
+                                        evidence={"mass": {"r": rows.numpy()}}), reqs)
     sinks, forced_recent = int(mgr.server_cfg.sink_blocks), [13, 14, 15]
     assert mgr.live_count("r") == 8
     kept = sorted(set(range(16)) - set(mgr.channel.unacked["r"]))

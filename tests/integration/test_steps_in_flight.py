@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from nexus_vllm.core import evidence_kind
 from nexus_vllm.integration.protocol import attach_plan, read_plan
 from tests.integration.conftest import HAS_VLLM
 from tests.integration.fakes import (
@@ -241,8 +242,14 @@ class FakeEngine:
         state.end_step(step)
         if reply.step_id is None:
             return reply
-        masses = {r: self._masses(r, sreq) for r, sreq in plan.score.items()}
-        return WorkerReply(step_id=reply.step_id, evidence={"mass": masses}, faults=reply.faults)
+        evidence: dict[str, dict[str, np.ndarray]] = {}
+        for r, sreq in plan.score.items():
+            rows = self._masses(r, sreq)
+            for kind in sreq.kinds:
+                # A rows kind gets the rows; a blocks kind one of them (positive values).
+                values = rows if evidence_kind(kind).layout == "rows" else rows[0].copy()
+                evidence.setdefault(kind, {})[r] = values
+        return WorkerReply(step_id=reply.step_id, evidence=evidence, faults=reply.faults)
 
     def _masses(self, req_id: str, sreq: Any) -> np.ndarray:
         """Scores that depend only on the request, the block and the request's progress
