@@ -330,36 +330,47 @@ def test_two_block_tables_in_one_step_are_refused() -> None:
     state.end_step(step)
 
 
+def _score_two_requests(kinds: frozenset[str], seed: int, rotary: object = None
+                        ) -> tuple[object, dict[str, torch.Tensor], torch.Tensor]:
+    """Two requests (5 and 4 blocks) due in one step of a two-request worker, scored for
+    ``kinds``: the reply, each request's keys and the captured queries (in batch order)."""
+    from nexus_vllm.integration.protocol import ScoreRequest
+    from nexus_vllm.integration.worker.attention import key_view
+
+    torch.manual_seed(seed)
+    runner = FakeRunner({"a": PHYS["a"], "b": PHYS["c"]})
+    kv = torch.zeros(16, HKV, BS, 2 * D)
+    keys = {"a": torch.randn(5 * BS, HKV, D), "b": torch.randn(4 * BS, HKV, D)}
+    write_keys(kv, keys["a"], torch.randn(5 * BS, HKV, D), PHYS["a"])
+    write_keys(kv, keys["b"], torch.randn(4 * BS, HKV, D), PHYS["c"])
+    state = make_state(runner, window=4, max_requests=2,
+                       layers={0: key_view("CPU_ATTN", kv, D, "vec")})
+    state.scorer.rotary = rotary
+    lens = {"a": 5 * BS, "b": 4 * BS}
+    score = {r: ScoreRequest(window=4, num_logical_blocks=n // BS, evictable_below=1,
+                             kinds=kinds) for r, n in lens.items()}
+    step = state.begin_step(scheduler_output(new=("a", "b")),
+                            _plan(1, track=("a", "b"), score=score))
+    state.compact(common_metadata(runner, list(lens.values()), list(lens.values())))
+    queries = torch.randn(sum(lens.values()), HQ, D)
+    state.capture(0, queries)
+    state.finish_forward()
+    reply = state.reply(step)
+    state.end_step(step)
+    return reply, keys, queries
+
+
 def test_scoring_every_request_with_mass_and_key_norms_in_one_step() -> None:
     """A Nexus config with ``knorm_prior > 0`` reads mass and key norms, so each request
     due takes a row in both; with every one of ``max_num_seqs`` requests due in one step
     (more than half is enough), the scorer's row staging must still hold them all, or
     the whole step's events are dropped as ``score_error``."""
     from nexus_vllm.core import EvictionConfig
-    from nexus_vllm.integration.protocol import ScoreRequest
-    from nexus_vllm.integration.worker.attention import key_view
 
     policy = EvictionConfig(method="nexus", max_tokens=192,
                             policy_args={"knorm_prior": 1.0}).policy()
     assert policy.needs == {"mass", "key_norms"}
-    torch.manual_seed(3)
-    runner = FakeRunner({"a": PHYS["a"], "b": PHYS["c"]})
-    kv = torch.zeros(16, HKV, BS, 2 * D)
-    write_keys(kv, torch.randn(5 * BS, HKV, D), torch.randn(5 * BS, HKV, D), PHYS["a"])
-    write_keys(kv, torch.randn(4 * BS, HKV, D), torch.randn(4 * BS, HKV, D), PHYS["c"])
-    state = make_state(runner, window=4, max_requests=2,
-                       layers={0: key_view("CPU_ATTN", kv, D, "vec")})
-    lens = {"a": 5 * BS, "b": 4 * BS}
-    score = {r: ScoreRequest(window=4, num_logical_blocks=n // BS, evictable_below=1,
-                             kinds=frozenset({"mass", "key_norms"}))
-             for r, n in lens.items()}
-    step = state.begin_step(scheduler_output(new=("a", "b")),
-                     _plan(1, track=("a", "b"), score=score))
-    state.compact(common_metadata(runner, list(lens.values()), list(lens.values())))
-    state.capture(0, torch.randn(sum(lens.values()), HQ, D))
-    state.finish_forward()
-    reply = state.reply(step)
-    state.end_step(step)
+    reply, _, _ = _score_two_requests(frozenset(policy.needs), seed=3)
     assert reply.faults == {}
     assert {r: m.shape for r, m in reply.of("mass").items()} == {"a": (4, 5), "b": (4, 4)}
     assert {r: n.shape for r, n in reply.of("key_norms").items()} == {"a": (5,), "b": (4,)}
@@ -372,43 +383,24 @@ def test_expected_attention_through_the_worker_equals_the_dense_gatherer() -> No
     model's rotary table)."""
     from nexus_vllm.core import EvictionConfig, Rotary, evidence_kind
     from nexus_vllm.core.evidence import DenseLayer, DenseSequence
-    from nexus_vllm.integration.protocol import ScoreRequest
-    from nexus_vllm.integration.worker.attention import key_view
 
     policy = EvictionConfig(method="nexus", max_tokens=192,
                             policy_args={"expected": 0.5}).policy()
     assert policy.needs == {"mass", "expected_attention"}
-    torch.manual_seed(4)
-    runner = FakeRunner({"a": PHYS["a"], "b": PHYS["c"]})
-    kv = torch.zeros(16, HKV, BS, 2 * D)
-    keys = {"a": torch.randn(5 * BS, HKV, D), "b": torch.randn(4 * BS, HKV, D)}
-    write_keys(kv, keys["a"], torch.randn(5 * BS, HKV, D), PHYS["a"])
-    write_keys(kv, keys["b"], torch.randn(4 * BS, HKV, D), PHYS["c"])
-    state = make_state(runner, window=4, max_requests=2,
-                       layers={0: key_view("CPU_ATTN", kv, D, "vec")})
     inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
-    state.scorer.rotary = Rotary.from_inv_freq(inv_freq, 4096, head_size=D)
-    lens = {"a": 5 * BS, "b": 4 * BS}
-    score = {r: ScoreRequest(window=4, num_logical_blocks=n // BS, evictable_below=1,
-                             kinds=frozenset(policy.needs)) for r, n in lens.items()}
-    step = state.begin_step(scheduler_output(new=("a", "b")),
-                            _plan(1, track=("a", "b"), score=score))
-    state.compact(common_metadata(runner, list(lens.values()), list(lens.values())))
-    queries = torch.randn(sum(lens.values()), HQ, D)
-    state.capture(0, queries)
-    state.finish_forward()
-    reply = state.reply(step)
-    state.end_step(step)
+    rotary = Rotary.from_inv_freq(inv_freq, 4096, head_size=D)
+    reply, keys, queries = _score_two_requests(frozenset(policy.needs), seed=4,
+                                               rotary=rotary)
     assert reply.faults == {}
     assert set(reply.of("mass")) == set(reply.of("expected_attention")) == {"a", "b"}
     start = 0
-    for req_id, n in lens.items():
+    for req_id, n in {"a": 5 * BS, "b": 4 * BS}.items():
         rows = queries[start + n - 4:start + n]
         start += n
         seq = DenseSequence(layers=[DenseLayer(queries=rows, keys=keys[req_id])],
                             block_size=BS, head_reduce="mean",
                             query_positions=torch.arange(n - 4, n), next_position=n,
-                            rotary=state.scorer.rotary)
+                            rotary=rotary)
         want = evidence_kind("expected_attention").gather_dense(seq)
         torch.testing.assert_close(torch.from_numpy(reply.of("expected_attention")[req_id]),
                                    want, atol=1e-5, rtol=1e-4)
