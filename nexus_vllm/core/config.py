@@ -64,7 +64,7 @@ class EvictionConfig:
     head_reduce : {"mean", "max"}
         How the scored heads' and layers' attention becomes the evidence: their mean, or
         their maximum with rows renormalised and each row's total kept
-        (:meth:`~nexus_vllm.core.policies.Evidence.from_scores`).
+        (:meth:`~nexus_vllm.core.evidence.Evidence.from_gathered`).
     interval : int
         Decode tokens between eviction events once over budget.
     window, prefill_window : int

@@ -190,7 +190,7 @@ class EvictionPolicy:
         ----------
         evidence : Evidence
             What was gathered for this event: at least what :attr:`needs` names
-            (``Evidence.uniform`` when the policy reads no mass).
+            (no kind at all for a policy that reads nothing).
         budget_blocks : int
             Blocks allowed; must cover the forced set when ``N`` exceeds it.
         generator : torch.Generator, optional

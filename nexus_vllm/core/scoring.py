@@ -25,7 +25,7 @@ __all__ = [
 KV_LAYOUTS = ("NHD", "HND")
 # How the mass of the query heads (and then of the scored layers) becomes one row per
 # query: their mean, or their maximum (each row renormalised to sum to 1 by the evidence,
-# which keeps its total: ``Evidence.from_scores``). A block is
+# which keeps its total: ``Evidence.from_gathered``). A block is
 # shared by every head and layer, so the choice stays per block; ``max`` lets one head
 # that attends to a block sharply (a retrieval head) keep it, where the mean over heads
 # that look elsewhere dilutes it (docs/algorithm.md, "Head-aware evidence").
@@ -68,7 +68,7 @@ def combine_layer_masses(masses: list[torch.Tensor], head_reduce: str = "mean") 
     head_reduce : {"mean", "max"}
         ``mean``: the mean over layers (rows sum to 1). ``max``: the elementwise maximum
         over layers, as softmax gave it (rows sum to 1 or more;
-        :meth:`~nexus_vllm.core.policies.Evidence.from_scores` renormalises them and keeps
+        :meth:`~nexus_vllm.core.evidence.Evidence.from_gathered` renormalises them and keeps
         their totals).
 
     Returns

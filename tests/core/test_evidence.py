@@ -60,7 +60,7 @@ def test_evidence_is_a_validated_mapping():
         Evidence(mass, nonsense=torch.ones(5))
     with pytest.raises(ValueError, match="needs num_blocks"):
         Evidence()
-    empty = Evidence.uniform(7)
+    empty = Evidence(num_blocks=7)
     assert empty.holds == frozenset() and empty.num_blocks == 7
     with pytest.raises(KeyError, match="holds no 'mass'"):
         _ = empty.mass

@@ -195,7 +195,7 @@ def test_best_row_reads_the_shares_softmax_gave():
     # one of them reads block 1 at 0.8; row 1's heads agree on block 2 at 0.5.
     maxima = torch.tensor([[0.4, 0.8, 0.2, 0.6],
                            [0.25, 0.0, 0.5, 0.25]])
-    evidence = Evidence.from_scores(maxima, head_reduce="max")
+    evidence = Evidence.from_gathered({"mass": maxima}, head_reduce="max")
     torch.testing.assert_close(evidence.mass.sum(1), torch.ones(2))
     torch.testing.assert_close(evidence.row_scale, torch.tensor([2.0, 1.0]))
     raw = direct_scores(evidence.mass, "max", evidence.row_scale)
@@ -206,7 +206,7 @@ def test_best_row_reads_the_shares_softmax_gave():
     nexus = get_policy("nexus", direct="max", indirect="none", sampler="topk",
                        sink_blocks=1, recent_blocks=0)
     assert nexus.select(evidence, 3).tolist() == [0, 1, 3]
-    assert Evidence.from_scores(evidence.mass, head_reduce="mean").row_scale is None
+    assert Evidence.from_gathered({"mass": evidence.mass}, head_reduce="mean").row_scale is None
     with pytest.raises(ValueError, match="row_scale"):
         Evidence(evidence.mass, row_scale=torch.tensor([1.0]))
     with pytest.raises(ValueError, match="row_scale"):
@@ -426,8 +426,8 @@ def test_carry_forward_keeps_the_block_after_a_found_one():
     assert {5, 6} <= set(carried.tolist()) and 2 not in carried
     # Policies that read no mass ignore it (their scores are not attention).
     norms = torch.linspace(1.0, 2.0, 12)
-    assert torch.equal(get_policy("knorm", carry=1).select(Evidence.uniform(12, norms), 8),
-                       get_policy("knorm").select(Evidence.uniform(12, norms), 8))
+    assert torch.equal(get_policy("knorm", carry=1).select(Evidence(key_norms=norms), 8),
+                       get_policy("knorm").select(Evidence(key_norms=norms), 8))
     # The config carries it to every policy it builds.
     cfg = EvictionConfig(method="tova", carry=1, head_reduce="max")
     assert cfg.policy().carry == 1 and cfg.policy(prefill=True).carry == 1

@@ -220,7 +220,7 @@ class Evidence(Mapping[str, torch.Tensor]):
         Each mass row's total as scored, before it was renormalised into ``mass``: under
         ``head_reduce: max`` a row of maxima over heads and layers sums to 1 or more, and
         ``mass * row_scale[:, None]`` gives back each block's largest softmax share
-        (:meth:`from_scores`). None: the rows were distributions as scored.
+        (:meth:`from_gathered`). None: the rows were distributions as scored.
     num_blocks : int, optional
         N, required when no kind is given (a policy that reads nothing).
     **kinds : Tensor
@@ -273,21 +273,6 @@ class Evidence(Mapping[str, torch.Tensor]):
         for name, raw in gathered.items():
             parts.update(evidence_kind(name).finish(raw, head_reduce))
         return cls(num_blocks=num_blocks, **parts)
-
-    @classmethod
-    def from_scores(cls, scores: torch.Tensor, key_norms: torch.Tensor | None = None, *,
-                    head_reduce: str) -> Evidence:
-        """Evidence from the scorer's mass rows ``[W, N]`` (and key norms), combined over
-        heads and layers by ``head_reduce``."""
-        gathered = {"mass": scores}
-        if key_norms is not None:
-            gathered["key_norms"] = key_norms
-        return cls.from_gathered(gathered, head_reduce=head_reduce)
-
-    @classmethod
-    def uniform(cls, num_blocks: int, key_norms: torch.Tensor | None = None) -> Evidence:
-        """Evidence with no mass over ``num_blocks`` live blocks (optionally key norms)."""
-        return cls(key_norms=key_norms, num_blocks=int(num_blocks))
 
     # -- the mapping ----------------------------------------------------------------------
     def __getitem__(self, name: str) -> torch.Tensor:

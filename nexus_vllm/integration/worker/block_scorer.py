@@ -268,7 +268,7 @@ class BlockScorer:
     head_reduce : {"mean", "max"}
         How heads and layers combine (``EvictionConfig.head_reduce``): a mean (summed over
         ranks), or a maximum (reduced by max over ranks; the scheduler renormalises each
-        row, ``Evidence.from_scores``).
+        row, ``Evidence.from_gathered``).
     fault : callable
         ``(kind, message, exc=...)``: count and log a fault.
     self_check : bool
