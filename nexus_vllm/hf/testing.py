@@ -21,7 +21,9 @@ __all__ = ["CORPUS", "FAMILIES", "byte_tokenizer", "save_tiny_checkpoint", "tiny
            "tiny_model", "trained_tokenizer"]
 
 _EOS = "<|eos|>"
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+# The gemma3 family's sliding window (tokens): short, so that test prompts outgrow it.
+TINY_SLIDING_WINDOW = 64
 # Weight scale of every matrix (embeddings, projections, head). Ten times transformers'
 # default, so attention is far from uniform, logits are well separated and greedy
 # decoding is not decided by float reordering (chunked vs one-shot prefill, vLLM vs HF).
@@ -85,7 +87,10 @@ def tiny_model(family: str = "llama", vocab_size: int = 260, *, layers: int = 3,
 
     Parameters
     ----------
-    family : {"llama", "qwen2", "qwen3", "mistral"}
+    family : {"llama", "qwen2", "qwen3", "mistral", "gemma3"}
+        ``gemma3`` interleaves sliding-window layers (:data:`TINY_SLIDING_WINDOW`
+        tokens) with full-attention ones, every second layer full, as Gemma 3 does
+        every sixth; the others attend fully.
     vocab_size : int
         ``len(tokenizer)``.
     layers, heads, kv_heads, head_dim : int
@@ -100,19 +105,26 @@ def tiny_model(family: str = "llama", vocab_size: int = 260, *, layers: int = 3,
     import torch
     import transformers
 
-    names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+    names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
+             "gemma3": "Gemma3Text"}
     if family not in names:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     config_cls = getattr(transformers, f"{names[family]}Config")
-    model_cls = getattr(transformers, f"{names[family]}ForCausalLM")
+    model_cls = getattr(transformers, "Gemma3ForCausalLM" if family == "gemma3"
+                        else f"{names[family]}ForCausalLM")
     torch.manual_seed(seed)
+    extra: dict[str, Any] = {}
+    if family == "gemma3":
+        extra = {"sliding_window": TINY_SLIDING_WINDOW, "query_pre_attn_scalar": head_dim,
+                 "layer_types": ["full_attention" if i % 2 else "sliding_attention"
+                                 for i in range(layers)]}
     cfg = config_cls(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         max_position_embeddings=8192, initializer_range=INIT_STD, eos_token_id=eos_token_id,
-        bos_token_id=bos_token_id, pad_token_id=None, tie_word_embeddings=False,
+        bos_token_id=bos_token_id, pad_token_id=None, tie_word_embeddings=False, **extra,
     )
-    if hasattr(cfg, "sliding_window"):
+    if family != "gemma3" and hasattr(cfg, "sliding_window"):
         cfg.sliding_window = None  # full attention, like the released checkpoints we serve
     cfg._attn_implementation = "sdpa"
     model = model_cls(cfg).eval()

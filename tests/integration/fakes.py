@@ -121,30 +121,43 @@ def cpu_ops() -> Any:
     return importlib.import_module("vllm._custom_ops")
 
 
-def scheduler_side(num_blocks: int = 64, **flags: Any) -> tuple[Any, Any, Any]:
+def scheduler_side(num_blocks: int = 64, *, window: int | None = None,
+                   step_tokens: int = 128, **flags: Any) -> tuple[Any, Any, Any]:
     """``(EvictionManager, FullAttentionManager, BlockPool)``: the scheduler side over
     vLLM's real block pool, with a stand-in for the parts of ``KVCacheManager`` the
     manager hooks (prefix hits, admission). ``flags`` are ``EvictionConfig`` fields; the
     server streams (``prompt_mode`` ``stream``, an event after every prompt chunk) unless
-    they say otherwise, since the tests step prompts chunk by chunk."""
+    they say otherwise, since the tests step prompts chunk by chunk. With ``window``
+    (tokens) the model is hybrid, as vLLM groups Gemma 3: a sliding-window group first
+    (``mgr.windows.groups[0].manager``), then the full-attention group, over one pool."""
     from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.core.single_type_kv_cache_manager import (
+        FullAttentionManager,
+        SlidingWindowManager,
+    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     from nexus_vllm.integration.frontend.server_config import resolve_config
     from nexus_vllm.integration.scheduler.manager import EvictionManager
 
     pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=False, hash_block_size=BS)
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    managers: list[Any] = []
+    if window is not None:
+        sliding = SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=32,
+                                    dtype=torch.float32, sliding_window=window)
+        managers.append(SlidingWindowManager(sliding, block_pool=pool, enable_caching=False,
+                                             kv_cache_group_id=0, scheduler_block_size=BS))
     single = FullAttentionManager(spec, block_pool=pool, enable_caching=False,
-                                  kv_cache_group_id=0, scheduler_block_size=BS)
-    kvm = SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=(single,)),
+                                  kv_cache_group_id=len(managers), scheduler_block_size=BS)
+    managers.append(single)
+    kvm = SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=tuple(managers)),
                           block_pool=pool, get_computed_blocks=lambda r: ((), 0, 0),
                           truncate_computed_blocks=lambda blocks, n: blocks,
                           allocate_slots=lambda *a, **k: None)
     cfg = resolve_config(flags={"method": "nexus", "seed": 3, "prompt_mode": "stream",
                                 **flags})
-    return EvictionManager(cfg, kvm, BS), single, pool
+    return EvictionManager(cfg, kvm, BS, step_tokens=step_tokens), single, pool
 
 
 def fake_evidence(kinds: Iterable[str], rows: int, live: int,

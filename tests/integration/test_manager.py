@@ -458,3 +458,113 @@ def test_end_mode_resumed_request_recomputes_within_its_bound() -> None:
         mgr.apply_reply(plan, _reply(plan, mgr), reqs)
     assert events == [(1024, True), (1040, False)]
     assert mgr.counters.over_budget_peak <= 0
+
+
+# -- hybrid sliding-window models ----------------------------------------------------------
+WINDOW = 64  # tokens: two 32-token blocks
+
+
+def _hybrid(num_blocks: int = 64, budget: int = 256, chunk: int = 128):  # noqa: ANN202
+    return scheduler_side(num_blocks, window=WINDOW, step_tokens=chunk, max_tokens=budget,
+                          chunk_size=chunk)
+
+
+def _step_hybrid(mgr, single, requests, sched, new=()):  # noqa: ANN001, ANN202
+    """:func:`_step` plus what vLLM does in the sliding group: free what left the window,
+    then allocate the step's tokens."""
+    sliding = mgr.windows.groups[0].manager
+    for req_id, n in sched.items():
+        r = requests[req_id]
+        sliding.remove_skipped_blocks(req_id, r.num_computed_tokens)
+        sliding.allocate_new_blocks(req_id, r.num_computed_tokens + n,
+                                    r.num_computed_tokens + n)
+    return _step(mgr, single, requests, sched, new)
+
+
+def test_groups_are_classified_by_spec_not_index() -> None:
+    """Gemma 3's layout (a sliding group first): eviction works on the full-attention
+    group; a group of any other kind, a full group holding sliding layers (the hybrid
+    manager off) and two full groups are refused, naming why."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    from nexus_vllm.integration.compat.vllm_compat import (
+        UnsupportedKVCacheGroup,
+        group_role,
+        kv_cache_groups,
+    )
+
+    mgr, single, _ = _hybrid()
+    assert mgr.blocks.kv_group is single and single.kv_cache_group_id == 1
+    (w,) = mgr.windows.groups
+    assert (w.index, w.window, w.block_size) == (0, WINDOW, 32)
+    shape = {"block_size": 32, "num_kv_heads": 1, "head_size": 32, "dtype": torch.float32}
+    with pytest.raises(UnsupportedKVCacheGroup, match="hybrid KV cache manager is off"):
+        group_role(FullAttentionSpec(sliding_window=WINDOW, **shape))
+    with pytest.raises(UnsupportedKVCacheGroup, match="MLAAttentionSpec"):
+        group_role(MLAAttentionSpec(**shape))
+    twice = SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=(single, single)))
+    with pytest.raises(UnsupportedKVCacheGroup, match="exactly one full-attention"):
+        kv_cache_groups(twice)
+
+
+def test_window_groups_are_counted_never_evicted() -> None:
+    """A long prompt in chunks: the full group stays within budget + one chunk while
+    vLLM's sliding group holds its window plus a step; eviction never nulls a sliding
+    entry (vLLM's backward free stops at the first null)."""
+    mgr, single, pool = _hybrid(num_blocks=200)
+    sliding = mgr.windows.groups[0].manager
+    reqs = {"r": _request("r", prompt=1500)}
+    first = True
+    while reqs["r"].num_computed_tokens < 1500:
+        n = min(128, 1500 - reqs["r"].num_computed_tokens)
+        plan = _step_hybrid(mgr, single, reqs, {"r": n}, new=("r",) if first else ())
+        first = False
+        held = mgr.windows.held("r")
+        computed = reqs["r"].num_computed_tokens
+        blocks = sliding.req_to_blocks["r"]
+        # What vLLM's sliding manager keeps (the tokens from computed - n - W + 1 on).
+        assert held == sum(1 for b in blocks if not b.is_null)
+        assert held <= mgr.windows.allowance(computed)
+        mgr.apply_reply(plan, _reply(plan, mgr), reqs)
+        assert mgr.live_count("r") <= 12
+    assert mgr.counters.evicted_blocks > 0 and mgr.counters.over_budget_peak <= 0
+    assert mgr.windows.allowance(1500) == 7  # cdiv(64 - 1 + 128, 32) + 1
+    assert mgr.windows.allowance(40) == 2  # never more than the sequence's blocks
+    single.free("r")
+    sliding.free("r")
+    assert pool.get_num_free_blocks() == 199
+
+
+def test_hybrid_admission_reserves_the_window_groups() -> None:
+    """Admission reserves each request's full-group bound plus its sliding allowance,
+    against what the admitted requests hold in both groups."""
+    from vllm.v1.request import RequestStatus
+
+    mgr, single, _ = _hybrid(num_blocks=40)  # 39 usable
+    reqs = {}
+    for rid in ("a", "b", "c"):
+        r = _request(rid, prompt=1000)
+        r.max_tokens, r.status = 64, RequestStatus.WAITING
+        reqs[rid] = r
+    need = mgr.bound_blocks(reqs["a"]) + mgr.windows.allowance(1064)
+    assert need == 12 + 7
+    assert mgr.may_admit(reqs["a"])
+    _step_hybrid(mgr, single, {"a": reqs["a"]}, {"a": 128}, new=("a",))  # 4 + 4 held
+    assert mgr.may_admit(reqs["b"])  # 31 free - (19 - 8) outstanding >= 19
+    _step_hybrid(mgr, single, {"b": reqs["b"]}, {"b": 128}, new=("b",))
+    assert not mgr.may_admit(reqs["c"])  # 23 free - 22 outstanding < 19
+    assert mgr.counters.admission_waits == 1
+
+
+@pytest.mark.parametrize("windows, want", [(False, 512), (True, 0)])
+def test_a_cut_prefix_hit_is_dropped_whole_with_window_groups(windows, want) -> None:  # noqa: ANN001
+    """vLLM 0.32 caps a hit after its lookup: a sliding group's hit holds nulls below
+    its window, so a hit cut short is dropped whole there (0 tokens) and cut on the
+    multiple elsewhere."""
+    from nexus_vllm.integration.compat.vllm_compat import cap_prefix_hits
+
+    kvm = SimpleNamespace(get_computed_blocks=lambda request: ("blocks", 1024, 0),
+                          truncate_computed_blocks=lambda blocks, n: ("cut", n))
+    cap_prefix_hits(kvm, lambda request: (600, 128), windows=windows)
+    _, hit, _ = kvm.get_computed_blocks(_request("r", prompt=2000))
+    assert hit == want

@@ -139,6 +139,25 @@ def test_adapter_is_chosen_by_the_runners_features(staged: bool) -> None:
         runner_adapter(SimpleNamespace())
 
 
+def test_v1_writes_the_evicted_groups_table_only() -> None:
+    """A hybrid model's full-attention group is not group 0 (Gemma 3: sliding groups
+    first): the V1 adapter reads and writes that group's ids and table, never the
+    sliding group's."""
+    import numpy as np
+
+    tables = [SimpleNamespace(block_table=SimpleNamespace(np=np.full((2, 4), 3)))
+              for _ in range(2)]
+    state = SimpleNamespace(block_ids=([11, 12, 13], [21, 22, 23]))
+    v1 = SimpleNamespace(requests={"a": state}, input_batch=SimpleNamespace(
+        block_table=tables, req_id_to_index={"a": 1}, req_ids=["a"]))
+    adapter = runner_adapter(v1, group=1)
+    assert adapter.logical_row("a") == [21, 22, 23]
+    adapter.set_entries("a", [0, 2], [NULL, NULL])
+    assert state.block_ids == ([11, 12, 13], [NULL, 22, NULL])
+    assert tables[1].block_table.np[1].tolist() == [NULL, 3, NULL, 3]
+    assert (tables[0].block_table.np == 3).all()
+
+
 @pytest.mark.parametrize("staged", RUNNERS)
 def test_nulls_land_before_the_gather_and_persist(staged: bool) -> None:
     runner = _MiniV2(staged)

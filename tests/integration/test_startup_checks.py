@@ -287,7 +287,7 @@ def test_kv_connector_is_refused(cuda) -> None:  # noqa: ANN001
 
 @needs_vllm
 @pytest.mark.parametrize("attr, value, match", [
-    ("sliding", 4096, "sliding-window attention"),
+    ("sliding", 4096, "sliding-window attention in every layer"),
     ("uses_alibi", True, "ALiBi"),
     ("use_mla", True, "MLA"),
     ("is_hybrid", True, "hybrid"),
@@ -298,20 +298,45 @@ def test_kv_connector_is_refused(cuda) -> None:  # noqa: ANN001
 def test_model_refusals(attr, value, match) -> None:  # noqa: ANN001
     from nexus_vllm.integration.frontend.patches.engine_args import check_model_config
 
-    check_model_config(SimpleNamespace(model_config=_model()), CFG)
+    check_model_config(_vllm_config(_model()), CFG)
     model = _model(**{attr: value})
     with pytest.raises(ValueError, match=f"^--kv-eviction nexus: model m uses .*{match}"):
-        check_model_config(SimpleNamespace(model_config=model), CFG)
+        check_model_config(_vllm_config(model), CFG)
+
+
+def _vllm_config(model, hybrid_manager: bool = True):  # noqa: ANN001, ANN202
+    scheduler = SimpleNamespace(disable_hybrid_kv_cache_manager=not hybrid_manager)
+    return SimpleNamespace(model_config=model, scheduler_config=scheduler)
+
+
+_INTERLEAVED = ["sliding_attention"] * 5 + ["full_attention"]
+
+
+@needs_vllm
+def test_interleaved_sliding_window_needs_the_hybrid_manager() -> None:
+    """Gemma 3's interleaved sliding-window layers evict through vLLM's hybrid KV cache
+    manager (the full-attention group only); with the manager off the model is refused,
+    naming the flag that turned it off."""
+    from nexus_vllm.integration.frontend.patches.engine_args import check_model_config
+
+    gemma = _model(sliding=512, hf_text_config=SimpleNamespace(
+        num_hidden_layers=6, layer_types=_INTERLEAVED))
+    check_model_config(_vllm_config(gemma), CFG)
+    with pytest.raises(ValueError, match="hybrid KV cache manager is off.*"
+                                         "--disable-hybrid-kv-cache-manager"):
+        check_model_config(_vllm_config(gemma, hybrid_manager=False), CFG)
+    every = _model(sliding=512, hf_text_config=SimpleNamespace(
+        num_hidden_layers=6, layer_types=["sliding_attention"] * 6))
+    with pytest.raises(ValueError, match="sliding-window attention in every layer"):
+        check_model_config(_vllm_config(every), CFG)
 
 
 def _model(**traits):  # noqa: ANN003, ANN202
     """A stand-in for vLLM's ``ModelConfig`` with every attention feature off."""
     off = {"uses_alibi": False, "use_mla": False, "is_hybrid": False,
            "is_encoder_decoder": False, "is_mm_prefix_lm": False, "rswa_window": None,
-           "sliding": None}
-    model = SimpleNamespace(model="m", max_model_len=4096,
-                            hf_text_config=SimpleNamespace(num_hidden_layers=4),
-                            **{**off, **traits})
+           "sliding": None, "hf_text_config": SimpleNamespace(num_hidden_layers=4)}
+    model = SimpleNamespace(model="m", max_model_len=4096, **{**off, **traits})
     model.get_sliding_window = lambda: model.sliding
     return model
 
@@ -335,10 +360,11 @@ def test_layers_and_models_share_one_check() -> None:
 
     assert model_attention_traits(_model()) == AttentionTraits()
     assert AttentionLayerView("l0", _layer()).unsupported_reason() is None
-    (window,) = unsupported_attention(AttentionTraits(sliding_window=True))
-    assert model_attention_traits(_model(sliding=4096)) == AttentionTraits(sliding_window=True)
-    assert AttentionLayerView("l0", _layer(sliding_window=4096)).unsupported_reason() == (
-        f"layer l0 uses {window}")
+    assert model_attention_traits(_model(sliding=4096)) == AttentionTraits(
+        sliding_window_only=True)
+    # A sliding layer is checked with its KV cache group (group_role), not alone.
+    windowed = AttentionLayerView("l0", _layer(sliding_window=4096))
+    assert windowed.unsupported_reason() is None and windowed.sliding_window == 4096
     alibi = _layer(impl=SimpleNamespace(alibi_slopes=[0.5]))
     assert AttentionLayerView("l0", alibi).attention_traits() == AttentionTraits(alibi=True)
     assert model_attention_traits(_model(uses_alibi=True)) == AttentionTraits(alibi=True)

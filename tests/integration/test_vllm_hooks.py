@@ -141,15 +141,27 @@ def test_engine_step_order() -> None:
     assert order == sorted(order)
 
 
-def test_single_type_manager_and_request_blocks() -> None:
-    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+def test_kv_cache_groups_and_request_blocks() -> None:
+    from vllm.v1.core.single_type_kv_cache_manager import (
+        SingleTypeKVCacheManager,
+        SlidingWindowManager,
+    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     from nexus_vllm.integration.scheduler.manager import EvictionManager  # noqa: F401
 
     assert "req_to_blocks" in inspect.getsource(SingleTypeKVCacheManager.__init__)
+    assert "self.kv_cache_spec" in inspect.getsource(SingleTypeKVCacheManager.__init__)
     src = inspect.getsource(__import__("vllm.v1.core.kv_cache_coordinator",
                                        fromlist=["x"]))
     assert "self.single_type_managers" in src
+    # group_role: full attention by exact spec class, sliding windows by their spec's
+    # window (vLLM's sliding manager frees below it, walking back to the first null).
+    fields = {f.name for f in __import__("dataclasses").fields(SlidingWindowSpec)}
+    assert {"sliding_window", "block_size"} <= fields
+    assert {"sliding_window", "attention_chunk_size"} <= {
+        f.name for f in __import__("dataclasses").fields(FullAttentionSpec)}
+    assert "null_block" in inspect.getsource(SlidingWindowManager)
 
 
 def test_block_pool_view() -> None:

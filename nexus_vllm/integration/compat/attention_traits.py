@@ -5,7 +5,9 @@ layer in the worker); the API server's engine policy (``frontend/engine_policy.p
 the worker refuse a model or layer that has any of them, naming it with
 :func:`unsupported_attention`. Compacted block tables keep token positions logical but
 shorten what attention sees, so anything that reads distances or positions inside
-attention, or more than one KV cache, would change meaning.
+attention would change meaning. Sliding-window layers are the exception when vLLM's
+hybrid KV cache manager keeps them in groups of their own: those groups are never
+compacted (``vllm_compat.group_role``).
 
 This module imports nothing from vLLM.
 """
@@ -22,7 +24,8 @@ class AttentionTraits:
     """Attention features of a model (from its config) or of one attention layer that
     eviction cannot run on (``vllm_compat`` reads them from vLLM); all False: it can."""
 
-    sliding_window: bool = False
+    sliding_window_only: bool = False
+    sliding_window_one_group: bool = False
     alibi: bool = False
     mla: bool = False
     hybrid: bool = False
@@ -35,8 +38,15 @@ class AttentionTraits:
 
 # Trait -> how a refusal names it (and why, where it is not obvious).
 _TRAIT_NAMES = {
-    "sliding_window": "sliding-window attention (compacted block tables would shift the "
-                      "window)",
+    # Interleaved sliding-window layers are supported through vLLM's hybrid KV cache
+    # manager: their groups are left to vLLM and only the full-attention group evicts.
+    "sliding_window_only": "sliding-window attention in every layer (no full-attention "
+                           "layer to evict from; vLLM already bounds such a cache by its "
+                           "window)",
+    "sliding_window_one_group": "sliding-window layers in the full-attention KV cache "
+                                "group (vLLM's hybrid KV cache manager is off, so compacted "
+                                "block tables would shift their window; serve without "
+                                "--disable-hybrid-kv-cache-manager)",
     "alibi": "ALiBi position biases (they follow the compacted, not the logical, distance)",
     "mla": "multi-head latent attention (MLA)",
     "hybrid": "hybrid attention/state-space layers",

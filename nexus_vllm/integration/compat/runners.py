@@ -61,9 +61,12 @@ __all__ = [
 
 
 class RunnerAdapter(Protocol):
-    """What the worker's eviction state needs from a model runner."""
+    """What the worker's eviction state needs from a model runner, for the one KV cache
+    group eviction works on (``group``: the full-attention group; 0 for a model with one
+    group, later in hybrid models whose sliding-window groups come first)."""
 
     name: str
+    group: int
 
     def observe(self, scheduler_output: SchedulerOutput) -> None:
         """Follow this step's request changes (called before the runner sees them)."""
@@ -93,8 +96,9 @@ class RunnerV1:
 
     name = "v1"
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: Any, group: int = 0) -> None:
         self.runner = runner
+        self.group = int(group)
 
     @staticmethod
     def matches(runner: Any) -> bool:
@@ -110,7 +114,7 @@ class RunnerV1:
 
     def logical_row(self, req_id: str) -> list[int] | None:
         state = self.runner.requests.get(req_id)
-        return None if state is None else state.block_ids[0]
+        return None if state is None else state.block_ids[self.group]
 
     def set_entries(self, req_id: str, idxs: Iterable[int], values: Iterable[int]) -> None:
         idxs, values = list(idxs), list(values)
@@ -124,7 +128,7 @@ class RunnerV1:
                     ids[j] = v
         row = self.runner.input_batch.req_id_to_index.get(req_id)
         if row is not None:
-            self.runner.input_batch.block_table[0].block_table.np[row, idxs] = values
+            self.runner.input_batch.block_table[self.group].block_table.np[row, idxs] = values
 
     @contextlib.contextmanager
     def sampling_guard(self) -> Iterator[None]:
@@ -166,8 +170,9 @@ class _V2Family:
 
     name = "v2"
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: Any, group: int = 0) -> None:
         self.runner = runner
+        self.group = int(group)
         self.rows: dict[str, list[int]] = {}
         self.pending: dict[str, dict[int, int]] = {}
         self._batch: list[str] | None = None
@@ -197,7 +202,7 @@ class _V2Family:
             self.rows.pop(req_id, None)
             self.pending.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
-            self.rows[new.req_id] = [int(b) for b in new.block_ids[0]]
+            self.rows[new.req_id] = [int(b) for b in new.block_ids[self.group]]
             self.pending.pop(new.req_id, None)
         cached = scheduler_output.scheduled_cached_reqs
         # vLLM <= 0.33 re-sends a resumed request's whole block list here; 0.34 sends it
@@ -205,10 +210,11 @@ class _V2Family:
         resumed = getattr(cached, "resumed_req_ids", None) or set()
         for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
             if req_id in resumed:
-                self.rows[req_id] = [] if new_ids is None else [int(b) for b in new_ids[0]]
+                self.rows[req_id] = ([] if new_ids is None
+                                     else [int(b) for b in new_ids[self.group]])
                 self.pending.pop(req_id, None)
             elif new_ids is not None:
-                self.rows.setdefault(req_id, []).extend(int(b) for b in new_ids[0])
+                self.rows.setdefault(req_id, []).extend(int(b) for b in new_ids[self.group])
 
     def batch_req_ids(self, num_rows: int) -> list[str]:
         if self._batch is None:
@@ -263,7 +269,7 @@ class StagedTables(_V2Family):
         return bool(groups) and hasattr(groups[0], "stage_write")
 
     def _write(self, writes: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
-        table = self.runner.block_tables.block_tables[0]
+        table = self.runner.block_tables.block_tables[self.group]
         for req_index, cols, vals in writes:
             # One staged write per run of consecutive columns.
             breaks = np.flatnonzero(np.diff(cols) != 1) + 1
@@ -284,7 +290,7 @@ class HostTables(_V2Family):
         return tables is not None and bool(getattr(tables, "block_tables_np", None))
 
     def _write(self, writes: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
-        table = self.runner.block_tables.block_tables_np[0]
+        table = self.runner.block_tables.block_tables_np[self.group]
         for req_index, cols, vals in writes:
             table[req_index, cols] = vals
 
@@ -292,9 +298,9 @@ class HostTables(_V2Family):
 _ADAPTERS: tuple[type[Any], ...] = (StagedTables, HostTables, RunnerV1)
 
 
-def runner_adapter(runner: Any) -> RunnerAdapter:
-    """The adapter for ``runner`` (call after the KV cache is initialised: V2 runners
-    create their block tables there).
+def runner_adapter(runner: Any, group: int = 0) -> RunnerAdapter:
+    """The adapter for ``runner`` and KV cache group ``group`` (call after the KV cache
+    is initialised: V2 runners create their block tables there).
 
     Raises
     ------
@@ -303,7 +309,7 @@ def runner_adapter(runner: Any) -> RunnerAdapter:
     """
     for cls in _ADAPTERS:
         if cls.matches(runner):
-            adapter: RunnerAdapter = cls(runner)
+            adapter: RunnerAdapter = cls(runner, group)
             return adapter
     raise RuntimeError(
         f"nexus-vllm: unknown vLLM model runner {type(runner).__module__}."

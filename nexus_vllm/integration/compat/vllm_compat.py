@@ -11,8 +11,10 @@ Inventory (what, where in vLLM 0.32, why we need it):
 ============================  ====================================  ===========================
 accessor                      vLLM internal                         why
 ============================  ====================================  ===========================
-``single_type_manager``       ``KVCacheManager.coordinator.         the request's block list we
-                              single_type_managers``                null and shorten
+``kv_cache_groups``           ``KVCacheManager.coordinator.         the full-attention group's
+``group_role``                single_type_managers``, each          block lists we null; the
+                              ``.kv_cache_spec`` (``FullAttention   sliding-window groups we
+                              Spec``, ``SlidingWindowSpec``)        leave to vLLM
 ``request_blocks``            ``SingleTypeKVCacheManager.           evicted entries become the
                               req_to_blocks``                       pool's null block
 ``cap_prefix_caching``        ``SingleTypeKVCacheManager.           blocks computed after a
@@ -50,7 +52,8 @@ accessor                      vLLM internal                         why
 ``model_attention_traits``    ``ModelConfig.get_sliding_window /    models eviction refuses at
                               uses_alibi / use_mla / is_hybrid /    startup (the same check as
                               is_encoder_decoder / is_mm_prefix_lm  each layer's,
-                              / rswa_window``                       ``engine_policy``)
+                              / rswa_window``, ``hf_text_config.    ``engine_policy``)
+                              layer_types``
 ``attention_groups``          ``GPUModelRunner.attn_groups``        bind our metadata builders
 ``CommonAttentionMetadata``   ``v1/attention/backend.py`` fields    what compaction rewrites
 ``tp_all_reduce``             ``get_tp_group().all_reduce``         sum block masses over ranks
@@ -96,6 +99,7 @@ if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+    from vllm.v1.kv_cache_interface import KVCacheSpec
     from vllm.v1.request import Request
     from vllm.v1.worker.utils import AttentionGroup
 
@@ -123,7 +127,11 @@ __all__ = [
     "release_request",
     "reset_request_ids",
     "request_blocks",
-    "single_type_manager",
+    "KVCacheGroups",
+    "UnsupportedKVCacheGroup",
+    "WindowGroup",
+    "group_role",
+    "kv_cache_groups",
     "steps_in_flight",
     "tp_all_reduce",
     "tp_rank_and_size",
@@ -157,26 +165,103 @@ def check_vllm_version() -> None:
 
 
 # -- scheduler side --------------------------------------------------------------------
-def single_type_manager(kv_cache_manager: KVCacheManager) -> SingleTypeKVCacheManager:
-    """The one ``SingleTypeKVCacheManager`` of a full-attention model.
+class UnsupportedKVCacheGroup(ValueError):
+    """A KV cache group eviction cannot run with (the message says which and why)."""
+
+
+def group_role(spec: KVCacheSpec) -> str:
+    """What eviction does with a KV cache group of this spec: ``"evicted"`` (full
+    attention: its blocks are scored, nulled and compacted) or ``"window"`` (sliding
+    window with vLLM's hybrid KV cache manager: vLLM frees what leaves the window, and
+    eviction never touches it: a null inside a sliding group would stop vLLM's backward
+    free there, and compacting it would shift the window).
 
     Raises
     ------
-    ValueError
-        When the model has more than one KV cache group (sliding window, hybrid, ...).
+    UnsupportedKVCacheGroup
+        For any other spec: MLA, chunked-local, cross-attention, Mamba state, or a
+        full-attention group holding sliding-window layers (the hybrid KV cache manager
+        is off, so compaction would shift their window).
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    name = type(spec).__name__
+    if isinstance(spec, SlidingWindowSpec) and "MLA" not in name:
+        return "window"
+    if type(spec) is FullAttentionSpec:
+        if getattr(spec, "sliding_window", None) is not None:
+            raise UnsupportedKVCacheGroup(
+                "sliding-window layers share the full-attention KV cache group (vLLM's "
+                "hybrid KV cache manager is off, e.g. --disable-hybrid-kv-cache-manager): "
+                "compacted block tables would shift their window; serve with the hybrid "
+                "KV cache manager on")
+        if getattr(spec, "attention_chunk_size", None) is not None:
+            raise UnsupportedKVCacheGroup("chunked-local attention layers share the "
+                                          "full-attention KV cache group")
+        return "evicted"
+    raise UnsupportedKVCacheGroup(f"a KV cache group of kind {name}, which eviction "
+                                  "does not support (full attention and sliding window "
+                                  "only)")
+
+
+@dataclass(frozen=True)
+class WindowGroup:
+    """A sliding-window KV cache group, left to vLLM (:func:`group_role`)."""
+
+    index: int
+    manager: SingleTypeKVCacheManager
+    window: int  # tokens
+    block_size: int
+
+
+@dataclass(frozen=True)
+class KVCacheGroups:
+    """The model's KV cache groups as eviction sees them: the one it evicts from and
+    the sliding-window ones it leaves to vLLM."""
+
+    evicted_index: int
+    evicted: SingleTypeKVCacheManager
+    windows: tuple[WindowGroup, ...] = ()
+
+    @property
+    def managers(self) -> tuple[SingleTypeKVCacheManager, ...]:
+        """Every group's manager (the evicted one first)."""
+        return (self.evicted, *(w.manager for w in self.windows))
+
+
+def kv_cache_groups(kv_cache_manager: KVCacheManager) -> KVCacheGroups:
+    """Classify the scheduler's KV cache groups by spec (never by index: group 0 is a
+    sliding group in Gemma 3 and gpt-oss).
+
+    Raises
+    ------
+    UnsupportedKVCacheGroup
+        A group :func:`group_role` refuses, or not exactly one full-attention group.
     """
     managers = kv_cache_manager.coordinator.single_type_managers
-    if len(managers) != 1:
-        raise ValueError(
-            "nexus-vllm eviction supports models with one KV cache group (full "
-            f"attention); this model has {len(managers)}"
-        )
-    return managers[0]
+    evicted: list[int] = []
+    windows: list[WindowGroup] = []
+    for i, manager in enumerate(managers):
+        spec = manager.kv_cache_spec
+        if group_role(spec) == "evicted":
+            evicted.append(i)
+        else:
+            # Tokens retained below the window (speculative decoding) are held too.
+            window = (int(getattr(spec, "sliding_window", 0))
+                      + int(getattr(spec, "extra_retained_tokens", 0)))
+            windows.append(WindowGroup(i, manager, window, int(spec.block_size)))
+    if len(evicted) != 1:
+        raise UnsupportedKVCacheGroup(
+            f"eviction needs exactly one full-attention KV cache group; this model has "
+            f"{len(evicted)} (of {len(managers)} groups)")
+    return KVCacheGroups(evicted[0], managers[evicted[0]], tuple(windows))
 
 
 def cap_prefix_caching(single: SingleTypeKVCacheManager,
                        cap: Callable[[EngineRequest], int | None]) -> None:
-    """Cap, per request, how many tokens vLLM's prefix cache may publish.
+    """Cap, per request, how many tokens one KV cache group may publish to vLLM's prefix
+    cache (call it for every group: a sliding layer's KV computed after an eviction
+    depends on the pruned context too).
 
     Wraps the manager's ``cache_blocks(request, num_tokens, ...)`` on the instance (vLLM
     calls it at schedule time for the tokens about to be computed; its coordinator reaches
@@ -204,7 +289,8 @@ def takes_hit_limit(kv_cache_manager: KVCacheManager) -> bool:
 
 
 def cap_prefix_hits(kv_cache_manager: KVCacheManager,
-                    cap: Callable[[EngineRequest], tuple[int, int] | None]) -> None:
+                    cap: Callable[[EngineRequest], tuple[int, int] | None], *,
+                    windows: bool = False) -> None:
     """Cap, per request, the prefix-cache hit vLLM admits it with.
 
     Wraps ``KVCacheManager.get_computed_blocks`` on the instance (the scheduler calls it
@@ -213,7 +299,10 @@ def cap_prefix_hits(kv_cache_manager: KVCacheManager,
     ``limit`` tokens and must be a multiple of ``multiple``. From vLLM 0.33 the limit is
     passed as vLLM's own ``max_cache_hit_length`` (tightening the scheduler's); on 0.32
     the hit is truncated after the lookup. A hit off the multiple is rounded down with
-    vLLM's ``truncate_computed_blocks`` (pure slicing, no ref counts).
+    vLLM's ``truncate_computed_blocks`` (pure slicing, no ref counts). With sliding-window
+    groups (``windows``) a hit that would be cut is dropped whole: a sliding group's hit
+    holds nulls below its window, and cut short it would leave them inside the window
+    of the tokens computed next.
     """
     with_limit = takes_hit_limit(kv_cache_manager)
 
@@ -233,6 +322,8 @@ def cap_prefix_hits(kv_cache_manager: KVCacheManager,
             else:
                 blocks, hit, boundary = orig(request, *args, **kwargs)
             allowed = (min(hit, limit) // multiple) * multiple
+            if hit > allowed and windows:
+                allowed = 0
             if hit > allowed:
                 return kv_cache_manager.truncate_computed_blocks(blocks, allowed), allowed, 0
             return blocks, hit, boundary
@@ -403,12 +494,18 @@ class AttentionLayerView:
         from vllm.v1.attention.backend import AttentionType
 
         layer = self.layer
+        # A sliding-window layer is checked with its KV cache group (group_role).
         return AttentionTraits(
             non_decoder_attention=getattr(layer, "attn_type", AttentionType.DECODER)
             != AttentionType.DECODER,
-            sliding_window=getattr(layer, "sliding_window", None) is not None,
             alibi=getattr(layer.impl, "alibi_slopes", None) is not None,
             shared_kv_cache=getattr(layer, "kv_sharing_target_layer_name", None) is not None)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The layer's sliding window in tokens (None: full attention)."""
+        window = getattr(self.layer, "sliding_window", None)
+        return None if window is None else int(window)
 
     def unsupported_reason(self) -> str | None:
         """Why eviction cannot run on this layer (None when it can)."""
@@ -416,11 +513,20 @@ class AttentionLayerView:
         return f"layer {self.name} uses {' and '.join(reasons)}" if reasons else None
 
 
-def model_attention_traits(model_config: ModelConfig) -> AttentionTraits:
+def model_attention_traits(model_config: ModelConfig,
+                           hybrid_kv_cache_manager: bool = True) -> AttentionTraits:
     """What the model's attention uses that eviction may not run on, from vLLM's
-    ``ModelConfig`` (known before any layer is built)."""
+    ``ModelConfig`` (known before any layer is built) and whether vLLM's hybrid KV cache
+    manager is on (``SchedulerConfig.disable_hybrid_kv_cache_manager`` false): with it,
+    interleaved sliding-window layers get KV cache groups of their own, left to vLLM."""
+    sliding = model_config.get_sliding_window() is not None
+    # Interleaved models (Gemma 3, gpt-oss) list each layer's kind; a model with a window
+    # and no list slides in every layer.
+    layer_types = getattr(model_config.hf_text_config, "layer_types", None) or ()
+    has_full = any(kind == "full_attention" for kind in layer_types)
     return AttentionTraits(
-        sliding_window=model_config.get_sliding_window() is not None,
+        sliding_window_only=sliding and not has_full,
+        sliding_window_one_group=sliding and has_full and not hybrid_kv_cache_manager,
         alibi=bool(model_config.uses_alibi),
         mla=bool(model_config.use_mla),
         hybrid=bool(model_config.is_hybrid),

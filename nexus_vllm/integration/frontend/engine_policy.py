@@ -311,8 +311,9 @@ def check_model(cfg: EvictionConfig, model: str, traits: AttentionTraits, max_mo
     if reasons:
         raise ValueError(
             f"--kv-eviction {cfg.method}: model {model} uses {' and '.join(reasons)}; "
-            "eviction supports decoder-only models with full attention and one KV cache "
-            "group (serve this model with --kv-eviction none)")
+            "eviction supports decoder-only models with full attention, alone or "
+            "interleaved with sliding-window layers (serve this model with "
+            "--kv-eviction none)")
     try:
         check_max_model_len(cfg, max_model_len, num_layers)
     except ValueError as exc:

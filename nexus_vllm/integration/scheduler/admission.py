@@ -12,7 +12,7 @@ from __future__ import annotations
 from nexus_vllm.core.admission import admits
 from nexus_vllm.integration.compat.vllm_types import EngineRequest
 from nexus_vllm.integration.metrics import SchedulerCounters
-from nexus_vllm.integration.scheduler.live_blocks import LiveBlocks
+from nexus_vllm.integration.scheduler.live_blocks import LiveBlocks, WindowBlocks
 from nexus_vllm.integration.scheduler.request_state import RequestEvictionState, RequestStates
 
 __all__ = ["AdmissionGate"]
@@ -29,12 +29,17 @@ class AdmissionGate:
         ``admission_waits`` counts each refusal.
     max_model_len : int, optional
         The longest sequence vLLM allows (None: ``max_tokens`` alone bounds it).
+    windows : WindowBlocks, optional
+        The sliding-window groups' blocks, reserved on top of the evicted group's bound
+        (a full-attention model has none).
     """
 
     def __init__(self, states: RequestStates, blocks: LiveBlocks, counters: SchedulerCounters,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, windows: WindowBlocks | None = None
+                 ) -> None:
         self.states = states
         self.blocks = blocks
+        self.windows = windows if windows is not None else WindowBlocks((), 0)
         self.counters = counters
         self.max_model_len = max_model_len
 
@@ -47,8 +52,9 @@ class AdmissionGate:
         return total
 
     def bound_blocks(self, request: EngineRequest) -> int | None:
-        """Most blocks an evicting request ever holds (None: it does not evict):
-        :meth:`EvictionConfig.bound_blocks` over its prompt and its longest sequence."""
+        """Most blocks an evicting request ever holds in the evicted group (None: it
+        does not evict): :meth:`EvictionConfig.bound_blocks` over its prompt and its
+        longest sequence."""
         st = self.states.resolve(request)
         if st is None:
             return None
@@ -62,8 +68,13 @@ class AdmissionGate:
         need = self.bound_blocks(request)
         if need is None:
             return True  # not evicting: vLLM's own admission rules
-        reserved = ((st.cfg.peak_from(st.tokens, st.prompt_tokens, st.admitted_total),
-                     self.blocks.live_count(st))
+        windows = self.windows
+        st_new = self.states.get(request.request_id)
+        assert st_new is not None  # bound_blocks resolved it
+        need += windows.allowance(self.total_tokens(st_new, request))
+        reserved = ((st.cfg.peak_from(st.tokens, st.prompt_tokens, st.admitted_total)
+                     + windows.allowance(st.admitted_total),
+                     self.blocks.live_count(st) + windows.held(req_id))
                     for req_id, st in self.states.items()
                     if st.admitted_total is not None and req_id != request.request_id
                     and self.blocks.of(req_id))

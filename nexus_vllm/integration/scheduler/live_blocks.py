@@ -19,14 +19,15 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from nexus_vllm.integration.compat.vllm_compat import BlockPoolView, request_blocks
+from nexus_vllm.core import cdiv
+from nexus_vllm.integration.compat.vllm_compat import BlockPoolView, WindowGroup, request_blocks
 from nexus_vllm.integration.compat.vllm_types import KVBlock
 from nexus_vllm.integration.scheduler.request_state import LiveIndex, RequestEvictionState
 
 if TYPE_CHECKING:
     from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
-__all__ = ["LiveBlocks"]
+__all__ = ["LiveBlocks", "WindowBlocks"]
 
 
 class LiveBlocks:
@@ -35,7 +36,7 @@ class LiveBlocks:
     Parameters
     ----------
     kv_group : vllm.v1.core.single_type_kv_cache_manager.SingleTypeKVCacheManager
-        The model's one full-attention manager (``vllm_compat.single_type_manager``).
+        The model's full-attention manager (``vllm_compat.kv_cache_groups``).
     pool : BlockPoolView
     block_size : int
     """
@@ -93,3 +94,40 @@ class LiveBlocks:
         gone = set(indices)
         # A new list, not an edit in place: a caller may still hold the old one.
         index.live = [j for j in index.live if j not in gone]
+
+
+class WindowBlocks:
+    """The blocks a request holds in sliding-window groups (vLLM's to free, never
+    evicted), counted so that admission reserves them too.
+
+    Parameters
+    ----------
+    groups : sequence of WindowGroup
+        The model's sliding-window groups (none for a full-attention model).
+    step_tokens : int
+        Most tokens one request computes in a step (a prefill chunk).
+    """
+
+    def __init__(self, groups: Sequence[WindowGroup], step_tokens: int) -> None:
+        self.groups = tuple(groups)
+        self.step_tokens = int(step_tokens)
+
+    def allowance(self, total_tokens: int) -> int:
+        """Most blocks a request of ``total_tokens`` holds across the window groups:
+        the tokens still in its window plus one step's, on block boundaries (vLLM's own
+        cap, ``SlidingWindowSpec.max_memory_usage_bytes``), and never more than its
+        sequence."""
+        return sum(min(cdiv(int(total_tokens), g.block_size),
+                       cdiv(g.window - 1 + self.step_tokens, g.block_size) + 1)
+                   for g in self.groups)
+
+    def held(self, req_id: str) -> int:
+        """Blocks the request holds in the window groups now: the entries after the last
+        null (vLLM nulls everything below the window, oldest first)."""
+        count = 0
+        for g in self.groups:
+            for block in reversed(request_blocks(g.manager, req_id)):
+                if BlockPoolView.is_null(block):
+                    break
+                count += 1
+        return count

@@ -53,17 +53,17 @@ from nexus_vllm.integration.compat.vllm_compat import (
     cap_prefix_hits,
     gate_admission,
     hold_request,
+    kv_cache_groups,
     preemption_count,
     release_request,
     reset_request_ids,
-    single_type_manager,
 )
 from nexus_vllm.integration.compat.vllm_types import EngineRequest, StepSchedule
 from nexus_vllm.integration.metrics import SchedulerCounters
 from nexus_vllm.integration.protocol import ScoreRequest, StepPlan, WorkerReply
 from nexus_vllm.integration.scheduler.admission import AdmissionGate
 from nexus_vllm.integration.scheduler.evictor import Evictor
-from nexus_vllm.integration.scheduler.live_blocks import LiveBlocks
+from nexus_vllm.integration.scheduler.live_blocks import LiveBlocks, WindowBlocks
 from nexus_vllm.integration.scheduler.plan_channel import PlanChannel
 from nexus_vllm.integration.scheduler.prefix_cache import prefix_hit_cap
 from nexus_vllm.integration.scheduler.request_state import (
@@ -97,11 +97,16 @@ class EvictionManager:
         k, the steps vLLM schedules before the first reply comes back (for the log and
         the plans-in-flight gauge; the bounds do not depend on it, see the module
         docstring).
+    step_tokens : int, optional
+        Most tokens one request computes in a step (vLLM's token budget per step):
+        what a sliding-window group holds beyond its window. Needed only for models
+        with sliding-window groups.
     """
 
     def __init__(self, server_cfg: EvictionConfig, kv_cache_manager: KVCacheManager,
                  block_size: int,
-                 max_model_len: int | None = None, steps_in_flight: int = 1) -> None:
+                 max_model_len: int | None = None, steps_in_flight: int = 1,
+                 step_tokens: int | None = None) -> None:
         self.server_cfg = server_cfg
         self.block_size = int(block_size)
         self.steps_in_flight = int(steps_in_flight)
@@ -109,16 +114,25 @@ class EvictionManager:
         # Counted into the stats' fault counter (reported and cleared each stats update).
         self.fault = faults.FaultLog(logger, self.counters.faults)
         self.pool = BlockPoolView(kv_cache_manager)
-        self.blocks = LiveBlocks(single_type_manager(kv_cache_manager), self.pool,
-                                 self.block_size)
+        # Full attention is evicted; sliding-window groups stay vLLM's (counted only).
+        groups = kv_cache_groups(kv_cache_manager)
+        if int(groups.evicted.block_size) != self.block_size:
+            raise ValueError(f"nexus-vllm: the full-attention group's blocks hold "
+                             f"{groups.evicted.block_size} tokens, the scheduler's "
+                             f"{self.block_size}")
+        self.blocks = LiveBlocks(groups.evicted, self.pool, self.block_size)
+        if groups.windows and step_tokens is None:
+            raise ValueError("a model with sliding-window groups needs step_tokens")
+        self.windows = WindowBlocks(groups.windows, int(step_tokens or 0))
         self.states = RequestStates(server_cfg)
         self.channel = PlanChannel(self.states, self.fault)
         self.admission = AdmissionGate(self.states, self.blocks, self.counters,
-                                       max_model_len)
+                                       max_model_len, windows=self.windows)
         self.evictor = Evictor(states=self.states, blocks=self.blocks, channel=self.channel,
                                counters=self.counters, fault=self.fault)
-        cap_prefix_caching(self.blocks.kv_group, self.caching_limit)
-        cap_prefix_hits(kv_cache_manager, self.hit_cap)
+        for manager in groups.managers:
+            cap_prefix_caching(manager, self.caching_limit)
+        cap_prefix_hits(kv_cache_manager, self.hit_cap, windows=bool(groups.windows))
         gate_admission(kv_cache_manager, self.may_admit)
 
     # -- vLLM's KVCacheManager (through the wraps) -------------------------------------

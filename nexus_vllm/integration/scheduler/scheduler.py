@@ -82,8 +82,11 @@ class NexusSchedulerMixin(_SchedulerBase):
         self._nexus_keep_cap = cfg.evicts_mid_prompt
         self._nexus_first_count = False
         k = steps_in_flight(self.vllm_config)
-        self.nexus = EvictionManager(cfg, self.kv_cache_manager, self.block_size,
-                                     max_model_len=self.max_model_len, steps_in_flight=k)
+        # Sliding-window groups hold up to one step's tokens beyond their window.
+        self.nexus = EvictionManager(
+            cfg, self.kv_cache_manager, self.block_size, max_model_len=self.max_model_len,
+            steps_in_flight=k,
+            step_tokens=int(self.scheduler_config.max_num_batched_tokens))
         # Steps scheduled and not yet handed back, by id() of their SchedulerOutput (vLLM
         # passes the same object to update_from_output): up to k at once.
         self._nexus_steps: dict[int, _PlannedStep] = {}

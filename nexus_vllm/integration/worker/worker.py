@@ -34,11 +34,13 @@ from nexus_vllm.core import evidence_kind
 from nexus_vllm.integration.compat.runners import RunnerAdapter, runner_adapter
 from nexus_vllm.integration.compat.vllm_compat import (
     StageLink,
+    UnsupportedKVCacheGroup,
     attention_groups,
     attention_layers,
     check_vllm_version,
     gpu_sync_check,
     group_builders,
+    group_role,
     is_async_output,
     pp_rank_and_size,
     rotary_table,
@@ -91,6 +93,12 @@ def _model_layers(vllm_config: VllmConfig, local_bound: int) -> int:
     text = getattr(vllm_config.model_config, "hf_text_config", None)
     layers = getattr(text, "num_hidden_layers", None)
     return max(int(layers), local_bound) if isinstance(layers, int) else local_bound
+
+
+def _windowed_layers(vllm_config: VllmConfig) -> list[int]:
+    """Decoder layer numbers of this worker's sliding-window attention layers."""
+    return [layer_index(v.name) for v in attention_layers(vllm_config)
+            if v.sliding_window is not None]
 
 
 class ReplyingAsyncOutput(AsyncModelRunnerOutput):
@@ -153,12 +161,16 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         # With pipeline parallelism this stage holds only some layers: which layers are
         # scored, and the mean over them, follow the whole model's layer count.
         total = _model_layers(self.vllm_config, max(indices) + 1)
-        model_scored = cfg.scored_layers(total)
+        # Only full-attention layers are scored: a sliding-window layer's old blocks are
+        # freed by vLLM (and may already hold another request's keys).
+        windowed = frozenset(_windowed_layers(self.vllm_config))
+        model_scored = [i for i in cfg.scored_layers(total) if i not in windowed]
         self._nexus_scored = frozenset(model_scored)
         scored = [v for v, i in zip(layers, indices, strict=True) if i in self._nexus_scored]
         if not model_scored:
             raise RuntimeError(f"nexus-vllm: skip_layers={cfg.skip_layers} leaves no "
-                               f"attention layer to score (the model has {total})")
+                               f"full-attention layer to score (the model has {total} "
+                               f"layers, {len(windowed)} of them sliding-window)")
         tp_rank, tp_size = tp_rank_and_size()
         pp_rank, pp_size = pp_rank_and_size()
         layout = RankLayout(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
@@ -197,8 +209,9 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         super().initialize_from_config(*args, **kwargs)
         state = self.nexus
         assert state is not None
-        # V2 runners create their block tables with the KV cache: adapt to it now.
-        adapter = runner_adapter(self.model_runner)
+        # V2 runners create their block tables with the KV cache: adapt to it now, for
+        # the one group eviction works on.
+        adapter = runner_adapter(self.model_runner, self._evicted_group())
         logger.info("nexus-vllm worker: %s model runner (%s)", adapter.name,
                     type(self.model_runner).__name__)
         self._bind(adapter)
@@ -213,6 +226,20 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
             logger.info("nexus-vllm worker: key views re-bound after the KV cache grew")
         return out
 
+    def _evicted_group(self) -> int:
+        """The KV cache group eviction works on: the one full-attention group (hybrid
+        models put sliding-window layers in groups of their own, left to vLLM)."""
+        try:
+            roles = {g.kv_cache_group_id: group_role(g.kv_cache_spec)
+                     for g in attention_groups(self.model_runner)}
+        except UnsupportedKVCacheGroup as exc:
+            raise RuntimeError(f"nexus-vllm cannot evict from this model: {exc}") from None
+        evicted = sorted(i for i, role in roles.items() if role == "evicted")
+        if len(evicted) != 1:
+            raise RuntimeError(f"nexus-vllm: eviction needs exactly one full-attention KV "
+                               f"cache group; this model has {len(evicted)}")
+        return evicted[0]
+
     def _bind(self, adapter: RunnerAdapter) -> None:
         state = self.nexus
         assert state is not None
@@ -224,11 +251,13 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
                     f"blocks of {group.kernel_block_size} tokens inside the "
                     f"{self.cache_config.block_size}-token KV blocks; choose a --block-size "
                     "the backend supports natively")
+            # Sliding-window groups are built as vLLM builds them (never compacted).
+            compacted = group.kv_cache_group_id == adapter.group
             for builder in group_builders(group):
                 if not isinstance(builder, NexusMetadataBuilderMixin):
                     raise RuntimeError(f"nexus-vllm: metadata builder "
                                        f"{type(builder).__name__} has no eviction support")
-                builder.nexus_compactor = state.compactor
+                builder.nexus_compactor = state.compactor if compacted else None
         scored: dict[int, LayerKeys] = {}
         for view in attention_layers(self.vllm_config):
             idx = layer_index(view.name)

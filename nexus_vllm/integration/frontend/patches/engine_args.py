@@ -163,7 +163,8 @@ def check_model_config(vllm_config: VllmConfig, cfg: EvictionConfig) -> None:
     model = vllm_config.model_config
     layers = getattr(model.hf_text_config, "num_hidden_layers", None)
     # Only now is max_model_len known (vLLM derives it from the model when not given).
-    check_model(cfg, str(model.model), model_attention_traits(model),
+    hybrid = not bool(vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)
+    check_model(cfg, str(model.model), model_attention_traits(model, hybrid),
                 int(model.max_model_len), layers if isinstance(layers, int) else None)
 
 
