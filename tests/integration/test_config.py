@@ -437,6 +437,22 @@ def test_serve_command_defaults(monkeypatch) -> None:  # noqa: ANN001
         build_command([], gpu=True)
 
 
+def test_serve_command_maps_a_prepared_models_name(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    """``nexus-vllm serve gemma3`` serves the prepared checkpoint under its canonical name
+    (a hub-style name passes through untouched)."""
+    import nexus_vllm.models
+    from nexus_vllm.integration.frontend.serve import build_command
+
+    prepared: list[str] = []
+    monkeypatch.setattr(nexus_vllm.models, "prepare_model",
+                        lambda name: prepared.append(name) or tmp_path / name)
+    cmd, _ = build_command(["gemma3", "--kv-eviction", "none"], gpu=False)
+    assert prepared == ["gemma3-270m"] and cmd[4] == str(tmp_path / "gemma3-270m")
+    assert cmd[cmd.index("--served-model-name") + 1] == "gemma3-270m"
+    cmd, _ = build_command(["google/gemma-3-270m", "--kv-eviction", "none"], gpu=False)
+    assert cmd[4] == "google/gemma-3-270m" and "--served-model-name" not in cmd
+
+
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 def test_vllm_config_yaml_sets_plugin_flags(tmp_path) -> None:  # noqa: ANN001
     from vllm.engine.arg_utils import AsyncEngineArgs

