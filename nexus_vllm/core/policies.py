@@ -303,6 +303,14 @@ class NexusPolicy(EvictionPolicy):
         ``(1 - alpha) * row + alpha * expected`` (still a distribution over the blocks).
         0, the default, reads the window's attention only; 1 reads expected attention
         only (one row, no mass gathered).
+    knorm_share : float
+        Share ``gamma`` in [0, 1) of the weights drawn from the key-norm prior as a
+        distribution of its own, ``softmax(-beta * z)``, *added* to the walk's normalised
+        weights rather than multiplied into them: ``(1 - gamma) * w / sum(w) + gamma *
+        softmax(-beta * z)``. A product lets the window's recency bias (old blocks draw
+        almost no mass) override the prior; a mixture keeps the blocks either evidence
+        ranks high. 0, the default, multiplies (as ``knorm_prior`` alone says); > 0
+        needs ``knorm_prior`` > 0 (the prior's sharpness).
     """
 
     direct: str = "mean"
@@ -315,6 +323,7 @@ class NexusPolicy(EvictionPolicy):
     n: int = 4
     knorm_prior: float = 0.0
     expected: float = 0.0
+    knorm_share: float = 0.0
 
     name: ClassVar[str] = "nexus"
     # After a prompt chunk the walk runs whatever ``indirect`` says at decode (the prefill
@@ -345,6 +354,11 @@ class NexusPolicy(EvictionPolicy):
         check_float("eps", self.eps, low=0.0)
         check_float("knorm_prior", self.knorm_prior, low=0.0, high=100.0)
         check_float("expected", self.expected, low=0.0, high=1.0)
+        check_float("knorm_share", self.knorm_share, low=0.0, high=0.999)
+        if self.knorm_share > 0 and self.knorm_prior <= 0:
+            raise ConfigError(
+                "knorm_share", f"knorm_share={self.knorm_share} mixes in the key-norm prior, whose "
+                "sharpness is knorm_prior: set knorm_prior > 0 as well")
 
     @property
     def needs(self) -> frozenset[str]:
@@ -388,7 +402,14 @@ class NexusPolicy(EvictionPolicy):
             assert evidence.key_norms is not None  # select() checks what the policy needs
             norms = evidence.key_norms.detach().to(weights.device, torch.float64).flatten()
             z = (norms - norms.mean()) / norms.std(unbiased=False).clamp(min=1e-12)
-            weights = weights * torch.exp(-self.knorm_prior * z).to(weights.dtype)
+            if self.knorm_share > 0:
+                gamma = float(self.knorm_share)
+                prior = torch.softmax(-self.knorm_prior * z, dim=0).to(weights.dtype)
+                total = weights.sum()
+                own = weights / total if total > 0 else torch.zeros_like(weights)
+                weights = (1.0 - gamma) * own + gamma * prior
+            else:
+                weights = weights * torch.exp(-self.knorm_prior * z).to(weights.dtype)
         return weights
 
     def choose(self, weights: torch.Tensor, k: int,

@@ -134,3 +134,28 @@ def test_stream_defaults_apply_in_stream_only_and_a_config_overrides_them():
     # Another policy's stream mode is untouched.
     assert EvictionConfig(method="snapkv", max_tokens=1024, prompt_mode="stream"
                           ).evidence_kinds() == {"mass"}
+
+
+def test_the_key_norm_prior_mixed_in_keeps_what_either_evidence_ranks_high():
+    """``knorm_share``: the prior added as a distribution of its own keeps the block the
+    window's attention favours *and* the lowest-norm block, where the product lets the
+    window's recency (old blocks draw almost no mass) override the prior."""
+    from nexus_vllm.core import ConfigError, get_policy
+
+    # Block 1 holds the window's attention; block 3 (old, no mass) the lowest key norm.
+    mass = torch.tensor([[0.0, 0.9, 0.0, 1e-9, 0.1]]).double()
+    norms = torch.tensor([5.0, 5.0, 5.0, 1.0, 5.0])
+    ev = Evidence(mass, key_norms=norms)
+    common = {"recent_blocks": 0, "sampler": "topk", "indirect": "none", "eps": 0.0}
+    product = get_policy("nexus", knorm_prior=4.0, **common)
+    mixture = get_policy("nexus", knorm_prior=4.0, knorm_share=0.5, **common)
+    # Forced: the sink (0) and the current block (4); one more by weight.
+    assert sorted(product.select(ev, 3).tolist()) == [0, 1, 4]
+    assert sorted(mixture.select(ev, 3).tolist()) == [0, 3, 4]
+    assert sorted(mixture.select(ev, 4).tolist()) == [0, 1, 3, 4]
+    torch.testing.assert_close(mixture.score(ev, None).sum(),
+                               torch.tensor(1.0, dtype=torch.float64))
+    with pytest.raises(ConfigError, match="knorm_prior > 0"):
+        get_policy("nexus", knorm_share=0.5)
+    with pytest.raises(ConfigError, match="knorm_share"):
+        get_policy("nexus", knorm_prior=1.0, knorm_share=1.0)
