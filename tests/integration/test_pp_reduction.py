@@ -53,7 +53,7 @@ def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: s
     from nexus_vllm.integration.compat.vllm_compat import StageLink
     from nexus_vllm.integration.protocol import ScoreRequest, StepPlan
     from nexus_vllm.integration.worker.attention import key_view
-    from nexus_vllm.integration.worker.block_scorer import RankLayout
+    from nexus_vllm.integration.worker.wire import RankLayout
     from nexus_vllm.integration.worker.worker_state import LayerKeys, WorkerEvictionState
     from tests.integration.fakes import (
         BS,

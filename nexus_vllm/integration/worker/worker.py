@@ -58,7 +58,7 @@ from nexus_vllm.integration.worker.attention import (
     register_backends,
     wrapped_backend_name,
 )
-from nexus_vllm.integration.worker.block_scorer import RankLayout
+from nexus_vllm.integration.worker.wire import RankLayout
 from nexus_vllm.integration.worker.worker_state import (
     LayerKeys,
     ReplyToken,

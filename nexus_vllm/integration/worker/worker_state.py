@@ -58,14 +58,10 @@ from nexus_vllm.integration import faults
 from nexus_vllm.integration.compat.runners import RunnerAdapter
 from nexus_vllm.integration.compat.vllm_compat import NULL_BLOCK_ID, reset_request_ids
 from nexus_vllm.integration.protocol import ScoreRequest, StepPlan, WorkerReply, read_step
-from nexus_vllm.integration.worker.block_scorer import (
-    BlockScorer,
-    PendingScores,
-    RankLayout,
-    StageLinks,
-)
+from nexus_vllm.integration.worker.block_scorer import BlockScorer, PendingScores
 from nexus_vllm.integration.worker.compaction import Compactor
 from nexus_vllm.integration.worker.query_ring import QueryRing
+from nexus_vllm.integration.worker.wire import RankLayout, StageLinks
 from nexus_vllm.integration.worker.worker_step import LayerKeys, SelfCheckError, Step
 
 if TYPE_CHECKING:
