@@ -150,7 +150,7 @@ def measure(model_dir: pathlib.Path, requests: int, tokens: int,
     from nexus_vllm.integration.scheduler.live_blocks import LiveBlocks
 
     sched = make_scheduler(model_dir, requests, tokens)
-    mgr = sched.nexus
+    mgr = sched.nexus_manager
     for i in range(requests):
         sched.add_request(_request(f"r{i}", tokens))
     # Prefill (chunks of 512 tokens, an eviction event after each) up to L tokens.

@@ -116,13 +116,13 @@ def test_an_evicting_engine_runs_through_the_ray_actor_worker(tiny_model, monkey
         worker = executor.proc.worker.worker  # WorkerWrapperBase.worker
         # Built by WorkerProc.__init__ (load_model there: the query ring is allocated),
         # then driven by name through its dispatch.
-        assert type(worker) is NexusWorker and worker.nexus.ring.ring is not None
+        assert type(worker) is NexusWorker and worker.nexus_state.ring.ring is not None
         assert {"initialize_from_config", "execute_model", "sample_tokens"} <= set(
             executor.rpcs)
-        nexus = scheduler.nexus
+        nexus = scheduler.nexus_manager
         assert nexus.counters.evicted_blocks > 0
         assert dict(nexus.counters.faults) == {}  # every plan applied and acknowledged
-        assert worker.nexus.last_step == nexus.channel.step_id == nexus.channel.acknowledged
+        assert worker.nexus_state.last_step == nexus.channel.step_id == nexus.channel.acknowledged
         assert nexus.pool.num_free() == nexus.pool.num_usable()  # every block back
     finally:
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory

@@ -53,15 +53,15 @@ def test_key_views_follow_the_extended_kv_cache(monkeypatch: pytest.MonkeyPatch)
     runner = FakeRunner({"a": [1, 2]})
     worker.model_runner = runner
     worker.vllm_config = SimpleNamespace()
-    worker.nexus = make_state(runner)
+    worker.nexus_state = make_state(runner)
     worker._nexus_scored = frozenset({0, 1})
     worker._bind(adapter(runner))
-    before = [k.key_cache for k in worker.nexus.ring.layer_keys]
+    before = [k.key_cache for k in worker.nexus_state.ring.layer_keys]
     assert [k.shape[0] for k in before] == [4, 4]
 
     worker.extend_kv_cache(12)
-    after = worker.nexus.ring.layer_keys
+    after = worker.nexus_state.ring.layer_keys
     assert [k.key_cache.shape[0] for k in after] == [12, 12]
     for view, keys in zip(layers, after):
         assert keys.key_cache.data_ptr() == view.layer.kv_cache.data_ptr()
-        assert view.impl.nexus_ring is worker.nexus.ring
+        assert view.impl.nexus_ring is worker.nexus_state.ring

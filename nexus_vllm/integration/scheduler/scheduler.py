@@ -83,7 +83,7 @@ class NexusSchedulerMixin(_SchedulerBase):
         self._nexus_first_count = False
         k = steps_in_flight(self.vllm_config)
         # Sliding-window groups hold up to one step's tokens beyond their window.
-        self.nexus = EvictionManager(
+        self.nexus_manager = EvictionManager(
             cfg, self.kv_cache_manager, self.block_size, max_model_len=self.max_model_len,
             steps_in_flight=k,
             step_tokens=int(self.scheduler_config.max_num_batched_tokens))
@@ -95,7 +95,7 @@ class NexusSchedulerMixin(_SchedulerBase):
                     "chunk=%d prompt_mode=%s prefill_budget=%s blocks in pool=%d, %d steps "
                     "in flight", type(self).__name__, cfg.method, cfg.max_tokens,
                     cfg.keep_ratio, self.block_size, cfg.chunk_size, cfg.prompt_mode,
-                    cfg.prefill_budget, self.nexus.pool.num_usable(), k)
+                    cfg.prefill_budget, self.nexus_manager.pool.num_usable(), k)
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         started = time.perf_counter()
@@ -105,8 +105,8 @@ class NexusSchedulerMixin(_SchedulerBase):
         finally:
             self._nexus_first_count = False
         t0 = time.perf_counter()
-        plan = self.nexus.plan_step(output, self.requests)
-        self.nexus.counters.policy_us += int((time.perf_counter() - t0) * 1e6)
+        plan = self.nexus_manager.plan_step(output, self.requests)
+        self.nexus_manager.counters.policy_us += int((time.perf_counter() - t0) * 1e6)
         sent = plan
         if faults.fires("plan_duplicate") and self._nexus_last_plan is not None:
             sent = self._nexus_last_plan  # injected: the previous plan arrives again
@@ -134,15 +134,15 @@ class NexusSchedulerMixin(_SchedulerBase):
         if step is not None and step.output is not scheduler_output:
             step = None  # cannot happen while the entry holds the object; never guess
         if step is None:
-            self.nexus.fault("plan_unknown", "vLLM handed back a step this scheduler did not "
+            self.nexus_manager.fault("plan_unknown", "vLLM handed back a step this scheduler did not "
                              "plan; its reply is ignored")
         t0 = time.perf_counter()
         # A failure is counted as a fault and skipped inside (EvictionManager.apply_reply).
-        self.nexus.apply_reply(None if step is None else step.plan,
+        self.nexus_manager.apply_reply(None if step is None else step.plan,
                                read_reply(model_runner_output), self.requests)
         t1 = time.perf_counter()
         out = super().update_from_output(scheduler_output, model_runner_output)
-        counters = self.nexus.counters
+        counters = self.nexus_manager.counters
         counters.policy_us += int((t1 - t0) * 1e6)
         if step is not None:
             counters.step_us += int((time.perf_counter() - step.started) * 1e6)
@@ -152,9 +152,9 @@ class NexusSchedulerMixin(_SchedulerBase):
         stats = super().make_stats(*args, **kwargs)
         if stats is not None:
             # Requests that finished in this step: their peaks go out with its stats.
-            self.nexus.record_finished(getattr(self, "finished_req_ids", ()))
+            self.nexus_manager.record_finished(getattr(self, "finished_req_ids", ()))
             counts = dict(stats.num_kv_fetch_reqs_by_stage)
-            counts.update(self.nexus.stats(self.requests))
+            counts.update(self.nexus_manager.stats(self.requests))
             stats.num_kv_fetch_reqs_by_stage = counts
         return stats
 

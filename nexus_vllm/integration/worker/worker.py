@@ -137,7 +137,7 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
             raise RuntimeError("NexusWorker needs additional_config['nexus'] with a method "
                                "other than 'none' (use --kv-eviction)")
         self.nexus_cfg = cfg
-        self.nexus: WorkerEvictionState | None = None
+        self.nexus_state: WorkerEvictionState | None = None
         self._nexus_scored: frozenset[int] = frozenset()  # decoder layer numbers scored
 
     # -- startup -----------------------------------------------------------------------
@@ -198,7 +198,7 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
             raise RuntimeError(f"nexus-vllm: this model has no rotary embedding, and the "
                                f"eviction config ({cfg.method}) reads {rotary_kinds}, which "
                                "un-rotate the captured queries")
-        self.nexus = state
+        self.nexus_state = state
         logger.info("nexus-vllm worker: %d of %d attention layers scored here (%d in the "
                     "model), query ring %.1f MiB (%d requests x %d queries), TP rank %d/%d, "
                     "PP stage %d/%d, %d steps in flight", len(scored), len(layers),
@@ -207,7 +207,7 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
 
     def initialize_from_config(self, *args: object, **kwargs: object) -> None:
         super().initialize_from_config(*args, **kwargs)
-        state = self.nexus
+        state = self.nexus_state
         assert state is not None
         # V2 runners create their block tables with the KV cache: adapt to it now, for
         # the one group eviction works on.
@@ -220,7 +220,7 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         # vLLM 0.34 (extensible KV cache): every layer's KV tensors are replaced after
         # warm-up; key views taken before would read the old ones.
         out: object = super().extend_kv_cache(*args, **kwargs)  # type: ignore[misc]
-        state = self.nexus
+        state = self.nexus_state
         if state is not None and state.runner is not None:
             self._bind(state.runner)
             logger.info("nexus-vllm worker: key views re-bound after the KV cache grew")
@@ -241,7 +241,7 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         return evicted[0]
 
     def _bind(self, adapter: RunnerAdapter) -> None:
-        state = self.nexus
+        state = self.nexus_state
         assert state is not None
         runner = self.model_runner
         for group in attention_groups(runner):
@@ -276,7 +276,7 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
     # -- one step ----------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
-        state = self.nexus
+        state = self.nexus_state
         assert state is not None
         step = self._nexus_hooks(state, scheduler_output, before=True)
         assert step is not None
@@ -300,7 +300,7 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
 
     def sample_tokens(self, grammar_output: GrammarOutput | None
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-        state = self.nexus
+        state = self.nexus_state
         assert state is not None
         assert state.runner is not None
         step = state.step
@@ -311,7 +311,7 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
     def _reply_on(self, output: ModelRunnerOutput | AsyncModelRunnerOutput,
                   step: Step) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """``output`` carrying ``step``'s reply; ``step`` is closed."""
-        state = self.nexus
+        state = self.nexus_state
         assert state is not None
         token = state.reply_token(step)
         state.end_step(step)
