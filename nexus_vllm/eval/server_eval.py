@@ -1,5 +1,7 @@
 """``nexus-vllm server-eval``: the chat-shaped suite through a running server's
-``/v1/chat/completions``, the way users send it.
+``/v1/chat/completions``, the way users send it (or, with ``--protocol question-last``,
+the completion-shaped prompts through ``/v1/completions``, for base models without a chat
+template).
 
     nexus-vllm server-eval --base-url http://127.0.0.1:8000 --budget 0.2 \\
         --tasks niah_single_prose,facts,summary,chat_multiturn \\
@@ -38,16 +40,19 @@ from nexus_vllm.eval.budget import parse_budget
 __all__ = ["ChatRequest", "build_parser", "chat_requests", "main", "request_xargs"]
 
 DENSE = "dense"
+PROTOCOLS = ("chat", "question-last")
 
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """One request of a sample: its messages and how to score the answer."""
+    """One request of a sample: its messages (or, completion-shaped, its prompt text)
+    and how to score the answer."""
 
     messages: list[dict[str, str]]
     max_tokens: int
     # answer text, dense's answer to the same request -> score
     score: Callable[[str, str], float]
+    prompt: str | None = None  # set: sent to /v1/completions instead of the messages
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", required=True,
                    help="the server's budget (--kv-keep-ratio or --kv-budget), recorded with "
                         "each record")
+    p.add_argument("--protocol", choices=PROTOCOLS, default="chat",
+                   help="chat (messages to /v1/chat/completions) or question-last (the "
+                        "prompt text to /v1/completions: base models)")
     p.add_argument("--context", type=int, default=2048, help="target prompt tokens")
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--data-seed", type=int, default=1,
@@ -104,12 +112,18 @@ def request_xargs(spec: str) -> tuple[str, dict[str, Any]]:
 
 
 def chat_requests(task: str, *, index: int, seed: int, context: int,
-                  tokenizer: Any) -> ChatSample:
-    """The chat-shaped request(s) of sample ``index`` of ``task``."""
+                  tokenizer: Any, protocol: str = "chat") -> ChatSample:
+    """The request(s) of sample ``index`` of ``task``: chat-shaped, or one completion
+    prompt (``protocol`` ``question-last``)."""
     from nexus_vllm.eval.dialogues import DIALOGUE_TASKS, dialogue_protocol, make_dialogue
     from nexus_vllm.eval.tasks import make_sample
 
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     if task in DIALOGUE_TASKS:
+        if protocol != "chat":
+            raise ValueError(f"task {task!r} is a dialogue; server-eval sends it as chat "
+                             "(--protocol chat)")
         if dialogue_protocol(task) != "chat":
             raise ValueError(f"task {task!r} is completion-shaped; the chat variant of "
                              f"multiturn is chat_multiturn")
@@ -120,15 +134,18 @@ def chat_requests(task: str, *, index: int, seed: int, context: int,
         return ChatSample(task, index, reqs, d.num_tokens,
                           tuple(a for t in d.turns for a in t.answers))
     sample = make_sample(task, seed=seed, index=index, target_tokens=context,
-                         tokenizer=tokenizer, protocol="chat")
+                         tokenizer=tokenizer, protocol=protocol)
 
     def score(text: str, dense_text: str) -> float:
         s = sample.with_reference(dense_text) if sample.needs_reference else sample
         return s.score(text)
 
-    return ChatSample(task, index, (ChatRequest(sample.meta["messages"],
-                                                sample.max_new_tokens, score),),
-                      sample.num_tokens, sample.answers)
+    if protocol == "chat":
+        req = ChatRequest(sample.meta["messages"], sample.max_new_tokens, score)
+    else:
+        req = ChatRequest([], sample.max_new_tokens, score,
+                          prompt=sample.preamble + sample.context + sample.question)
+    return ChatSample(task, index, (req,), sample.num_tokens, sample.answers)
 
 
 def _answer_score(score: Callable[[int, str], float], turn: int) -> Callable[[str, str], float]:
@@ -139,19 +156,26 @@ def _chat(base: str, model: str, req: ChatRequest, xargs: dict[str, Any],
           timeout: float) -> str:
     import requests
 
-    r = requests.post(base + "/v1/chat/completions", timeout=timeout, json={
-        "model": model, "messages": req.messages, "max_tokens": req.max_tokens,
-        "temperature": 0.0, "vllm_xargs": xargs})
+    body = {"model": model, "max_tokens": req.max_tokens, "temperature": 0.0,
+            "vllm_xargs": xargs}
+    if req.prompt is None:
+        r = requests.post(base + "/v1/chat/completions", timeout=timeout,
+                          json={**body, "messages": req.messages})
+    else:
+        r = requests.post(base + "/v1/completions", timeout=timeout,
+                          json={**body, "prompt": req.prompt})
     if r.status_code != 200:
         raise RuntimeError(f"the server answered {r.status_code}: {r.text[:500]}")
-    return str(r.json()["choices"][0]["message"]["content"] or "")
+    choice = r.json()["choices"][0]
+    text = choice["message"]["content"] if req.prompt is None else choice["text"]
+    return str(text or "")
 
 
 def _samples(args: argparse.Namespace, tokenizer: Any) -> Iterator[ChatSample]:
     for task in _tasks(args):
         for index in range(args.samples):
             yield chat_requests(task, index=index, seed=args.data_seed, context=args.context,
-                                tokenizer=tokenizer)
+                                tokenizer=tokenizer, protocol=args.protocol)
 
 
 def _tasks(args: argparse.Namespace) -> list[str]:
@@ -209,7 +233,7 @@ def run(args: argparse.Namespace, budget: float | int,
     nan = math.nan
     with record_writer(path) as write:
         for sample in _samples(args, tokenizer):
-            sid = SampleId(sample.task, args.context, "chat", sample.index)
+            sid = SampleId(sample.task, args.context, args.protocol, sample.index)
             dense_texts: list[str] | None = None
             for label, xargs in specs:
                 rec_budget = None if label == DENSE else budget
@@ -240,8 +264,9 @@ def run(args: argparse.Namespace, budget: float | int,
                 bar.update(1)
     bar.close()
     table = markdown_table(aggregate(records), metric="score")
+    endpoint = "chat/completions" if args.protocol == "chat" else "completions"
     (args.out / "table.md").write_text(
-        f"# Chat-shaped suite through {base}/v1/chat/completions (budget {budget})\n\n"
+        f"# {args.protocol} suite through {base}/v1/{endpoint} (budget {budget})\n\n"
         f"{table}\n")
     print(table)
     return records
@@ -251,7 +276,8 @@ def _write_config(args: argparse.Namespace, budget: float | int,
                   specs: list[tuple[str, dict[str, Any]]]) -> None:
     import yaml
 
-    config = {"base_url": args.base_url, "model": args.model or "default", "tasks": args.tasks,
+    config = {"base_url": args.base_url, "model": args.model or "default",
+              "protocol": args.protocol, "tasks": args.tasks,
               "methods": {label: xargs for label, xargs in specs}, "budget": budget,
               "context": args.context, "samples": args.samples, "data_seed": args.data_seed}
     (args.out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))

@@ -1,4 +1,5 @@
-"""Streaming KV-cache eviction on Hugging Face transformers models (Llama family).
+"""Streaming KV-cache eviction on Hugging Face transformers models (Llama family, and
+hybrid sliding-window models such as Gemma 3: their full-attention layers are evicted).
 
 ``generate`` is the reference end-to-end path that the evaluation harness uses: the same
 block decisions as the vLLM plugin (shared across layers and heads, evicted tokens keep

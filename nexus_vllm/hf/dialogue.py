@@ -72,7 +72,7 @@ def run_probes(model: Any, ids: torch.Tensor, probes: list[Probe] | tuple[Probe,
     Parameters
     ----------
     model
-        A transformers causal LM (Llama family).
+        A transformers causal LM (Llama family, or hybrid sliding-window such as Gemma 3).
     ids : LongTensor[L]
         The whole stream; each probe reads a prefix of it.
     probes

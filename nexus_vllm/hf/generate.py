@@ -111,7 +111,8 @@ def generate(model: Any, tokenizer: Any, context: str, question: str, *, method:
     Parameters
     ----------
     model, tokenizer
-        A transformers causal LM (Llama family) and its tokenizer.
+        A transformers causal LM (Llama family, or hybrid sliding-window such as Gemma 3)
+        and its tokenizer.
     context, question : str
         The streamed context and the question fed after it.
     method : str

@@ -1,4 +1,5 @@
-"""Streaming KV-cache eviction on a Hugging Face transformers model (Llama family).
+"""Streaming KV-cache eviction on a Hugging Face transformers model (Llama family, and
+hybrid sliding-window models such as Gemma 3).
 
 A :class:`StreamingSession` owns a ``DynamicCache`` for one sequence (batch size 1). Tokens
 are fed with explicit logical ``position_ids`` (tokens seen so far), while the cache holds
@@ -11,6 +12,16 @@ layer, scored against the cached keys of the layers ``>= skip_layers`` with
 ``nexus_vllm.core.block_attention_mass`` and averaged over layers; the decision (which
 blocks of ``block_size`` tokens to keep) is shared by every layer and head, as in the vLLM
 plugin.
+
+Hybrid models (full-attention layers interleaved with sliding-window ones, each kind with
+its own cache layer: ``DynamicLayer`` and ``DynamicSlidingWindowLayer``) follow the
+server's rules: only the full-attention layers' caches are evicted and scored; the sliding
+layers keep transformers' own window cache untouched. transformers builds one mask per
+layer kind, each from the first cache layer of that kind (``get_mask_sizes`` and
+``get_query_offset``): the full-attention mask from the evicted layer's physical length
+(every kept token visible), the sliding mask from the sliding layer's logical
+``cumulative_length`` (a query at position ``p`` sees keys at positions
+``> p - sliding_window``, vLLM's sliding window), so both stay right after an eviction.
 
 The queries are captured through transformers' public attention hook: the session's
 model attends with :data:`CAPTURE_ATTENTION`, registered with
@@ -101,17 +112,23 @@ def use_capture_attention(model: Any) -> None:
 def rotary_of(model: Any, positions: int) -> Rotary:
     """A transformers model's rotary embedding as a :class:`Rotary` table of ``positions``
     rows (its ``rotary_emb``: ``inv_freq`` and ``attention_scaling``; Llama-style
-    rotate-half pairs)."""
+    rotate-half pairs). A model with one rotary per layer type (Gemma 3:
+    ``full_attention_inv_freq``, ``sliding_attention_inv_freq``) gives its full-attention
+    table: only full-attention layers are scored."""
     base = getattr(model, "model", model)
     emb = getattr(base, "rotary_emb", None)
     inv_freq = getattr(emb, "inv_freq", None)
+    scaling = getattr(emb, "attention_scaling", 1.0)
+    if inv_freq is None:
+        inv_freq = getattr(emb, "full_attention_inv_freq", None)
+        scaling = getattr(emb, "full_attention_attention_scaling", 1.0)
     if inv_freq is None:
         raise ValueError(f"{type(model).__name__} has no rotary_emb.inv_freq: evidence that "
                          "un-rotates queries (expected_attention) needs a RoPE model")
     head_size = int(getattr(model.config, "head_dim", 0)
                     or model.config.hidden_size // model.config.num_attention_heads)
     return Rotary.from_inv_freq(inv_freq, positions, head_size=head_size,
-                                scaling=float(getattr(emb, "attention_scaling", 1.0)))
+                                scaling=float(scaling))
 
 
 def make_config(method: str, budget: float | int | None, **knobs: Any) -> EvictionConfig | None:
@@ -162,7 +179,9 @@ class StreamingSession:
     Parameters
     ----------
     model : transformers PreTrainedModel
-        A decoder-only Llama-family model (q/k/v attention modules with ``layer_idx``).
+        A decoder-only Llama-family model (q/k/v attention modules with ``layer_idx``), or
+        a hybrid one whose cache mixes full-attention and sliding-window layers (Gemma 3):
+        only the full-attention layers are evicted and scored.
     config : EvictionConfig or None
         ``None`` keeps everything (dense).
     request_seed : int
@@ -188,6 +207,10 @@ class StreamingSession:
         self.config = config
         self.cache: Any = DynamicCache(config=model.config)
         self.num_layers = int(model.config.num_hidden_layers)
+        # Which cache layers are sliding-window ones (transformers' own window cache, never
+        # evicted) and which attend fully (evicted, scored, counted by the budget).
+        self._sliding = _sliding_layers(self.cache, model.config, evicting=config is not None)
+        self._full = [i for i, s in enumerate(self._sliding) if not s]
         self.seen = 0
         self.positions = torch.empty(0, dtype=torch.long)
         self.state: dict[str, Any] = {}
@@ -205,7 +228,8 @@ class StreamingSession:
 
     # ------------------------------------------------------------------ forward
     def _record_queries(self, layer_idx: int, query: torch.Tensor) -> None:
-        if self._query_keep == 0:
+        # Sliding-window layers are never scored: their queries are not kept.
+        if self._query_keep == 0 or self._sliding[layer_idx]:
             return
         q = query[0, :, -self._query_keep:, :].detach()  # [Hq, w, D]
         prev = self._queries[layer_idx]
@@ -233,14 +257,24 @@ class StreamingSession:
     # ------------------------------------------------------------------ eviction
     @property
     def cache_len(self) -> int:
-        """Tokens physically held in the cache."""
-        return int(self.cache.get_seq_length())
+        """Tokens physically held in the full-attention layers' caches (what eviction,
+        the budget and the trigger count; every full layer holds the same tokens). A
+        sliding layer holds at most ``sliding_window - 1`` of them."""
+        layer = self._full[0] if self._full else 0
+        return int(self.cache.layers[layer].get_seq_length())
 
-    def _scored_layers(self) -> range:
+    @property
+    def full_attention_layers(self) -> list[int]:
+        """Indices of the layers that attend fully (all of them for a Llama-family
+        model; a hybrid model's sliding-window layers are left out)."""
+        return list(self._full)
+
+    def _scored_layers(self) -> list[int]:
+        """The config's ``scored_layers`` without the sliding-window layers (the server's
+        rule); tiny test models that leave none score their last full-attention layer."""
         assert self.config is not None
-        # Tiny test models may have fewer layers than skip_layers: score the last one then.
-        layers = self.config.scored_layers(self.num_layers)
-        return layers if len(layers) else range(self.num_layers - 1, self.num_layers)
+        layers = [i for i in self.config.scored_layers(self.num_layers) if not self._sliding[i]]
+        return layers or self._full[-1:]
 
     def _sequence(self, window: int, kinds: frozenset[str]) -> DenseSequence:
         """The scored layers' newest ``window`` query rows and cached keys (what every
@@ -327,7 +361,10 @@ class StreamingSession:
         )
         token_idx = (keep.view(-1, 1) * b + torch.arange(b)).view(-1)
         token_idx = token_idx[token_idx < t]
-        for layer in self.cache.layers:
+        # Only full-attention layers: a sliding layer's window is transformers' to keep,
+        # as vLLM keeps its sliding groups' blocks.
+        for li in self._full:
+            layer = self.cache.layers[li]
             dev = layer.keys.device
             layer.keys = layer.keys.index_select(-2, token_idx.to(dev))
             layer.values = layer.values.index_select(-2, token_idx.to(dev))
@@ -383,6 +420,8 @@ class StreamingSession:
         if config.prompt_mode == "stream" or config.prefill_budget is not None:
             raise ValueError("a dense prefix equals an evicting one only in prompt_mode "
                              "'end' without prefill_budget, or 'keep'")
+        # What an evicting session refuses at construction (no full-attention layer, ...).
+        _sliding_layers(self.cache, self.model.config, evicting=True)
         need = max(config.window, config.prefill_window)
         if self._query_keep < need:
             raise ValueError(f"this session kept {self._query_keep} query rows; the config "
@@ -397,11 +436,10 @@ class StreamingSession:
     def clone(self) -> StreamingSession:
         """An independent copy (cache, policy state, generator), to branch after a prefix."""
         other = copy.copy(self)
-        from transformers import DynamicCache
-
-        other.cache = DynamicCache(config=self.model.config)
-        for li, layer in enumerate(self.cache.layers):
-            other.cache.update(layer.keys.clone(), layer.values.clone(), li)
+        # A deep copy keeps each layer's class and counters: a sliding layer's
+        # cumulative_length (tokens seen) is more than the window it holds, and re-feeding
+        # its tensors through ``update`` would reset it.
+        other.cache = copy.deepcopy(self.cache)
         other.state = copy.deepcopy(self.state)
         other.trigger = copy.copy(self.trigger)
         if self.generator is not None:
@@ -412,3 +450,39 @@ class StreamingSession:
         other._queries = [q.clone() if q is not None else None for q in self._queries]
         other.positions = self.positions.clone()
         return other
+
+
+def _sliding_layers(cache: Any, model_config: Any, *, evicting: bool) -> list[bool]:
+    """Per cache layer: whether it is a sliding-window layer.
+
+    Parameters
+    ----------
+    cache : transformers DynamicCache
+        Built from the model's config (one layer object per decoder layer).
+    model_config : transformers PretrainedConfig
+    evicting : bool
+        Refuse what eviction cannot handle: another cache layer kind (chunked attention,
+        linear attention, ...) or no full-attention layer at all (the server refuses a
+        model with a sliding window in every layer as well: nothing to evict that the
+        window does not already drop).
+    """
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    text_config = model_config.get_text_config(decoder=True)
+    types = getattr(text_config, "layer_types", None) or []
+    flags = []
+    for i, layer in enumerate(cache.layers):
+        kind = types[i] if i < len(types) else None
+        if type(layer) is DynamicLayer:
+            flags.append(False)
+        elif type(layer) is DynamicSlidingWindowLayer and kind in (None, "sliding_attention"):
+            flags.append(True)
+        elif evicting:
+            raise ValueError(f"StreamingSession evicts full-attention and sliding-window "
+                             f"layers only; layer {i} is {type(layer).__name__} ({kind})")
+        else:
+            flags.append(bool(getattr(layer, "is_sliding", False)))
+    if evicting and all(flags):
+        raise ValueError("every layer of this model attends through a sliding window: "
+                         "nothing to evict that the window does not already drop")
+    return flags

@@ -83,7 +83,10 @@ class _Server:
         xargs = body["vllm_xargs"]
         cfg = None if xargs["kv_eviction"] == "none" else EvictionConfig.from_budget(
             xargs["kv_eviction"], xargs.get("kv_budget", SERVER_BUDGET), **SERVER_KNOBS)
-        ids, session = generate_ids(self.model, body["prompt"], cfg,
+        prompt = body["prompt"]
+        if isinstance(prompt, str):  # text, tokenized as vLLM's completions endpoint does
+            prompt = list(self.tok(prompt)["input_ids"])
+        ids, session = generate_ids(self.model, prompt, cfg,
                                     max_new_tokens=body["max_tokens"],
                                     eos_token_ids={self.tok.eos_token_id})
         self.evicted += sum(e.blocks_before - e.blocks_after for e in session.events)
@@ -231,6 +234,33 @@ def test_server_eval_scores_the_chat_suite_and_resumes(chat_server, tmp_path) ->
     assert all(r.protocol == "chat" for r in records)
     assert (out / "table.md").exists() and (out / "config.yaml").exists()
     assert cli_main(argv) == 0 and len(s.requests) == n + 6  # resumed: nothing re-sent
+
+
+def test_server_eval_sends_completion_prompts_for_base_models(chat_server, tmp_path) -> None:
+    """``--protocol question-last``: each sample's prompt text goes to /v1/completions
+    (a base model has no chat template), scored like the transformers path's."""
+    from transformers import AutoTokenizer
+
+    from nexus_vllm.eval.records import read_records
+    from nexus_vllm.eval.tasks import make_sample
+
+    s, path = chat_server
+    out = tmp_path / "server_eval_completion"
+    n = len(s.requests)
+    assert cli_main(["server-eval", "--base-url", s.base_url, "--model", path, "--budget",
+                     "256", "--tasks", "passkey", "--methods", "dense,nexus", "--samples",
+                     "1", "--context", "1200", "--data-seed", "0", "--protocol",
+                     "question-last", "--out", str(out), "--no-progress"]) == 0
+    sent = s.requests[n:]
+    want = make_sample("passkey", seed=0, index=0, target_tokens=1200,
+                       tokenizer=AutoTokenizer.from_pretrained(path),
+                       protocol="question-last")
+    assert [b.get("prompt") for b in sent] == [want.preamble + want.context
+                                               + want.question] * 2
+    assert all("messages" not in b for b in sent)
+    records = read_records(out / "records.jsonl")
+    assert [(r.protocol, r.method) for r in records] == [("question-last", "dense"),
+                                                         ("question-last", "nexus")]
 
 
 @pytest.mark.parametrize("flags, match", [

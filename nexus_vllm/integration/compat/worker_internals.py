@@ -268,21 +268,32 @@ def cpu_key_layout_probe(head_size: int, block_size: int, dtype: torch.dtype,
     return kv
 
 
-def rotary_table(model: torch.nn.Module) -> Rotary | None:
-    """The model's rotary embedding as a :class:`~nexus_vllm.core.Rotary` (its first
-    ``RotaryEmbeddingBase`` module: ``cos_sin_cache``, ``is_neox_style``, ``head_size``;
-    every scaling variant subclasses it), or None for a model without one. Evidence that
-    un-rotates the captured queries (expected attention) reads it."""
+def rotary_table(model: torch.nn.Module, near: str | None = None) -> Rotary | None:
+    """The rotary embedding of the attention layer ``near`` (a module name, e.g. a scored
+    layer's ``model.layers.5.self_attn.attn``: the closest ``RotaryEmbeddingBase`` above
+    it; hybrid models such as Gemma 3 give sliding and full-attention layers different
+    bases), else the model's first, as a :class:`~nexus_vllm.core.Rotary`
+    (``cos_sin_cache``, ``is_neox_style``, ``head_size``; every scaling variant subclasses
+    it); None for a model without one. Evidence that un-rotates the captured queries
+    (expected attention) reads it."""
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 
     from nexus_vllm.core import Rotary
 
-    for module in model.modules():
-        if isinstance(module, RotaryEmbeddingBase):
-            cache = getattr(module, "cos_sin_cache", None)
-            if not isinstance(cache, torch.Tensor):
-                return None
-            return Rotary(cache.detach().float().clone(), neox=bool(module.is_neox_style),
-                          head_size=int(module.head_size))
+    scopes: list[torch.nn.Module] = []
+    parts = near.split(".") if near else []
+    for end in range(len(parts), 0, -1):
+        try:
+            scopes.append(model.get_submodule(".".join(parts[:end])))
+        except AttributeError:
+            continue
+    scopes.append(model)
+    for scope in scopes:
+        for module in scope.modules():
+            if isinstance(module, RotaryEmbeddingBase):
+                cache = getattr(module, "cos_sin_cache", None)
+                if not isinstance(cache, torch.Tensor):
+                    return None
+                return Rotary(cache.detach().float().clone(),
+                              neox=bool(module.is_neox_style), head_size=int(module.head_size))
     return None
-

@@ -192,7 +192,10 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         # reduction, adding zeros); the head shape is the same on every layer.
         impl = layers[0].impl
         state.allocate_ring(len(scored), int(impl.num_heads), int(impl.head_size), dtype)
-        state.scorer.rotary = rotary_table(self.model_runner.model)
+        # The scored (full-attention) layers' table: a hybrid model's sliding layers may
+        # rotate with another base.
+        state.scorer.rotary = rotary_table(self.model_runner.model,
+                                           scored[0].name if scored else None)
         rotary_kinds = sorted(k for k in cfg.evidence_kinds() if evidence_kind(k).needs_rotary)
         if state.scorer.rotary is None and rotary_kinds:
             raise RuntimeError(f"nexus-vllm: this model has no rotary embedding, and the "
