@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces docs/results.md on a CPU box (the numbers there come from these commands).
-#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|docs|all]
+#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|gemma3_report|docs|all]
 #   (default: all)
 # Each run resumes from its records.jsonl if interrupted. 1 torch thread per run.
 set -euo pipefail
@@ -39,7 +39,7 @@ seed_defaults() {  # report, out: the earlier defaults' records from the committ
 }
 want() { [ "$what" = all ] || [ "$what" = "$1" ]; }
 case "$what" in
-  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|docs|all) ;;
+  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|gemma3_report|docs|all) ;;
   *) echo "unknown target $what" >&2; exit 2 ;;
 esac
 want calibration && run calibration
@@ -177,6 +177,8 @@ for name in stream_multiturn stream_longdoc stream_longgen; do
   if want stream_report || want "$name"; then run "$name" & fi
 done
 wait
+# The second real model (issue 36): Gemma 3 270M, hybrid sliding-window layers.
+want gemma3_report && run gemma3_report
 if want docs; then
   # Ours and kvpress's presses side by side: headline records + the peer's records.
   if [ -e "$OUT/headline/records.jsonl" ] && [ -e "$OUT/kvpress/kvpress_records.jsonl" ]; then
@@ -186,7 +188,7 @@ if want docs; then
       --report-only --publish docs/figures/peer_compare
   fi
   # Rebuild each run's reports from its records and copy them into docs/figures.
-  for name in calibration headline ablation prefill knorm_prior paired dialogues dialogues_pps scoring_cost scoring_cost_report scoring_cost_dialogues kvpress sweep prompt_end_tuning prompt_modes prompt_modes_capped prompt_modes_multiturn prompt_modes_longgen chat_tuning completion_tuning chat_report completion_report stream_tuning_multiturn stream_tuning_longdoc stream_multiturn stream_longdoc stream_longgen; do
+  for name in calibration headline ablation prefill knorm_prior paired dialogues dialogues_pps scoring_cost scoring_cost_report scoring_cost_dialogues kvpress sweep prompt_end_tuning prompt_modes prompt_modes_capped prompt_modes_multiturn prompt_modes_longgen chat_tuning completion_tuning chat_report completion_report stream_tuning_multiturn stream_tuning_longdoc stream_multiturn stream_longdoc stream_longgen gemma3_report; do
     [ -d "$OUT/$name" ] || continue
     "$PY" -m nexus_vllm.cli eval --config "configs/eval/$name.yaml" --out "$OUT/$name" \
       --report-only --publish "docs/figures/$name"

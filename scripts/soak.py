@@ -264,7 +264,7 @@ def draw_specs(args: argparse.Namespace, rng: random.Random) -> list[Spec]:
         cancel = rng.random() < args.cancel_fraction
         max_tokens = rng.randint(tlo, thi)
         specs.append(Spec(
-            index=i, endpoint=rng.choice(("chat", "completions")),
+            index=i, endpoint=rng.choice(args.endpoints),
             prompt_tokens=rng.randint(lo, hi), max_tokens=max_tokens,
             method=rng.choice(args.methods), budget=rng.choice(args.budgets),
             temperature=rng.choice(args.temperatures),
@@ -555,6 +555,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="prompt length range, in tokens")
     p.add_argument("--max-tokens", type=_pair(int), default=(16, 64), metavar="MIN,MAX",
                    help="max_tokens range of a request")
+    p.add_argument("--endpoints", type=lambda s: tuple(s.split(",")),
+                   default=("chat", "completions"),
+                   help="comma list of chat, completions (completions only for a base model "
+                        "without a chat template)")
     p.add_argument("--cancel-fraction", type=float, default=0.2,
                    help="share of requests closed at a random point of their stream")
     methods = request_methods()
@@ -581,6 +585,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--requests and --concurrency must be positive")
     if bad := [m for m in args.methods if m not in methods]:
         p.error(f"--methods: unknown {bad}; choose from {', '.join(methods)}")
+    if not args.endpoints or set(args.endpoints) - {"chat", "completions"}:
+        p.error(f"--endpoints: choose from chat, completions; got {','.join(args.endpoints)}")
     return args
 
 
