@@ -479,7 +479,7 @@ def test_async_outputs_carry_the_reply_of_their_own_step() -> None:
 
     # Two in flight: step 3 runs before step 2's output is taken, in another thread.
     runner, state, queries = setup()
-    worker = SimpleNamespace(nexus=state)
+    worker = SimpleNamespace(nexus_state=state)
     step = forward(runner, state, queries, *steps[0])
     NexusWorker._reply_on(worker, EMPTY_MODEL_RUNNER_OUTPUT, step)
     step2 = forward(runner, state, queries, *steps[1])
