@@ -23,6 +23,8 @@ from .policies import (
     TOVAPolicy,
     carry_forward,
     forced_blocks,
+    forced_count,
+    forced_tail,
     get_policy,
     register_policy,
 )
@@ -81,6 +83,8 @@ __all__ = [
     "evidence_kind",
     "first_prompt_event",
     "forced_blocks",
+    "forced_count",
+    "forced_tail",
     "gather_paged_keys",
     "get_policy",
     "inclusion_probabilities",

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ._validate import ConfigError, check_choice, check_float, check_int
-from .policies import METHODS, POLICIES, EvictionPolicy
+from .policies import METHODS, POLICIES, EvictionPolicy, forced_count
 from .scoring import HEAD_REDUCES, cdiv
 
 __all__ = ["METHODS", "PROMPT_MODES", "EvictionConfig"]
@@ -304,7 +304,7 @@ class EvictionConfig:
     # -- derived --------------------------------------------------------------------
     @property
     def num_forced(self) -> int:
-        return self.sink_blocks + self.recent_blocks + 1
+        return forced_count(self.sink_blocks, self.recent_blocks)
 
     @property
     def forced_tokens(self) -> int:

@@ -53,9 +53,23 @@ __all__ = [
     "TOVAPolicy",
     "carry_forward",
     "forced_blocks",
+    "forced_count",
+    "forced_tail",
     "get_policy",
     "register_policy",
 ]
+
+def forced_tail(recent_blocks: int) -> int:
+    """How many of the newest live blocks are forced: the ``recent_blocks`` newest full
+    blocks and the current one."""
+    return int(recent_blocks) + 1
+
+
+def forced_count(sink_blocks: int, recent_blocks: int) -> int:
+    """Blocks the forced set takes once a sequence is long enough: the sinks and the
+    :func:`forced_tail` (the one formula every budget floor and check reads)."""
+    return int(sink_blocks) + forced_tail(recent_blocks)
+
 
 def forced_blocks(num_blocks: int, sink_blocks: int, recent_blocks: int) -> torch.Tensor:
     """Indices that are never evicted: sinks, the ``recent_blocks`` newest full blocks and
@@ -67,7 +81,7 @@ def forced_blocks(num_blocks: int, sink_blocks: int, recent_blocks: int) -> torc
     """
     mask = torch.zeros(num_blocks, dtype=torch.bool)
     mask[: min(sink_blocks, num_blocks)] = True
-    mask[max(0, num_blocks - recent_blocks - 1) :] = True
+    mask[max(0, num_blocks - forced_tail(recent_blocks)) :] = True
     return torch.nonzero(mask).flatten()
 
 
@@ -143,7 +157,7 @@ class EvictionPolicy:
     @property
     def num_forced(self) -> int:
         """Blocks the forced set takes once a sequence is long enough."""
-        return self.sink_blocks + self.recent_blocks + 1
+        return forced_count(self.sink_blocks, self.recent_blocks)
 
     @property
     def needs(self) -> frozenset[str]:

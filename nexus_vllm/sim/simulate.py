@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from nexus_vllm.core import POLICIES, EvictionPolicy, Evidence, get_policy
+from nexus_vllm.core import POLICIES, EvictionPolicy, Evidence, forced_count, get_policy
 from nexus_vllm.core._validate import check_int
 
 __all__ = [
@@ -118,7 +118,8 @@ class SimulationConfig:
         check_int("window", self.window, low=1)
         check_int("seeds", self.seeds, low=1)
         check_int(
-            "budget_blocks", self.budget_blocks, low=self.sink_blocks + self.recent_blocks + 1
+            "budget_blocks", self.budget_blocks,
+            low=forced_count(self.sink_blocks, self.recent_blocks)
         )
         unknown = set(self.class_probs) - set(BLOCK_CLASSES)
         if unknown:

@@ -438,3 +438,19 @@ def test_eviction_config_rejects_unknown_keys():
         EvictionConfig.from_dict({"method": "nexus", "budget": 3})
     with pytest.raises(ValueError, match="unknown eviction config key"):
         EvictionConfig().replace(budget=3)
+
+
+@pytest.mark.parametrize("sinks, recent", [(1, 0), (1, 2), (3, 4)])
+def test_the_forced_set_formula_is_one(sinks: int, recent: int) -> None:
+    """``forced_count`` (what budget floors and checks read) is the size of the set
+    ``forced_blocks`` forces once a sequence is long enough; ``forced_tail`` its newest
+    part (what the scheduler keeps out of an event's evictable range)."""
+    from nexus_vllm.core import EvictionConfig, forced_blocks, forced_count, forced_tail
+
+    n = 40
+    forced = forced_blocks(n, sinks, recent).tolist()
+    assert len(forced) == forced_count(sinks, recent)
+    assert forced[-forced_tail(recent):] == list(range(n - forced_tail(recent), n))
+    cfg = EvictionConfig(method="nexus", max_tokens=1024, sink_blocks=sinks,
+                         recent_blocks=recent)
+    assert cfg.num_forced == cfg.policy().num_forced == forced_count(sinks, recent)

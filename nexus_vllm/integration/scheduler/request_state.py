@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from nexus_vllm.core import EvictionConfig, EvictionTrigger, cdiv
+from nexus_vllm.core import EvictionConfig, EvictionTrigger, cdiv, forced_tail
 from nexus_vllm.integration.compat.vllm_types import EngineRequest, KVBlock
 from nexus_vllm.integration.config import request_config
 from nexus_vllm.integration.protocol import ScoreRequest
@@ -204,9 +204,9 @@ class RequestEvictionState:
         # queries continuous over steps (a short last prompt chunk is scored with rows of
         # the chunk before it, as on the transformers path).
         window = policy.window(int(cfg.prefill_window if prefill else cfg.window))
-        forced_tail = int(cfg.recent_blocks) + 1
-        evictable_below = (min(live[-forced_tail], tokens_after // block_size)
-                           if len(live) > forced_tail else 0)
+        tail = forced_tail(cfg.recent_blocks)
+        evictable_below = (min(live[-tail], tokens_after // block_size)
+                           if len(live) > tail else 0)
         return ScoreRequest(window=window,
                             num_logical_blocks=cdiv(tokens_after, block_size),
                             evictable_below=evictable_below, prefill=prefill,
