@@ -21,16 +21,21 @@ import pytest
 
 from nexus_vllm.hf.testing import TINY_SLIDING_WINDOW
 from tests.integration.conftest import HAS_VLLM
-from tests.integration.test_e2e_serve import _client, _greedy, _prompt
+from tests.integration.test_e2e_serve import (
+    BLOCK,
+    BUDGET_TOKENS,
+    CHUNK_TOKENS,
+    _client,
+    _greedy,
+    _prompt,
+    evict_alike,
+)
 
 pytestmark = [
     pytest.mark.e2e, pytest.mark.slow,
     pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed"),
 ]
 
-BLOCK = 32
-BUDGET_TOKENS = 256
-CHUNK_TOKENS = 128
 POOL_BLOCKS = 400
 EVICT_ARGS = ["--kv-eviction", "nexus", "--kv-budget", str(BUDGET_TOKENS),
               "--kv-prompt-mode", "stream", "--kv-chunk-size", str(CHUNK_TOKENS),
@@ -132,37 +137,15 @@ def test_bad_value_is_400_and_server_keeps_serving(hybrid_server) -> None:  # no
 def test_server_and_transformers_paths_evict_alike(hybrid_server, tiny_gemma3,  # noqa: ANN001
                                                    method) -> None:
     """The same token-id prompt, several windows and budgets long, through the hybrid
-    server and through the transformers path (``nexus_vllm.hf.generate_ids``: chunked and
-    triggered like the plugin, seeded like a request without a seed; only the
-    full-attention layers evicted and scored, the sliding layers keep their window)
-    evicts the same number of blocks and gives the same tokens."""
-    import requests
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    server and through the transformers path (only the full-attention layers evicted and
+    scored, the sliding layers keep their window) evicts the same number of blocks and
+    gives the same tokens (``test_e2e_serve.evict_alike``)."""
+    from transformers import AutoTokenizer
 
-    from nexus_vllm.core import EvictionConfig
-    from nexus_vllm.hf import generate_ids
-
-    tok = AutoTokenizer.from_pretrained(tiny_gemma3)
-    ids = tok(_prompt(420, 13))["input_ids"]
-    assert len(ids) > 2 * BUDGET_TOKENS > 4 * TINY_SLIDING_WINDOW
-    before = hybrid_server.metrics().get("vllm:nexus_evicted_blocks_total", 0.0)
-    body = {"model": hybrid_server.model, "prompt": ids, "max_tokens": 40,
-            "temperature": 0.0, "return_token_ids": True, "vllm_xargs": {"kv_eviction": method}}
-    r = requests.post(hybrid_server.base_url + "/v1/completions", json=body, timeout=300)
-    r.raise_for_status()
-    served = r.json()["choices"][0]["token_ids"]
-    evicted = hybrid_server.metrics()["vllm:nexus_evicted_blocks_total"] - before
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_gemma3, dtype=torch.float32).eval()
-    cfg = EvictionConfig(method=method, max_tokens=BUDGET_TOKENS, chunk_size=CHUNK_TOKENS,
-                         seed=7, block_size=BLOCK, prompt_mode="stream")  # the server's
-    hf_ids, session = generate_ids(model, ids, cfg, max_new_tokens=40)
+    ids = AutoTokenizer.from_pretrained(tiny_gemma3)(_prompt(420, 13))["input_ids"]
+    assert len(ids) > 2 * BUDGET_TOKENS > 4 * TINY_SLIDING_WINDOW  # the helper's prompt
+    session = evict_alike(hybrid_server, tiny_gemma3, method)
     assert session.full_attention_layers == [1, 3]
-    hf_evicted = sum(e.blocks_before - e.blocks_after for e in session.events)
-    assert any(not e.prefill for e in session.events)  # decode events too
-    assert evicted == hf_evicted > 0
-    assert served == hf_ids
 
 
 def test_cancelled_streams_return_every_block(tiny_gemma3, hybrid_server,  # noqa: ANN001

@@ -235,6 +235,14 @@ def test_server_and_transformers_paths_evict_alike(evict_server, tiny_model,
     (``nexus_vllm.hf.generate_ids``, chunked and triggered like the plugin, seeded like a
     request without a seed) evicts the same number of blocks and gives the same tokens:
     both run in float32 on the CPU, and the scores agree to rounding."""
+    evict_alike(evict_server, tiny_model, method)
+
+
+def evict_alike(server, model_path: str, method: str):  # noqa: ANN001, ANN201
+    """Send a 420-word token-id prompt with ``method`` to ``server`` (started with
+    ``EVICT_ARGS``' budget, chunk, block and seed, in ``stream``) and run it through the
+    transformers path with the same config; assert equal evicted blocks (> 0, decode events
+    included) and equal tokens. Returns the transformers session."""
     import requests
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -242,17 +250,17 @@ def test_server_and_transformers_paths_evict_alike(evict_server, tiny_model,
     from nexus_vllm.core import EvictionConfig
     from nexus_vllm.hf import generate_ids
 
-    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok = AutoTokenizer.from_pretrained(model_path)
     ids = tok(_prompt(420, 13))["input_ids"]
-    before = evict_server.metrics().get("vllm:nexus_evicted_blocks_total", 0.0)
-    body = {"model": evict_server.model, "prompt": ids, "max_tokens": 40, "temperature": 0.0,
+    before = server.metrics().get("vllm:nexus_evicted_blocks_total", 0.0)
+    body = {"model": server.model, "prompt": ids, "max_tokens": 40, "temperature": 0.0,
             "return_token_ids": True, "vllm_xargs": {"kv_eviction": method}}
-    r = requests.post(evict_server.base_url + "/v1/completions", json=body, timeout=300)
+    r = requests.post(server.base_url + "/v1/completions", json=body, timeout=300)
     r.raise_for_status()
     served = r.json()["choices"][0]["token_ids"]
-    evicted = evict_server.metrics()["vllm:nexus_evicted_blocks_total"] - before
+    evicted = server.metrics()["vllm:nexus_evicted_blocks_total"] - before
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     cfg = EvictionConfig(method=method, max_tokens=BUDGET_TOKENS, chunk_size=CHUNK_TOKENS,
                          seed=7, block_size=BLOCK, prompt_mode="stream")  # the server's
     hf_ids, session = generate_ids(model, ids, cfg, max_new_tokens=40)
@@ -260,6 +268,7 @@ def test_server_and_transformers_paths_evict_alike(evict_server, tiny_model,
     assert any(not e.prefill for e in session.events)  # decode events too
     assert evicted == hf_evicted > 0
     assert served == hf_ids
+    return session
 
 
 # -- prompt_mode, per request on the streaming server --------------------------------------
