@@ -95,12 +95,6 @@ def _model_layers(vllm_config: VllmConfig, local_bound: int) -> int:
     return max(int(layers), local_bound) if isinstance(layers, int) else local_bound
 
 
-def _windowed_layers(vllm_config: VllmConfig) -> list[int]:
-    """Decoder layer numbers of this worker's sliding-window attention layers."""
-    return [layer_index(v.name) for v in attention_layers(vllm_config)
-            if v.sliding_window is not None]
-
-
 class ReplyingAsyncOutput(AsyncModelRunnerOutput):
     """vLLM's ``AsyncModelRunnerOutput`` of one step, whose output carries that step's
     reply: ``get_output()`` (vLLM's output thread, after the next step has begun) waits
@@ -163,7 +157,8 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         total = _model_layers(self.vllm_config, max(indices) + 1)
         # Only full-attention layers are scored: a sliding-window layer's old blocks are
         # freed by vLLM (and may already hold another request's keys).
-        windowed = frozenset(_windowed_layers(self.vllm_config))
+        windowed = frozenset(i for v, i in zip(layers, indices, strict=True)
+                             if v.sliding_window is not None)
         model_scored = [i for i in cfg.scored_layers(total) if i not in windowed]
         self._nexus_scored = frozenset(model_scored)
         scored = [v for v, i in zip(layers, indices, strict=True) if i in self._nexus_scored]
