@@ -21,21 +21,15 @@ merge_report() {  # name, parts...: one records.jsonl from the runs ${name}_<par
 }
 what=${1:-all}
 # The default before the chat shape's second round (four recent blocks, the rows' mean at
-# the prompt-end event), as the reports label its committed records.
+# the prompt-end event), as the reports label its committed records. (The second round's
+# default, direct: max_normalized since removed, is reproduced at the commit
+# docs/algorithm.md names.)
 BEFORE_ROUND_2="nexus:recent_blocks=4,prefill_direct=mean"
-# The second round's default (each row of maxima renormalised before a block's best share
-# is read), likewise.
-ROUND_2="nexus:prefill_direct=max_normalized"
-seed_defaults() {  # report, out: the earlier defaults' records from the committed report
-  local report=$1 out=$2 m seeds=()
+seed_defaults() {  # report, out: the earlier default's records from the committed report
+  local report=$1 out=$2
   [ -e "$out" ] && return 0  # it may hold a resumed run
-  for m in "$BEFORE_ROUND_2" "$ROUND_2"; do
-    seeds+=("$out.${#seeds[@]}")
-    "$PY" -m nexus_vllm.cli records "docs/figures/$report/records.jsonl" --where "method=$m" \
-      --out "${seeds[-1]}"
-  done
-  "$PY" -m nexus_vllm.cli records "${seeds[@]}" --out "$out"
-  rm -f "${seeds[@]}"
+  "$PY" -m nexus_vllm.cli records "docs/figures/$report/records.jsonl" \
+    --where "method=$BEFORE_ROUND_2" --out "$out"
 }
 want() { [ "$what" = all ] || [ "$what" = "$1" ]; }
 case "$what" in
@@ -133,7 +127,7 @@ want chat_tuning && run chat_tuning
 want completion_tuning && run completion_tuning
 if want chat_report; then
   # Two processes (one core each) split by task, then one report over all tasks. The
-  # earlier defaults run no more: their records are the committed run's.
+  # earlier default runs no more: its records are the committed run's.
   for part in a b; do
     mkdir -p "$OUT/chat_report_$part"
     seed_defaults chat_report "$OUT/chat_report_$part/records.jsonl"
@@ -147,7 +141,7 @@ fi
 if want completion_report; then
   # The former defaults' records are prompt_modes' (identical samples), relabelled with
   # their knobs spelled out; only the new default runs. One process per half of the tasks.
-  # The chat shape's earlier defaults are this report's committed run's.
+  # The chat shape's earlier default is this report's committed run's.
   src="$OUT/prompt_modes/records.jsonl"
   [ -e "$src" ] || src=docs/figures/prompt_modes/records.jsonl
   seed_defaults completion_report "$OUT/completion_report_before.jsonl"

@@ -46,9 +46,9 @@ def request_methods() -> tuple[str, ...]:
     """The ``kv_eviction`` values a request may send: every policy the plugin serves (read
     from the policy registry when asked) and ``none``; ``default`` sends no vllm_xargs
     (the server's own config)."""
-    from nexus_vllm.core.policies import SERVABLE_METHODS
+    from nexus_vllm.core.policies import METHODS
 
-    return ("default", *(m for m in SERVABLE_METHODS if m != "none"), "none")
+    return ("default", *(m for m in METHODS if m != "none"), "none")
 
 
 def request_budgets() -> tuple[int, ...]:

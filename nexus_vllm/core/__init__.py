@@ -10,7 +10,6 @@ from .evidence import EVIDENCE_KINDS, EvidenceKind, evidence_kind, register_evid
 from .policies import (
     METHODS,
     POLICIES,
-    SERVABLE_METHODS,
     EvictionPolicy,
     Evidence,
     ExpectedAttentionPolicy,
@@ -58,7 +57,6 @@ __all__ = [
     "METHODS",
     "POLICIES",
     "SAMPLERS",
-    "SERVABLE_METHODS",
     "WALK_ROWS",
     "ConfigError",
     "EvictionConfig",

@@ -3,23 +3,24 @@
 A policy sees the :class:`~nexus_vllm.core.evidence.Evidence` of one request's event (a
 mapping from evidence kind to tensor over its live blocks in logical order: the window's
 attention mass ``[W, N]``, key norms, expected attention; :mod:`nexus_vllm.core.evidence`)
-and returns the blocks to KEEP. Every policy keeps the forced set: the first ``sink_blocks`` blocks (the attention
-sink), the newest ``recent_blocks`` full blocks and the current (last) block. The rest of
-the budget is filled by :meth:`EvictionPolicy.score` and the policy's sampler.
+and returns the blocks to KEEP. Every policy keeps the forced set: the first
+``sink_blocks`` blocks (the attention sink), the newest ``recent_blocks`` full blocks and
+the current (last) block. The rest of the budget is filled by
+:meth:`EvictionPolicy.score` and the policy's sampler.
 
 A policy declares what it needs, so callers ask it instead of testing its name:
 ``needs`` (which evidence it reads), ``query_rows`` (how many of the newest window rows of
-the mass it reads: the scorer computes no more), ``stochastic`` (whether its choice
-depends on the generator) and ``servable`` (whether the vLLM plugin can gather its
-evidence). Its knobs are its dataclass fields (:meth:`EvictionPolicy.knobs`), and what
-they become at prefill events is declared here too (``prefill_defaults``,
-``prompt_end_defaults``), so :class:`~nexus_vllm.core.EvictionConfig` names no knob of
-any policy.
+the mass it reads: the scorer computes no more) and ``stochastic`` (whether its choice
+depends on the generator). The vLLM plugin serves every policy: each evidence kind has a
+worker gatherer (:mod:`nexus_vllm.core.evidence`). Its knobs are its dataclass fields
+(:meth:`EvictionPolicy.knobs`), and what they become at prefill events is declared here
+too (``prefill_defaults``, ``prompt_end_defaults``), so
+:class:`~nexus_vllm.core.EvictionConfig` names no knob of any policy.
 
 Adding a policy is one ``@register_policy`` class plus one row in the tests' case table
 (``tests/core/policy_cases.py``). The class may live in another module: :data:`METHODS`
-and :data:`SERVABLE_METHODS` read the registry when asked, so configs, the server's
-flags, request validation and the evaluation CLI accept it as soon as it is registered.
+reads the registry when asked, so configs, the server's flags, request validation and the
+evaluation CLI accept it as soon as it is registered.
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ import torch
 from ._validate import ConfigError, check_choice, check_float, check_int
 from .evidence import Evidence
 from .sampling import SAMPLERS, sample_blocks, top_k_indices
+from .scoring import normalize_rows
 from .weights import DIRECT_MODES, WALK_ROWS, check_indirect, nexus_weights
 
 __all__ = [
     "METHODS",
     "POLICIES",
-    "SERVABLE_METHODS",
     "Evidence",
     "EvictionPolicy",
     "ExpectedAttentionPolicy",
@@ -139,8 +140,6 @@ class EvictionPolicy:
     evidence: ClassVar[frozenset[str]] = frozenset({"mass"})
     # Newest rows of the window's mass that score() reads (None: all of them).
     query_rows: ClassVar[int | None] = None
-    # Whether the vLLM plugin gathers this policy's evidence.
-    servable: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_int("sink_blocks", self.sink_blocks, low=1)
@@ -289,11 +288,10 @@ class NexusPolicy(EvictionPolicy):
 
     Parameters
     ----------
-    direct : {"mean", "max", "max_normalized"}
-        How the direct score reads the window's rows: their mean (the paper's), each
+    direct : {"mean", "max"}
+        How the direct score reads the window's rows: their mean (the paper's), or each
         block's largest share of any one row as softmax gave it (the prompt-end event's
-        default in ``end``), or that share after each row of maxima was renormalised
-        (the chat shape's second round); see :func:`~nexus_vllm.core.weights.direct_scores`.
+        default in ``end``); see :func:`~nexus_vllm.core.weights.direct_scores`.
     indirect : {"walk", "none"}
     steps : int
         Walk steps H (>= 1).
@@ -419,9 +417,7 @@ class NexusPolicy(EvictionPolicy):
             if self.knorm_share > 0:
                 gamma = float(self.knorm_share)
                 prior = torch.softmax(-self.knorm_prior * z, dim=0).to(weights.dtype)
-                total = weights.sum()
-                own = weights / total if total > 0 else torch.zeros_like(weights)
-                weights = (1.0 - gamma) * own + gamma * prior
+                weights = (1.0 - gamma) * normalize_rows(weights) + gamma * prior
             else:
                 weights = weights * torch.exp(-self.knorm_prior * z).to(weights.dtype)
         return weights
@@ -549,20 +545,10 @@ class MethodNames(Sequence[str]):
     """The method names a config accepts, read from :data:`POLICIES` each time: ``"none"``
     (no eviction), then every registered policy's name in registration order. A policy
     registered later, from any module, is in it at once (for ``check_choice``, argparse
-    ``choices``, request validation and every method list built from it).
-
-    Parameters
-    ----------
-    servable_only : bool
-        Only the policies the vLLM plugin serves (it gathers their evidence).
-    """
-
-    def __init__(self, *, servable_only: bool = False) -> None:
-        self._servable_only = servable_only
+    ``choices``, request validation and every method list built from it)."""
 
     def _names(self) -> tuple[str, ...]:
-        return ("none", *(name for name, cls in POLICIES.items()
-                          if cls.servable or not self._servable_only))
+        return ("none", *POLICIES)
 
     def __getitem__(self, index: Any) -> Any:
         return self._names()[index]
@@ -574,8 +560,7 @@ class MethodNames(Sequence[str]):
         return iter(self._names())
 
     def __contains__(self, name: object) -> bool:
-        return name == "none" or (name in POLICIES and (
-            not self._servable_only or POLICIES[str(name)].servable))
+        return name == "none" or name in POLICIES
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, MethodNames):
@@ -588,9 +573,9 @@ class MethodNames(Sequence[str]):
         return repr(self._names())
 
 
-# Every method a config accepts ("none": no eviction), and those the vLLM plugin serves.
+# Every method a config accepts ("none": no eviction). The vLLM plugin serves every one:
+# each evidence kind has a worker gatherer.
 METHODS = MethodNames()
-SERVABLE_METHODS = MethodNames(servable_only=True)
 
 
 def get_policy(name: str, **knobs: Any) -> EvictionPolicy:

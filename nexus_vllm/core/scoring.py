@@ -13,6 +13,7 @@ import torch
 
 __all__ = [
     "HEAD_REDUCES",
+    "KV_LAYOUTS",
     "block_attention_mass",
     "block_attention_mass_paged",
     "cdiv",
@@ -22,6 +23,8 @@ __all__ = [
     "num_blocks_for",
 ]
 
+# How a paged key cache is laid out: ``[num_blocks, block_size, Hkv, D]`` or
+# ``[num_blocks, Hkv, block_size, D]``.
 KV_LAYOUTS = ("NHD", "HND")
 # How the mass of the query heads (and then of the scored layers) becomes one row per
 # query: their mean, or their maximum (each row renormalised to sum to 1 by the evidence,
@@ -53,7 +56,9 @@ def _check_head_reduce(head_reduce: str) -> None:
 
 
 def normalize_rows(mass: torch.Tensor) -> torch.Tensor:
-    """``mass [W, N]`` with each row divided by its sum (a row of zeros stays zeros)."""
+    """``mass`` (Tensor[..., N], non-negative) with each row divided by its sum: the one
+    row normalisation of evidence and weights (a vector ``[N]`` is one row). A row of
+    zeros (a padded query, a block set nothing attends to) stays zeros, not NaN."""
     sums = mass.sum(dim=-1, keepdim=True)
     return mass / torch.where(sums > 0, sums, torch.ones_like(sums))
 

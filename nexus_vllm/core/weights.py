@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 
 from ._validate import ConfigError, check_choice, check_float, check_int, check_mass
+from .scoring import normalize_rows
 
 __all__ = ["DIRECT_MODES", "INDIRECT_MODES", "WALK_ROWS", "check_indirect", "direct_scores",
            "indirect_scores", "nexus_weights"]
 
-DIRECT_MODES = ("mean", "max", "max_normalized")
+DIRECT_MODES = ("mean", "max")
 INDIRECT_MODES = ("walk", "none")
 WALK_ROWS = ("newest", "oldest", "cycle")
 
@@ -37,16 +38,6 @@ def check_indirect(name: str, value: object) -> None:
     check_choice(name, value, INDIRECT_MODES)
 
 
-def _row_normalise(mass: torch.Tensor) -> torch.Tensor:
-    # A row with no mass (e.g. a padded query) stays zero instead of becoming NaN.
-    return mass / mass.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(mass.dtype).tiny)
-
-
-def _l1_normalise(x: torch.Tensor) -> torch.Tensor:
-    total = x.sum()
-    return x / total if float(total) > 0 else torch.zeros_like(x)
-
-
 def direct_scores(mass: torch.Tensor, reduce: str = "mean",
                   row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """How much the window attends to each block.
@@ -54,14 +45,13 @@ def direct_scores(mass: torch.Tensor, reduce: str = "mean",
     Parameters
     ----------
     mass : Tensor[W, N]
-    reduce : {"mean", "max", "max_normalized"}
+    reduce : {"mean", "max"}
         ``mean`` (the paper's): the mean over the rows, each normalised to sum to 1.
         ``max``: each block's largest share of any one row as the scorer gave it (rows
         times ``row_scale``), normalised to sum to 1; a block that one row of the
         question reads closely is not diluted by the rows that read elsewhere (several
         facts asked at once, a chat's earlier turns; docs/algorithm.md, "The chat
-        shape"). ``max_normalized``: the same over rows each normalised to sum to 1 (the
-        second round's event: a row of maxima whose heads disagree counts for less).
+        shape").
     row_scale : Tensor[W], optional
         Each row's total before it was renormalised
         (:attr:`~nexus_vllm.core.policies.Evidence.row_scale`); read by ``max`` only.
@@ -78,11 +68,8 @@ def direct_scores(mass: torch.Tensor, reduce: str = "mean",
         rows = mass.double()
         if row_scale is not None:
             rows = rows * row_scale.to(rows).view(-1, 1)
-        return _l1_normalise(rows.amax(dim=0))
-    rows = _row_normalise(mass.double())
-    if reduce == "mean":
-        return rows.mean(dim=0)
-    return _l1_normalise(rows.amax(dim=0))
+        return normalize_rows(rows.amax(dim=0))
+    return normalize_rows(mass.double()).mean(dim=0)
 
 
 def _walk_row_order(w: int, steps: int, walk_rows: str) -> list[int]:
@@ -124,7 +111,7 @@ def indirect_scores(
     w, n = mass.shape
     if w == 0 or indirect == "none":
         return torch.zeros(n, dtype=torch.float64, device=mass.device)
-    s = _row_normalise(mass.double())
+    s = normalize_rows(mass.double())
     c = torch.zeros(n, dtype=torch.float64, device=mass.device)
     for q in _walk_row_order(w, steps, walk_rows):
         row = s[q]
@@ -152,7 +139,7 @@ def nexus_weights(
         normalised).
     row_scale : Tensor[W], optional
         Each row's total before it was renormalised; see :func:`direct_scores`.
-    direct : {"mean", "max", "max_normalized"}
+    direct : {"mean", "max"}
         How the direct score ``a`` reads the rows; see :func:`direct_scores`.
     indirect : {"walk", "none"}
         How the indirect score ``c`` is built; see :func:`indirect_scores`.
@@ -175,4 +162,4 @@ def nexus_weights(
     c = indirect_scores(mass, indirect=indirect, steps=steps, walk_rows=walk_rows)
     n = a.numel()
     ramp = torch.arange(n, dtype=torch.float64, device=a.device) / max(n - 1, 1)
-    return a + lam * _l1_normalise(c) + eps * ramp
+    return a + lam * normalize_rows(c) + eps * ramp

@@ -9,9 +9,9 @@ which is correct because every cached token precedes the new ones.
 
 Evidence for an eviction event is the post-RoPE query rows of the newest ``W`` tokens per
 layer, scored against the cached keys of the layers ``>= skip_layers`` with
-``nexus_vllm.core.block_attention_mass`` and averaged over layers; the decision (which
-blocks of ``block_size`` tokens to keep) is shared by every layer and head, as in the vLLM
-plugin.
+``nexus_vllm.core.block_attention_mass`` and combined over heads and layers by the
+config's ``head_reduce`` (their maximum by default); the decision (which blocks of
+``block_size`` tokens to keep) is shared by every layer and head, as in the vLLM plugin.
 
 Hybrid models (full-attention layers interleaved with sliding-window ones, each kind with
 its own cache layer: ``DynamicLayer`` and ``DynamicSlidingWindowLayer``) follow the
@@ -338,9 +338,10 @@ class StreamingSession:
         if cfg is None:
             return False
         n_blocks = num_blocks_for(self.cache_len, cfg.block_size)
-        # One rule for both: an event when over the target, and the decode clock restarts
-        # (``prefill`` only picks the policy and window of the event).
-        if not self.trigger.prefill_chunk(self.seen, n_blocks):
+        # The trigger's prefill rule (every token since it last moved is this chunk's): an
+        # event when over the target, and the decode clock restarts (``prefill`` only
+        # picks the policy and window of the event).
+        if self.trigger.advance(self.seen, n_blocks) is None:
             return False
         return self._event(prefill=prefill, n_blocks=n_blocks,
                            budget_blocks=cfg.target_blocks(self.seen, self.prompt_tokens))
@@ -390,7 +391,7 @@ class StreamingSession:
         if cfg is None:
             return
         n_blocks = num_blocks_for(self.cache_len, cfg.block_size)
-        if self.trigger.decode(n, self.seen, n_blocks):
+        if self.trigger.advance(self.seen, n_blocks, n) is not None:
             self._event(prefill=False, n_blocks=n_blocks,
                         budget_blocks=cfg.target_blocks(self.seen, self.prompt_tokens))
 
@@ -403,7 +404,8 @@ class StreamingSession:
             return limit
         for j in range(1, limit + 1):
             n_blocks = num_blocks_for(self.cache_len + j, cfg.block_size)
-            if self.trigger.decode_due(j, self.seen + j, n_blocks):
+            # On a copy: asking must not move the session's clock.
+            if copy.copy(self.trigger).advance(self.seen + j, n_blocks, j) is not None:
                 return j
         return limit
 

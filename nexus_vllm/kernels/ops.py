@@ -77,6 +77,7 @@ from collections.abc import Sequence
 
 import torch
 
+from nexus_vllm.core.scoring import HEAD_REDUCES, KV_LAYOUTS
 from nexus_vllm.kernels._interpreter import triton_interpret_enabled
 from nexus_vllm.kernels._launch import block_mass_triton, compact_triton
 from nexus_vllm.kernels._reference import (
@@ -110,8 +111,6 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "triton", "torch", "batched")
-KV_LAYOUTS = ("NHD", "HND")
-HEAD_REDUCES = ("mean", "max")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT_DTYPES = (torch.int32, torch.int64)
 

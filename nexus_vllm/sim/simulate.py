@@ -30,7 +30,14 @@ from typing import Any
 
 import torch
 
-from nexus_vllm.core import POLICIES, EvictionPolicy, Evidence, forced_count, get_policy
+from nexus_vllm.core import (
+    POLICIES,
+    EvictionPolicy,
+    Evidence,
+    forced_count,
+    get_policy,
+    normalize_rows,
+)
 from nexus_vllm.core._validate import check_int
 
 __all__ = [
@@ -194,7 +201,7 @@ class _Stream:
             elif kind == "spike":
                 mass[:, col] = SPIKE_FLOOR
                 mass[int(self.spike_rows[event, j]), col] = SPIKE_PEAK_PER_ROW * w
-        return (mass / mass.sum(dim=1, keepdim=True)).float()
+        return normalize_rows(mass).float()
 
     def evidence(self, event: int, live: list[int]) -> Evidence:
         """Every evidence kind of ``event`` over the ``live`` blocks: the mass, the key
@@ -205,7 +212,7 @@ class _Stream:
         norms = self.key_norms[ids]
         expected = 1.0 / norms
         return Evidence(self.mass(event, live), norms,
-                        expected_attention=(expected / expected.sum()).float())
+                        expected_attention=normalize_rows(expected).float())
 
 
 def _run_one(

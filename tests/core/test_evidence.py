@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nexus_vllm.core import EVIDENCE_KINDS, Evidence, Rotary, evidence_kind, register_evidence
+from nexus_vllm.core import (
+    EVIDENCE_KINDS,
+    HEAD_REDUCES,
+    Evidence,
+    Rotary,
+    evidence_kind,
+    register_evidence,
+)
 from nexus_vllm.core.evidence import DenseLayer, DenseSequence, EvidenceKind, PagedBatch
 from nexus_vllm.core.evidence.key_norms import block_key_norms
 
@@ -16,7 +23,6 @@ from nexus_vllm.core.evidence.key_norms import block_key_norms
 HEAD_SHAPES = [(4, 2, 16, 8), (6, 3, 8, 4), (2, 2, 32, 16)]
 # (sequence lengths of the batch's requests, window rows of each)
 BATCHES = [((37, 64, 9), (8, 5, 3)), ((100,), (8,))]
-HEAD_REDUCES = ("mean", "max")
 
 
 def _rotary(head_size: int, positions: int = 4096) -> Rotary:

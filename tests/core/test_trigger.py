@@ -40,14 +40,18 @@ def _stream(cfg: EvictionConfig, chunks: list[int], decode: int) -> list[tuple[i
         tokens += n
         live = cdiv(tokens, BLOCK) - evicted
         assert live <= max(cfg.hard_limit(tokens, prompt), cdiv(min(tokens, prompt), BLOCK))
-        if trigger.prefill_chunk(tokens, live):
+        event = trigger.advance(tokens, live)
+        assert event in (None, "prefill")
+        if event:
             events.append((tokens, True, live))
             evicted += live - cfg.target_blocks(tokens, prompt)
     for _ in range(decode):
         tokens += 1
         live = cdiv(tokens, BLOCK) - evicted
         assert live <= cfg.hard_limit(tokens, prompt)
-        if trigger.decode(1, tokens, live):
+        event = trigger.advance(tokens, live)
+        assert event in (None, "decode")
+        if event:
             events.append((tokens, False, live))
             evicted += live - cfg.target_blocks(tokens, prompt)
     assert cdiv(tokens, BLOCK) - evicted <= cfg.bound_blocks(prompt, tokens)
@@ -161,6 +165,59 @@ def test_the_decode_hard_limit_is_reached(decode, interval, budget) -> None:
         live = cdiv(tokens, BLOCK) - evicted
         peak = max(peak, live)
         assert live <= cfg.hard_limit(tokens, prompt)
-        if trigger.decode(1, tokens, live):
+        if trigger.advance(tokens, live, 1):
             evicted += live - cfg.target_blocks(tokens, prompt)
     assert peak == cfg.peak_from(prompt, prompt, tokens)
+
+
+def test_a_decode_event_fires_after_interval_tokens_or_at_the_hard_limit() -> None:
+    cfg = _config("stream", 64, interval=4)  # target 8 blocks, hard limit 9
+    trigger = EvictionTrigger(cfg, 100, tokens=100)
+    assert trigger.advance(101, 9) == "decode"  # at the hard limit at once
+    assert trigger.decode_tokens == 0
+    for tokens in (102, 103, 104):
+        assert trigger.advance(tokens, 8) is None  # within the target: only counted
+    assert trigger.advance(105, 8) is None and trigger.decode_tokens == 4
+    # Over the target with an interval's tokens counted: due.
+    assert trigger.advance(106, 9, 1) == "decode" and trigger.decode_tokens == 0
+
+
+def test_a_due_event_that_may_not_fire_waits_and_the_clock_keeps_counting() -> None:
+    cfg = _config("stream", 64, interval=4)
+    trigger = EvictionTrigger(cfg, 100, tokens=100)
+    for tokens in (101, 102, 103, 104):
+        assert trigger.advance(tokens, 8, may_fire=False) is None
+    assert trigger.decode_tokens == 4
+    assert trigger.advance(105, 8, may_fire=False) is None  # due, held back
+    assert trigger.decode_tokens == 5
+    assert trigger.advance(106, 8) is None  # within the target again: not due
+    assert trigger.advance(107, 9) == "decode"  # the first step allowed once over
+    # A prefill event held back likewise fires after the next chunk that is over.
+    prefill = EvictionTrigger(cfg, 1000)
+    assert prefill.advance(96, 12, may_fire=False) is None
+    assert prefill.advance(128, 16) == "prefill"
+
+
+def test_generated_tokens_recomputed_in_a_prefill_chunk_count_as_decode_tokens() -> None:
+    """A request resumed after preemption recomputes its prompt and its generated tokens
+    in prefill chunks: the ones past the prompt count toward the next decode event, also
+    after an event that follows the chunk."""
+    cfg = _config("stream", 64, interval=16)
+    trigger = EvictionTrigger(cfg, 100)
+    assert trigger.advance(96, 12, 96) == "prefill"
+    assert trigger.advance(110, 10, 14) == "prefill"  # 4 tokens before the prompt's end
+    assert trigger.decode_tokens == 10
+    assert trigger.advance(111, 9, 1) is None and trigger.decode_tokens == 11
+
+
+def test_the_step_starts_where_new_tokens_says() -> None:
+    """``new_tokens`` defaults to every token since the clock last moved; a step that
+    starts past the clock (a prefix-cache hit) says how many it computed, which decides
+    whether it is a prefill or a decode step."""
+    cfg = _config("stream", 64, interval=4)
+    trigger = EvictionTrigger(cfg, 100)
+    assert trigger.advance(104, 13) == "prefill"  # 0..104 spans the prompt's end
+    assert trigger.tokens == 104 and trigger.decode_tokens == 4
+    other = EvictionTrigger(cfg, 100)
+    assert other.advance(104, 13, 4) == "decode"  # 100..104: a decode step
+

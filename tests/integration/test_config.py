@@ -119,12 +119,12 @@ def test_a_policy_registered_elsewhere_is_a_method_everywhere(throwaway_policy) 
     default run includes it; unregistered, it is refused again."""
     import argparse
 
-    from nexus_vllm.core import METHODS, SERVABLE_METHODS, EvictionConfig
+    from nexus_vllm.core import METHODS, EvictionConfig
     from nexus_vllm.eval.cli import default_methods, run_config
     from nexus_vllm.integration.frontend.server_config import add_cli_flags
 
     name = throwaway_policy
-    assert name in METHODS and name in SERVABLE_METHODS and METHODS[-1] == name
+    assert name in METHODS and METHODS[-1] == name
     assert EvictionConfig.from_dict({"method": name, "max_tokens": 256}).method == name
     parser = add_cli_flags(argparse.ArgumentParser())
     assert parser.parse_args(["--kv-eviction", name]).kv_eviction == name

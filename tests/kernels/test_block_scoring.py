@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from nexus_vllm.core.scoring import block_attention_mass, gather_paged_keys, num_blocks_for
+from nexus_vllm.core import scoring
+from nexus_vllm.core.scoring import (
+    HEAD_REDUCES,
+    KV_LAYOUTS,
+    block_attention_mass,
+    gather_paged_keys,
+    num_blocks_for,
+)
 from nexus_vllm.kernels import _launch, _reference, ops
 from nexus_vllm.kernels.ops import block_attention_mass_paged, block_attention_mass_paged_layers
 
@@ -20,9 +27,7 @@ triton_only = pytest.mark.skipif(not ops.HAS_TRITON, reason="triton is not insta
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-HEAD_REDUCES = ["mean", "max"]
 BLOCK_SIZES = [16, 32, 64]
-KV_LAYOUTS = ["NHD", "HND"]
 # (R, W, Hq, Hkv, D): GQA groups 1/2/3/4, non-power-of-two D and W, W = 1.
 HEAD_SHAPES = [
     (2, 4, 4, 2, 32),
@@ -473,6 +478,8 @@ def test_public_api():
     ]
     for name in pkg.__all__:
         assert getattr(pkg, name) is getattr(ops, name), name
+    # The choices the ops accept are core's, not a copy.
+    assert ops.HEAD_REDUCES is scoring.HEAD_REDUCES and ops.KV_LAYOUTS is scoring.KV_LAYOUTS
 
 
 def test_imports_without_triton():

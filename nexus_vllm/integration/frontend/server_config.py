@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from nexus_vllm.argtypes import float_in, int_at_least
 from nexus_vllm.core.config import PROMPT_MODES, EvictionConfig
-from nexus_vllm.core.policies import SERVABLE_METHODS
+from nexus_vllm.core.policies import METHODS
 from nexus_vllm.integration.config import ADDITIONAL_CONFIG_KEY
 
 if TYPE_CHECKING:
@@ -38,8 +38,6 @@ __all__ = [
     "resolve_config",
 ]
 
-# Methods a server can be started with: the policies whose evidence the plugin gathers.
-METHODS = SERVABLE_METHODS
 # CLI flag -> EvictionConfig field.
 CLI_FLAGS = {
     "--kv-eviction": "method",
@@ -266,11 +264,6 @@ def resolve_config(
         knobs.pop("max_tokens", None)
     knobs.update(given)
     cfg = _build(knobs, "flags", given)
-    if cfg.method not in METHODS:
-        where = "--kv-eviction" if "method" in given else "nexus.method"
-        raise ValueError(
-            f"{where}: {cfg.method!r} is not served; choose from {', '.join(METHODS)}"
-        )
     if cfg.method != "none" and cfg.max_tokens is None and cfg.keep_ratio is None:
         raise ValueError(
             f"--kv-eviction {cfg.method} needs a budget: pass --kv-budget TOKENS "

@@ -179,27 +179,13 @@ class RequestEvictionState:
             (the trigger keeps counting, so it fires at the first step allowed).
         """
         cfg = self.cfg
-        before = tokens_after - scheduled
-        prompt_tokens = self.prompt_tokens
-        prefill = before < prompt_tokens
         self.peak_live_blocks = max(self.peak_live_blocks, len(live))
         self.tokens = tokens_after
-        trigger = self.trigger
-        if prefill:
-            due = trigger.prefill_due(tokens_after, len(live))
-            if due and may_fire:
-                trigger.prefill_chunk(tokens_after, len(live))
-            # A request resumed after preemption recomputes its generated tokens inside
-            # a prefill chunk: they count as decode tokens, as they did the first time.
-            trigger.decode_tokens += max(0, tokens_after - max(before, prompt_tokens))
-        elif may_fire:
-            due = trigger.decode(scheduled, tokens_after, len(live))
-        else:
-            due = trigger.decode_due(scheduled, tokens_after, len(live))
-            trigger.decode_tokens += scheduled
-        if not (due and may_fire):
+        event = self.trigger.advance(tokens_after, len(live), scheduled, may_fire=may_fire)
+        if event is None:
             return None
-        policy = cfg.policy(prefill=prefill, prompt_tokens=prompt_tokens)
+        prefill = event == "prefill"
+        policy = cfg.policy(prefill=prefill, prompt_tokens=self.prompt_tokens)
         # The newest rows, across chunks: the worker's query ring keeps each request's
         # queries continuous over steps (a short last prompt chunk is scored with rows of
         # the chunk before it, as on the transformers path).
