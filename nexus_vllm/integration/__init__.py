@@ -36,13 +36,15 @@ One engine step (``docs/architecture.md`` has the full picture):
    newest queries to the query ring (``worker.query_ring``). After the forward the scorer
    (``worker.block_scorer``) scores the requests due (one call for all scored layers),
    sums over tensor-parallel ranks and pipeline stages and copies to the host on the
-   output rank. ``worker.worker_step`` holds what these parts share within a step.
+   output rank. ``worker.worker_step`` holds what these parts hand each other within a
+   step; ``worker.request_table`` what the worker keeps of each request between steps.
 3. ``NexusWorker.sample_tokens`` attaches the ``protocol.WorkerReply`` (the plan's
    acknowledgement and the evidence); ``NexusScheduler.update_from_output`` runs each
    scored request's policy (``nexus_vllm.core``, seeded per request), nulls the dropped
    entries of vLLM's block list and frees the blocks to the pool.
-4. ``make_stats`` adds ``nexus:*`` counters to ``SchedulerStats``; the API server's
-   ``frontend.patches.stat_logger`` turns them into ``vllm:nexus_*`` Prometheus series.
+4. ``make_stats`` attaches the eviction stats (``metrics.NexusStats``) to
+   ``SchedulerStats.kv_connector_stats``; the API server's ``frontend.patches.stat_logger``
+   takes them out before vLLM's loggers run and updates the ``vllm:nexus_*`` series.
 
 ``compat.vllm_compat`` is the one home of the scheduler-side and layer internals all of
 this relies on, ``compat.runners`` of the model runners'; ``compat.catalogue`` lists every

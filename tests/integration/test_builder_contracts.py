@@ -97,7 +97,7 @@ def case(request: pytest.FixtureRequest) -> Iterator[Case]:
     state = make_state(runner, max_requests=max(4, len(phys)))
     step = state.begin_step(scheduler_output(), StepPlan(step_id=1, evict=evict))
     logical = common_metadata(runner, seq, query)
-    compacted = state.compact(logical)
+    compacted = state.compactor.compact(logical)
     live = [[b for j, b in enumerate(phys[r]) if j not in evict.get(r, ())] for r in phys]
     live_lens = [n - BS * len(evict.get(r, ())) for r, n in zip(phys, seq)]
     yield Case(state, logical, compacted, live, live_lens)

@@ -53,6 +53,7 @@ def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: s
     from nexus_vllm.integration.compat.vllm_compat import StageLink
     from nexus_vllm.integration.protocol import ScoreRequest, StepPlan
     from nexus_vllm.integration.worker.attention import key_view
+    from nexus_vllm.integration.worker.fault_doubles import worker_parts
     from nexus_vllm.integration.worker.wire import RankLayout
     from nexus_vllm.integration.worker.worker_state import LayerKeys, WorkerEvictionState
     from tests.integration.fakes import (
@@ -108,7 +109,8 @@ def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: s
     state = WorkerEvictionState(block_size=BS, window=8, max_requests=4,
                                 device=torch.device("cpu"), score_backend="torch",
                                 layout=layout, scored_layers=len(model_scored),
-                                head_reduce=head_reduce, stages=stages)
+                                head_reduce=head_reduce, stages=stages,
+                                parts=worker_parts())
     state.scorer._tp_reduce = reduced(tp_groups[layout.pp_rank])
     state.allocate_ring(len(local), hq, D, torch.float32)
     state.bind_layers(adapter(runner), layer_keys)
@@ -118,12 +120,13 @@ def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: s
         step = state.begin_step(scheduler_output(new=("a", "b") if step_id == 1 else ()),
                          StepPlan(step_id=step_id, track=("a", "b"), **plan))
         qa, qb = torch.arange(starts[0], ends[0]), torch.arange(starts[1], ends[1])
-        state.compact(common_metadata(runner, list(ends), [len(qa), len(qb)]))
+        state.compactor.compact(common_metadata(runner, list(ends), [len(qa), len(qb)]))
         for li in _layers_of_stage(layout.pp_rank, pp_size):  # every layer it holds
             q = torch.cat([queries[li][qa], queries[li][T_A + qb]])[:, q_heads]
-            state.capture(li, q.reshape(q.shape[0], hq * D))
-        state.finish_forward()
-        reply = state.reply(step)
+            state.ring.capture(li, q.reshape(q.shape[0], hq * D))
+        # As NexusWorker: scored after the forward, the reply token taken after sampling.
+        pending = state.finish_forward(step)
+        reply = state.reply_token(step, pending).reply()
         state.end_step(step)
         return reply
 

@@ -87,9 +87,11 @@ def test_worker_never_reads_a_freed_block(seed: int, fault_rate: float) -> None:
         rows = list(runner.input_batch.req_ids)
         seq = [requests[r].num_computed_tokens for r in rows]
         if rows:
-            cm = state.compact(common_metadata(runner, seq, [sched[r] for r in rows]))
+            cm = state.compactor.compact(common_metadata(runner, seq,
+                                                         [sched[r] for r in rows]))
             _check_reads(cm, rows, seq, single)
-        reply = state.reply(step)
+        # Not scored here (made-up evidence below): the reply's acknowledgement and faults.
+        reply = state.reply_token(step, None).reply()
         if reply.step_id is not None:
             evidence: dict[str, dict[str, np.ndarray]] = {}
             for rid, sreq in plan.score.items():

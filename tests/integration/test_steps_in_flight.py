@@ -235,10 +235,12 @@ class FakeEngine:
         rows = list(output.num_scheduled_tokens)
         if rows:
             seq = [self.requests[r].num_computed_tokens for r in rows]
-            cm = state.compact(common_metadata(self.runner, seq,
-                                               [output.num_scheduled_tokens[r] for r in rows]))
+            cm = state.compactor.compact(common_metadata(
+                self.runner, seq, [output.num_scheduled_tokens[r] for r in rows]))
             self._check_reads(cm, rows, seq)
-        reply = state.reply(step)
+        # Not scored here (the scores are made up below): the reply's acknowledgement
+        # and faults, as NexusWorker takes them after sampling.
+        reply = state.reply_token(step, None).reply()
         state.end_step(step)
         if reply.step_id is None:
             return reply
@@ -254,7 +256,8 @@ class FakeEngine:
     def _masses(self, req_id: str, sreq: Any) -> np.ndarray:
         """Scores that depend only on the request, the block and the request's progress
         (so every k sees the same), over the live blocks of the worker's own view."""
-        done = self.state.evicted.get(req_id, set())
+        req = self.state.requests.get(req_id)
+        done = set() if req is None else req.evicted
         live = [j for j in range(sreq.num_logical_blocks) if j not in done]
         weights = np.array([1.0 + zlib.crc32(f"{req_id}:{j}:{sreq.tokens_after}".encode())
                             % 997 for j in live], dtype=np.float32)

@@ -144,7 +144,7 @@ def _compacted_case(block_size: int, q_len: int, use_3d: bool, seed: int) -> tup
     state.allocate_ring(1, HQ, D, torch.float32)
     state.bind_layers(adapter(runner), {})
     step = state.begin_step(scheduler_output(), StepPlan(step_id=1, evict={"r": EVICTED_R}))
-    cm = state.compact(common_metadata(runner, [t_r, t_s], [q_len, 1]))
+    cm = state.compactor.compact(common_metadata(runner, [t_r, t_s], [q_len, 1]))
     state.end_step(step)
     # Compaction shortened r by the evicted tokens and left s alone.
     assert cm.seq_lens.tolist() == [t_r - len(EVICTED_R) * block_size, t_s]

@@ -30,6 +30,12 @@ def _plan(step_id: int, **kw):  # noqa: ANN003, ANN202
     return StepPlan(step_id=step_id, **kw)
 
 
+def _reply(state, step):  # noqa: ANN001, ANN202
+    """``step``'s reply as ``NexusWorker`` builds it: scored after the forward, then the
+    reply token taken after sampling."""
+    return state.reply_token(step, state.finish_forward(step)).reply()
+
+
 def test_plan_nulls_entries_and_compaction_contract() -> None:
     """Rows become live ids then nulls; lengths, CPU upper bound and max shrink by the
     evicted tokens; outputs are persistent buffers; inputs are never written; the step's
@@ -43,7 +49,7 @@ def test_plan_nulls_entries_and_compaction_contract() -> None:
     seq = [4 * BS + 5, 2 * BS, 4 * BS]
     cm = common_metadata(runner, seq, [5, 1, 1])
     table_in, lens_in = cm.block_table_tensor.clone(), cm.seq_lens.clone()
-    out = state.compact(cm)
+    out = state.compactor.compact(cm)
     assert out.block_table_tensor[0, :5].tolist() == [3, 2, 5, 0, 0]
     assert out.block_table_tensor[1, :3].tolist() == [9, 10, 0]
     assert out.block_table_tensor[2, :4].tolist() == [11, 13, 14, 0]
@@ -53,7 +59,7 @@ def test_plan_nulls_entries_and_compaction_contract() -> None:
     assert out.seq_lens_cpu_upper_bound.device.type == "cpu"
     assert out.max_seq_len == max(want) and out._num_computed_tokens_cache is None
     assert torch.equal(cm.block_table_tensor, table_in) and torch.equal(cm.seq_lens, lens_in)
-    again = state.compact(cm)  # another attention group, same step
+    again = state.compactor.compact(cm)  # another attention group, same step
     assert again.block_table_tensor is out.block_table_tensor
     assert again.seq_lens is out.seq_lens
     ptrs = (out.block_table_tensor.data_ptr(), out.seq_lens.data_ptr())
@@ -61,7 +67,7 @@ def test_plan_nulls_entries_and_compaction_contract() -> None:
     # Next step: the same persistent buffers, rewritten in place.
     step = state.begin_step(scheduler_output(), _plan(2))
     seq2 = [seq[0] + 1, seq[1], seq[2]]  # "a" decodes one token into its partial block
-    out2 = state.compact(common_metadata(runner, seq2, [1, 1, 1]))
+    out2 = state.compactor.compact(common_metadata(runner, seq2, [1, 1, 1]))
     assert (out2.block_table_tensor.data_ptr(), out2.seq_lens.data_ptr()) == ptrs
     assert out2.seq_lens.tolist() == [want[0] + 1, want[1], want[2]]
     state.end_step(step)
@@ -72,10 +78,10 @@ def test_batch_without_evictions_is_left_alone() -> None:
     state = make_state(runner)
     step = state.begin_step(scheduler_output(), _plan(1))
     cm = common_metadata(runner, [4 * BS + 5, 2 * BS, 4 * BS], [5, 1, 1])
-    assert state.compact(cm) is cm
+    assert state.compactor.compact(cm) is cm
     state.end_step(step)
     # Disarmed (between steps, warm-up, profiling): a pass-through.
-    assert state.compact(cm) is cm
+    assert state.compactor.compact(cm) is cm
 
 
 def test_hooks_never_read_device_values() -> None:
@@ -96,11 +102,12 @@ def test_hooks_never_read_device_values() -> None:
                      _plan(1, evict={"a": (1, 2)}, track=("a", "b", "c")))
     cm = common_metadata(runner, [4 * BS + 5, 2 * BS, 4 * BS], [5, 1, 1], device="meta")
     with NoScalarReads():
-        out = state.compact(cm)
-        state.capture(0, torch.empty(7, HQ * D, device="meta"))
+        out = state.compactor.compact(cm)
+        state.ring.capture(0, torch.empty(7, HQ * D, device="meta"))
     assert out.block_table_tensor.device.type == "meta"
     assert out.seq_lens_cpu_upper_bound.tolist() == [2 * BS + 5, 2 * BS, 4 * BS]
-    assert state.step.capture_dst is not None and not state.step.capture_failed
+    capture = state.ring.step_capture
+    assert capture is not None and capture.dst is not None and not state.ring.capture_failed
     state.end_step(step)
 
 
@@ -143,7 +150,7 @@ def test_compacted_attention_equals_attention_over_kept_tokens(q_len) -> None:  
     s_len = BS + 5
     key_s, val_s = torch.randn(s_len, HKV, D), torch.randn(s_len, HKV, D)
     write_keys(kv, key_s, val_s, [1, 3])
-    cm = state.compact(common_metadata(runner, [t, s_len], [q_len, 1]))
+    cm = state.compactor.compact(common_metadata(runner, [t, s_len], [q_len, 1]))
     query = torch.randn(q_len + 1, HQ, D)
     out = _cpu_attention(query, kv, cm.block_table_tensor, cm.seq_lens,
                          cm.query_start_loc_cpu)
@@ -186,13 +193,12 @@ def test_capture_and_scoring_equal_the_oracle() -> None:
                          _plan(step_id, track=("a", "b"), **plan_kw))
         qa = torch.arange(starts[0], ends[0])
         qb = torch.arange(starts[1], ends[1])
-        cm = state.compact(common_metadata(runner, list(ends), [len(qa), len(qb)]))
+        cm = state.compactor.compact(common_metadata(runner, list(ends), [len(qa), len(qb)]))
         assert cm is not None
         for li in range(3):
             q = torch.cat([queries[li][qa], queries[li][t_a + qb]])
-            state.capture(li, q.reshape(q.shape[0], HQ * D))
-        state.finish_forward()
-        reply = state.reply(step)
+            state.ring.capture(li, q.reshape(q.shape[0], HQ * D))
+        reply = _reply(state, step)
         state.end_step(step)
         return reply
 
@@ -214,7 +220,7 @@ def test_capture_and_scoring_equal_the_oracle() -> None:
     assert r2.scoring_seconds > 0
     # Finished requests release their slots and bookkeeping.
     step = state.begin_step(scheduler_output(finished=("a",)), _plan(3))
-    assert "a" not in state.ring.slots and "a" not in state.evicted
+    assert "a" not in state.requests
     state.end_step(step)
 
 
@@ -232,10 +238,10 @@ def test_missing_plan_masks_what_may_have_been_freed() -> None:
     # Step 2's plan is lost: blocks 2 and 3 of "a" (1 is known evicted) are masked.
     step = state.begin_step(scheduler_output(), None)
     assert runner.table[0, :7].tolist() == [3, 0, 0, 0, 5, 6, 4]
-    cm = state.compact(common_metadata(runner, [7 * BS, 2 * BS], [1, 1]))
+    cm = state.compactor.compact(common_metadata(runner, [7 * BS, 2 * BS], [1, 1]))
     assert cm.block_table_tensor[0, :4].tolist() == [3, 5, 6, 4]
     assert cm.seq_lens.tolist() == [4 * BS, 2 * BS]
-    reply = state.reply(step)
+    reply = _reply(state, step)
     assert reply.step_id is None and reply.faults == {"plan_missing": 1}
     state.end_step(step)
     assert runner.table[0, :7].tolist() == [3, 0, 8, 2, 5, 6, 4]  # restored
@@ -243,12 +249,12 @@ def test_missing_plan_masks_what_may_have_been_freed() -> None:
     # A stale plan (an old step id) is treated the same way.
     step = state.begin_step(scheduler_output(), _plan(1, evict={"a": (1,)}))
     assert runner.table[0, 2] == 0
-    assert state.reply(step).faults == {"plan_stale": 1}
+    assert _reply(state, step).faults == {"plan_stale": 1}
     state.end_step(step)
     # Step 4 arrives (2 and 3 were lost): the resent nulls are applied for good.
     step = state.begin_step(scheduler_output(), _plan(4, evict={"a": (1, 2)}))
     assert runner.table[0, :7].tolist() == [3, 0, 0, 2, 5, 6, 4]
-    reply = state.reply(step)
+    reply = _reply(state, step)
     assert reply.step_id == 4 and reply.faults == {"plan_gap": 1}
     state.end_step(step)
     assert runner.table[0, :7].tolist() == [3, 0, 0, 2, 5, 6, 4]
@@ -261,34 +267,119 @@ def test_reset_requests_ignore_old_nulls() -> None:
     state = make_state(runner)
     step = state.begin_step(scheduler_output(), _plan(1, evict={"a": (1,)}, track=("a",)))
     state.end_step(step)
-    assert state.evicted["a"] == {1} and "a" in state.ring.slots
+    req = state.requests.get("a")
+    assert req is not None and req.evicted == {1} and req.slot is not None
     runner.requests["a"].block_ids[0] = [20, 21, 22, 23, 24]
     runner.table[0, :5] = [20, 21, 22, 23, 24]
     step = state.begin_step(scheduler_output(resumed=("a",)), _plan(2, evict={"a": (2,)}))
     assert runner.table[0, :5].tolist() == [20, 21, 22, 23, 24]
-    assert "a" not in state.evicted and "a" not in state.ring.slots
+    assert "a" not in state.requests
     state.end_step(step)
 
 
-def test_scoring_failure_drops_the_event(monkeypatch) -> None:  # noqa: ANN001
-    from nexus_vllm.integration import faults
-    from nexus_vllm.integration.protocol import ScoreRequest
+def _state_with_parts(runner: FakeRunner, parts: object,  # noqa: ANN202
+                      layers: dict[int, torch.Tensor] | None = None):
+    """``fakes.make_state`` with the given ``WorkerParts`` (as ``NexusWorker`` passes
+    ``fault_doubles.worker_parts()``)."""
+    from nexus_vllm.integration.worker.worker_state import LayerKeys, WorkerEvictionState
+    from tests.integration.fakes import adapter
 
-    monkeypatch.setattr(faults, "_SPECS", faults.parse("score_error"))
+    state = WorkerEvictionState(block_size=BS, window=8, max_requests=4,
+                                device=torch.device("cpu"), score_backend="torch",
+                                parts=parts)
+    layers = layers or {}
+    state.allocate_ring(max(1, len(layers)), HQ, D, torch.float32)
+    state.bind_layers(adapter(runner), {i: LayerKeys(f"model.layers.{i}.self_attn.attn", k)
+                                        for i, k in layers.items()})
+    return state
+
+
+def test_fault_doubles_are_built_only_when_the_env_names_a_worker_fault(monkeypatch) -> None:  # noqa: ANN001
+    """``NEXUS_VLLM_FAULTS`` picks the worker's parts: the real ones when it names no
+    worker fault, a double for each worker fault it names."""
+    import functools
+
+    from nexus_vllm.integration.worker import fault_doubles
+    from nexus_vllm.integration.worker.block_scorer import BlockScorer
+    from nexus_vllm.integration.worker.worker_state import PlanCheck, WorkerParts
+
+    monkeypatch.delenv("NEXUS_VLLM_FAULTS", raising=False)
+    assert fault_doubles.worker_parts() == WorkerParts()
+    monkeypatch.setenv("NEXUS_VLLM_FAULTS", "policy_error/3,plan_duplicate")
+    parts = fault_doubles.worker_parts()
+    assert parts.scorer is BlockScorer and parts.plan_check is PlanCheck
+    monkeypatch.setenv("NEXUS_VLLM_FAULTS", "score_error@1/5,plan_lost/7")
+    parts = fault_doubles.worker_parts()
+    assert isinstance(parts.scorer, functools.partial)
+    assert parts.scorer.func is fault_doubles.FailingScorer
+    assert isinstance(parts.plan_check, functools.partial)
+    assert parts.plan_check.func is fault_doubles.LosingPlanCheck
+    monkeypatch.setenv("NEXUS_VLLM_FAULTS", "score_eror")
+    with pytest.raises(ValueError, match="unknown fault"):
+        fault_doubles.worker_parts()
+
+
+def test_scoring_failure_drops_the_event() -> None:
+    """A scorer whose gathering raises (the ``score_error`` double, on rank 0): the event
+    is dropped, the plan still acknowledged, the failure counted once."""
+    import functools
+
+    from nexus_vllm.integration.protocol import ScoreRequest
+    from nexus_vllm.integration.worker.attention import key_view
+    from nexus_vllm.integration.worker.fault_doubles import FailingScorer
+    from nexus_vllm.integration.worker.worker_state import WorkerParts
+
+    ranks: list[int] = []
+
+    def fires(rank: int) -> bool:
+        ranks.append(rank)
+        return True
+
+    parts = WorkerParts(scorer=functools.partial(FailingScorer, fires=fires))
     runner = FakeRunner({"a": [3, 7, 8, 2, 5]})
     kv = torch.zeros(16, HKV, BS, 2 * D)
-    from nexus_vllm.integration.worker.attention import key_view
-
-    state = make_state(runner, layers={0: key_view("CPU_ATTN", kv, D, "vec")})
+    state = _state_with_parts(runner, parts, layers={0: key_view("CPU_ATTN", kv, D, "vec")})
     sreq = ScoreRequest(window=2, num_logical_blocks=5, evictable_below=1)
     step = state.begin_step(scheduler_output(new=("a",)),
-                     _plan(1, track=("a",), score={"a": sreq}))
-    state.compact(common_metadata(runner, [5 * BS], [5 * BS]))
-    state.capture(0, torch.randn(5 * BS, HQ, D))
-    state.finish_forward()
-    reply = state.reply(step)
+                            _plan(1, track=("a",), score={"a": sreq}))
+    state.compactor.compact(common_metadata(runner, [5 * BS], [5 * BS]))
+    state.ring.capture(0, torch.randn(5 * BS, HQ, D))
+    reply = _reply(state, step)
     state.end_step(step)
+    assert ranks == [0]
     assert reply.step_id == 1 and reply.of("mass") == {} and reply.faults == {"score_error": 1}
+
+
+def test_a_lost_plan_is_masked_for_and_not_acknowledged() -> None:
+    """The ``plan_lost`` double drops the step's plan: the worker masks what its last
+    applied plan scored, for that step only, counts ``plan_lost`` (not ``plan_missing``)
+    and does not acknowledge; the next plan applies as a gap."""
+    import functools
+
+    from nexus_vllm.integration.protocol import ScoreRequest
+    from nexus_vllm.integration.worker.fault_doubles import LosingPlanCheck
+    from nexus_vllm.integration.worker.worker_state import WorkerParts
+
+    lose = iter([False, True, False])
+    parts = WorkerParts(plan_check=functools.partial(LosingPlanCheck,
+                                                     fires=lambda: next(lose)))
+    runner = FakeRunner({"a": [3, 7, 8, 2, 5, 6, 4]})
+    state = _state_with_parts(runner, parts)
+    sreq = ScoreRequest(window=4, num_logical_blocks=7, evictable_below=4)
+    step = state.begin_step(scheduler_output(), _plan(1, evict={"a": (1,)}, score={"a": sreq}))
+    assert _reply(state, step).faults == {}
+    state.end_step(step)
+    step = state.begin_step(scheduler_output(), _plan(2, evict={"a": (1, 2)}))
+    assert runner.table[0, :7].tolist() == [3, 0, 0, 0, 5, 6, 4]  # masked, not applied
+    reply = _reply(state, step)
+    assert reply.step_id is None and reply.faults == {"plan_lost": 1}
+    state.end_step(step)
+    assert runner.table[0, :7].tolist() == [3, 0, 8, 2, 5, 6, 4] and state.last_step == 1
+    step = state.begin_step(scheduler_output(), _plan(3, evict={"a": (1, 2)}))
+    reply = _reply(state, step)
+    assert reply.step_id == 3 and reply.faults == {"plan_gap": 1}
+    state.end_step(step)
+    assert runner.table[0, :7].tolist() == [3, 0, 0, 2, 5, 6, 4]
 
 
 def test_self_check_catches_a_wrong_key_view(monkeypatch) -> None:  # noqa: ANN001
@@ -309,13 +400,13 @@ def test_self_check_catches_a_wrong_key_view(monkeypatch) -> None:  # noqa: ANN0
         cm = common_metadata(runner, [BS + 4], [BS + 4])
         cm.slot_mapping = torch.tensor([3 * BS + t for t in range(BS)]
                                        + [7 * BS + t for t in range(4)])
-        state.compact(cm)
+        state.compactor.compact(cm)
         if ok:
-            state.check_keys(0, key)
+            state.ring.check_keys(0, key)
             assert state.ring.keys_checked == {0}
         else:
             with pytest.raises(SelfCheckError, match="key view"):
-                state.check_keys(0, key)
+                state.ring.check_keys(0, key)
         state.end_step(step)
 
 
@@ -324,9 +415,9 @@ def test_two_block_tables_in_one_step_are_refused() -> None:
     state = make_state(runner)
     step = state.begin_step(scheduler_output(), _plan(1, evict={"a": (1,)}))
     first = common_metadata(runner, [4 * BS + 5, 2 * BS, 4 * BS], [1, 1, 1])
-    state.compact(first)
+    state.compactor.compact(first)
     with pytest.raises(RuntimeError, match="one KV cache group"):
-        state.compact(common_metadata(runner, [4 * BS + 5, 2 * BS, 4 * BS], [1, 1, 1]))
+        state.compactor.compact(common_metadata(runner, [4 * BS + 5, 2 * BS, 4 * BS], [1, 1, 1]))
     state.end_step(step)
 
 
@@ -351,11 +442,10 @@ def _score_two_requests(kinds: frozenset[str], seed: int, rotary: object = None
                              kinds=kinds) for r, n in lens.items()}
     step = state.begin_step(scheduler_output(new=("a", "b")),
                             _plan(1, track=("a", "b"), score=score))
-    state.compact(common_metadata(runner, list(lens.values()), list(lens.values())))
+    state.compactor.compact(common_metadata(runner, list(lens.values()), list(lens.values())))
     queries = torch.randn(sum(lens.values()), HQ, D)
-    state.capture(0, queries)
-    state.finish_forward()
-    reply = state.reply(step)
+    state.ring.capture(0, queries)
+    reply = _reply(state, step)
     state.end_step(step)
     return reply, keys, queries
 
@@ -461,35 +551,34 @@ def test_async_outputs_carry_the_reply_of_their_own_step() -> None:
         step = state.begin_step(scheduler_output(new=("a", "b") if step_id == 1 else ()),
                                 _plan(step_id, track=("a", "b"), **plan))
         qa, qb = torch.arange(starts[0], ends[0]), torch.arange(starts[1], ends[1])
-        state.compact(common_metadata(runner, list(ends), [len(qa), len(qb)]))
+        state.compactor.compact(common_metadata(runner, list(ends), [len(qa), len(qb)]))
         for li in (0, 1):
             q = torch.cat([queries[li][qa], queries[li][t_a + qb]])
-            state.capture(li, q.reshape(q.shape[0], HQ * D))
-        state.finish_forward()
-        return step
+            state.ring.capture(li, q.reshape(q.shape[0], HQ * D))
+        return step, state.finish_forward(step)
 
     # One step in flight: the reference replies.
     runner, state, queries = setup()
     want = []
     for args in steps:
-        step = forward(runner, state, queries, *args)
-        want.append(state.reply(step))
+        step, pending = forward(runner, state, queries, *args)
+        want.append(state.reply_token(step, pending).reply())
         state.end_step(step)
     assert set(want[1].of("mass")) == {"a", "b"} and set(want[2].of("mass")) == {"b"}
 
     # Two in flight: step 3 runs before step 2's output is taken, in another thread.
     runner, state, queries = setup()
     worker = SimpleNamespace(nexus_state=state)
-    step = forward(runner, state, queries, *steps[0])
-    NexusWorker._reply_on(worker, EMPTY_MODEL_RUNNER_OUTPUT, step)
-    step2 = forward(runner, state, queries, *steps[1])
-    out2 = NexusWorker._reply_on(worker, _async_output(2), step2)
-    assert isinstance(out2, ReplyingAsyncOutput) and state.step is None  # step 2 closed
+    NexusWorker._reply_on(worker, EMPTY_MODEL_RUNNER_OUTPUT,
+                          *forward(runner, state, queries, *steps[0]))
+    out2 = NexusWorker._reply_on(worker, _async_output(2),
+                                 *forward(runner, state, queries, *steps[1]))
+    assert isinstance(out2, ReplyingAsyncOutput) and state.current is None  # step 2 ended
     step3 = forward(runner, state, queries, *steps[2])
     got: dict[int, object] = {}
     taker = threading.Thread(target=lambda: got.update({2: out2.get_output()}))
     taker.start()
-    out3 = NexusWorker._reply_on(worker, _async_output(3), step3)
+    out3 = NexusWorker._reply_on(worker, _async_output(3), *step3)
     taker.join()
     got[3] = out3.get_output()
     assert out2.step_id == 2 and out2.get_kv_connector_output() is None  # the runner's
@@ -517,7 +606,7 @@ def test_a_plan_made_for_another_step_is_not_applied() -> None:
     attach_plan(out, _plan(2), step_id=3)  # plan 2 on step 3's output
     step = state.begin_step(out, _plan(2))
     assert runner.table[0, :7].tolist() == [3, 0, 0, 0, 5, 6, 4]  # masked for this step
-    reply = state.reply(step)
+    reply = _reply(state, step)
     assert reply.step_id is None and reply.faults == {"plan_stale": 1}
     state.end_step(step)
     assert state.last_step == 1

@@ -12,10 +12,9 @@ parallelism each stage holds some of the layers: TP rank 0 of every other stage 
 stage's part to the last stage (non-blocking, on a communicator of its own:
 ``vllm_compat.StageLink``), whose TP rank 0 (where vLLM takes the step's output) adds
 them up; no stage waits for a later one, as a PP all-reduce on every scored step would
-make it. The output rank starts one non-blocking copy to the host; the step's
-``PendingScores`` ride on its :class:`~nexus_vllm.integration.worker.worker_step.Step`, and
-:meth:`BlockScorer.collect` (after sampling, or later under async scheduling) waits for
-that copy and returns the per-request evidence for the reply.
+make it. The output rank starts one non-blocking copy to the host and returns the step's
+:class:`PendingScores`; :meth:`BlockScorer.collect` (after sampling, or later under async
+scheduling) waits for that copy and returns the per-request evidence for the reply.
 """
 
 from __future__ import annotations
@@ -32,8 +31,8 @@ import torch
 
 from nexus_vllm.core import Rotary, cdiv, evidence_kind
 from nexus_vllm.core.evidence import PagedBatch
-from nexus_vllm.integration import faults
 from nexus_vllm.integration.compat.vllm_compat import tp_all_reduce
+from nexus_vllm.integration.protocol import StepPlan
 from nexus_vllm.integration.worker.query_ring import QueryRing
 from nexus_vllm.integration.worker.wire import (
     Due,
@@ -45,7 +44,7 @@ from nexus_vllm.integration.worker.wire import (
     reduce_over_tp,
     wire_layout,
 )
-from nexus_vllm.integration.worker.worker_step import Batch, SelfCheckError, Staging, Step
+from nexus_vllm.integration.worker.worker_step import Batch, SelfCheckError, Staging
 
 __all__ = ["BlockScorer", "GatheredEvidence", "PendingScores"]
 
@@ -171,35 +170,35 @@ class BlockScorer:
         self._rows = Staging(int(max_requests), device)
 
     # -- after the forward ---------------------------------------------------------------
-    def score(self, step: Step | None) -> None:
-        """Gather the evidence of the requests due (after the forward); on the output
-        rank, start the host copy (``step.pending``)."""
-        if step is None:
-            return
-        step.pending = None
-        if step.plan is None or not step.plan.score or step.batch is None:
-            return
-        due = self._due(step)
+    def score(self, plan: StepPlan | None, batch: Batch | None, *,
+              capture_failed: bool = False) -> PendingScores | None:
+        """Gather the evidence of the requests ``plan`` marks as due in ``batch`` (after
+        the forward); on the output rank, start the host copy and return the scores on
+        their way (None elsewhere, or when nothing was due).
+
+        Parameters
+        ----------
+        plan : StepPlan or None
+            The step's usable plan (None: nothing is scored).
+        batch : Batch or None
+            The batch attention saw (``Compaction.batch``; None: no metadata was built).
+        capture_failed : bool
+            The query ring's capture failed this step: the event is dropped on every rank.
+        """
+        if plan is None or not plan.score or batch is None:
+            return None
+        due = self._due(plan, batch)
         if not due:
-            return
-        batch = step.batch
+            return None
         segments, max_prefix = wire_layout(due, self.head_reduce)
         size = sum(seg.size for seg in segments)
         flat = torch.zeros(size + 1, dtype=torch.float32, device=self.device)
         timer = _Timer(self.device)
         timer.start()
         try:
-            if faults.fires("score_error", rank=self.layout.rank):
-                raise RuntimeError("injected scoring failure")
-            if step.capture_failed:
+            if capture_failed:
                 raise RuntimeError("query capture failed in this step")
-            # A stage without scored layers adds zeros (it still joins the reduction).
-            if self.ring.layer_keys:
-                for seg in segments:
-                    paged = self._paged_batch(batch, seg)
-                    evidence_kind(seg.kind).gather_paged(paged, seg.view(flat))
-                    if seg.kind == "mass":
-                        self._self_check_mass(paged, seg.view(flat))
+            self._gather(batch, segments, flat)
             flat[-1] = 1.0
         except SelfCheckError:
             raise
@@ -217,7 +216,7 @@ class BlockScorer:
         if layout.pp_size > 1:
             total = self._join_stages(flat, max_prefix)
         if not layout.is_output or total is None:
-            return
+            return None
         if self.device.type == "cuda":
             host = torch.empty(total.shape, dtype=total.dtype, pin_memory=True)
             host.copy_(total, non_blocking=True)
@@ -225,8 +224,20 @@ class BlockScorer:
             done.record()
         else:
             host, done = total, None
-        step.pending = PendingScores(segments=segments, host=host, done=done, timer=timer,
-                                     world=layout.world)
+        return PendingScores(segments=segments, host=host, done=done, timer=timer,
+                             world=layout.world)
+
+    def _gather(self, batch: Batch, segments: list[Segment], flat: torch.Tensor) -> None:
+        """Each kind's gatherer into its segment of ``flat`` ``[size + 1]``; raises on
+        failure (:meth:`score` absorbs it as ``score_error``)."""
+        # A stage without scored layers adds zeros (it still joins the reduction).
+        if not self.ring.layer_keys:
+            return
+        for seg in segments:
+            paged = self._paged_batch(batch, seg)
+            evidence_kind(seg.kind).gather_paged(paged, seg.view(flat))
+            if seg.kind == "mass":
+                self._self_check_mass(paged, seg.view(flat))
 
     def _paged_batch(self, batch: Batch, seg: Segment) -> PagedBatch:
         """What a gatherer reads for one kind's requests: their query rows in time order
@@ -292,13 +303,11 @@ class BlockScorer:
             work.wait()
         return add_stage_parts(flat, parts, max_prefix=max_prefix)
 
-    def _due(self, step: Step) -> list[Due]:
+    def _due(self, plan: StepPlan, batch: Batch) -> list[Due]:
         """The requests to score now (those whose policy reads the worker's evidence)."""
-        assert step.plan is not None and step.batch is not None
-        batch = step.batch
         due = []
         for i, req_id in enumerate(batch.req_ids):
-            sreq = step.plan.score.get(req_id)
+            sreq = plan.score.get(req_id)
             if sreq is None or not sreq.kinds:
                 continue
             end = int(batch.logical_lens[i])

@@ -58,6 +58,8 @@ from nexus_vllm.integration.worker.attention import (
     register_backends,
     wrapped_backend_name,
 )
+from nexus_vllm.integration.worker.block_scorer import PendingScores
+from nexus_vllm.integration.worker.fault_doubles import worker_parts
 from nexus_vllm.integration.worker.wire import RankLayout
 from nexus_vllm.integration.worker.worker_state import (
     LayerKeys,
@@ -132,6 +134,8 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
                                "other than 'none' (use --kv-eviction)")
         self.nexus_cfg = cfg
         self.nexus_state: WorkerEvictionState | None = None
+        # The step execute_model began and scored, for sample_tokens to reply on and end.
+        self._nexus_scored_step: tuple[Step, PendingScores | None] | None = None
         self._nexus_scored: frozenset[int] = frozenset()  # decoder layer numbers scored
 
     # -- startup -----------------------------------------------------------------------
@@ -173,6 +177,15 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         # Every rank builds the stage links (a collective), whether it sends or not.
         stages = StageLink.from_vllm() if pp_size > 1 else None
         k = steps_in_flight(self.vllm_config)
+        # The scored (full-attention) layers' table: a hybrid model's sliding layers may
+        # rotate with another base.
+        rotary = rotary_table(self.model_runner.model, scored[0].name if scored else None)
+        rotary_kinds = sorted(kind for kind in cfg.evidence_kinds()
+                              if evidence_kind(kind).needs_rotary)
+        if rotary is None and rotary_kinds:
+            raise RuntimeError(f"nexus-vllm: this model has no rotary embedding, and the "
+                               f"eviction config ({cfg.method}) reads {rotary_kinds}, which "
+                               "un-rotate the captured queries")
         state = WorkerEvictionState(
             block_size=int(self.cache_config.block_size),
             window=max(int(cfg.window), int(cfg.prefill_window)),
@@ -180,22 +193,13 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
             device=torch.device(self.model_runner.device),
             score_backend="batched" if current_platform.is_cpu() else "auto",
             layout=layout, scored_layers=len(model_scored), head_reduce=cfg.head_reduce,
-            steps_in_flight=k, stages=stages)
+            steps_in_flight=k, stages=stages, rotary=rotary, parts=worker_parts())
         dtype = self.model_runner.dtype
         assert isinstance(dtype, torch.dtype), dtype
         # A stage without scored layers gets an empty ring (it still joins every
         # reduction, adding zeros); the head shape is the same on every layer.
         impl = layers[0].impl
         state.allocate_ring(len(scored), int(impl.num_heads), int(impl.head_size), dtype)
-        # The scored (full-attention) layers' table: a hybrid model's sliding layers may
-        # rotate with another base.
-        state.scorer.rotary = rotary_table(self.model_runner.model,
-                                           scored[0].name if scored else None)
-        rotary_kinds = sorted(k for k in cfg.evidence_kinds() if evidence_kind(k).needs_rotary)
-        if state.scorer.rotary is None and rotary_kinds:
-            raise RuntimeError(f"nexus-vllm: this model has no rotary embedding, and the "
-                               f"eviction config ({cfg.method}) reads {rotary_kinds}, which "
-                               "un-rotate the captured queries")
         self.nexus_state = state
         logger.info("nexus-vllm worker: %d of %d attention layers scored here (%d in the "
                     "model), query ring %.1f MiB (%d requests x %d queries), TP rank %d/%d, "
@@ -276,42 +280,48 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
         state = self.nexus_state
         assert state is not None
-        step = self._nexus_hooks(state, scheduler_output, before=True)
-        assert step is not None
+        self._nexus_scored_step = None
+        step = self._nexus_begin(state, scheduler_output)
         try:
             output = super().execute_model(scheduler_output)
-            self._nexus_hooks(state, scheduler_output, before=False)
+            pending = self._nexus_score(state, step)
         except BaseException:
             state.end_step(step)  # never leave masked entries or armed hooks behind
             raise
-        # None: the output comes from sample_tokens, which replies. Otherwise (a step
-        # without tokens returns EMPTY_MODEL_RUNNER_OUTPUT) the reply rides on this one.
-        return None if output is None else self._reply_on(output, step)
+        if output is None:
+            # The output comes from sample_tokens, which replies.
+            self._nexus_scored_step = (step, pending)
+            return None
+        # A step without tokens returns EMPTY_MODEL_RUNNER_OUTPUT: the reply rides on it.
+        return self._reply_on(output, step, pending)
 
     @gpu_sync_check
-    def _nexus_hooks(self, state: WorkerEvictionState, scheduler_output: SchedulerOutput, *,
-                     before: bool) -> Step | None:
-        if before:
-            return state.begin_step(scheduler_output, read_plan(scheduler_output))
-        state.finish_forward()
-        return None
+    def _nexus_begin(self, state: WorkerEvictionState,
+                     scheduler_output: SchedulerOutput) -> Step:
+        return state.begin_step(scheduler_output, read_plan(scheduler_output))
+
+    @gpu_sync_check
+    def _nexus_score(self, state: WorkerEvictionState, step: Step) -> PendingScores | None:
+        return state.finish_forward(step)
 
     def sample_tokens(self, grammar_output: GrammarOutput | None
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         state = self.nexus_state
         assert state is not None
         assert state.runner is not None
-        step = state.step
+        scored, self._nexus_scored_step = self._nexus_scored_step, None
         with state.runner.sampling_guard():
             output = super().sample_tokens(grammar_output)
-        return output if step is None else self._reply_on(output, step)
+        return output if scored is None else self._reply_on(output, *scored)
 
-    def _reply_on(self, output: ModelRunnerOutput | AsyncModelRunnerOutput,
-                  step: Step) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-        """``output`` carrying ``step``'s reply; ``step`` is closed."""
+    def _reply_on(self, output: ModelRunnerOutput | AsyncModelRunnerOutput, step: Step,
+                  pending: PendingScores | None
+                  ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """``output`` carrying ``step``'s reply (``pending``: its scores from
+        ``finish_forward``); ``step`` is ended."""
         state = self.nexus_state
         assert state is not None
-        token = state.reply_token(step)
+        token = state.reply_token(step, pending)
         state.end_step(step)
         if is_async_output(output):
             assert isinstance(output, AsyncModelRunnerOutput)

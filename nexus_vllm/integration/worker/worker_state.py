@@ -3,9 +3,11 @@
 One object per worker process, owned by :class:`~nexus_vllm.integration.worker.worker.NexusWorker`.
 It is the same code on every backend, device and model runner (the runner is reached only
 through its adapter, ``integration/compat/runners.py``): on CPU (tested end to end in CI) and on
-CUDA. It owns three parts, each fed to the hook that uses it and handed the step
-explicitly (``integration/worker/worker_step.py``):
+CUDA. It keeps one :class:`~nexus_vllm.integration.worker.request_table.WorkerRequest` per
+request (``request_table.py``) and owns the step's parts, each fed to the hook that uses
+it (``integration/worker/worker_step.py`` says what they hand each other):
 
+* :class:`PlanCheck`, which decides whether the step's plan may be applied;
 * :class:`~nexus_vllm.integration.worker.compaction.Compactor`, fed to the metadata builders;
 * :class:`~nexus_vllm.integration.worker.query_ring.QueryRing`, fed to the attention impls;
 * :class:`~nexus_vllm.integration.worker.block_scorer.BlockScorer`, run after the forward.
@@ -13,22 +15,24 @@ explicitly (``integration/worker/worker_step.py``):
 One step (``NexusWorker.execute_model``):
 
 1. :meth:`WorkerEvictionState.begin_step` checks the
-   :class:`~nexus_vllm.integration.protocol.StepPlan` (fail-closed, see ``step_plan``),
-   writes the null block id over newly evicted entries through the runner adapter, keeps a
-   per-request set of evicted logical blocks (what compaction reads) and opens the step;
+   :class:`~nexus_vllm.integration.protocol.StepPlan` (fail-closed, :class:`PlanCheck`),
+   writes the null block id over newly evicted entries through the runner adapter, keeps
+   each request's evicted logical blocks, and begins a frozen
+   :class:`~nexus_vllm.integration.worker.worker_step.Step`, handing the compactor the
+   blocks each row loses and the ring the requests to track;
 2. vLLM builds attention metadata: the compactor rewrites it for rows with evicted
-   blocks, with no device-to-host read;
+   blocks, with no device-to-host read, and keeps the batch it built;
 3. during the forward, the ring copies the newest queries of tracked requests;
-4. :meth:`finish_forward` has the scorer score every request due (all scored layers at
-   once), reduce over tensor-parallel ranks, gather the pipeline stages' parts on the
-   last stage and start one non-blocking host copy;
+4. :meth:`finish_forward` hands the scorer the plan, compaction's batch and whether
+   capture failed; it scores every request due (all scored layers at once), reduces over
+   tensor-parallel ranks, gathers the pipeline stages' parts on the last stage and
+   returns the scores on their way to the host (one non-blocking copy);
 5. :meth:`reply_token` (after sampling) takes what the step's reply needs (its
    acknowledgement, the pending scores, the faults so far) and :meth:`end_step` restores
-   any temporarily masked entries and closes the step; :meth:`ReplyToken.reply` then
+   any temporarily masked entries and disarms the parts; :meth:`ReplyToken.reply` then
    waits for the copy and builds the :class:`~nexus_vllm.integration.protocol.WorkerReply`,
    at once, or under async scheduling when vLLM takes the step's output, after the next
-   step has begun. Each step keeps its own state (:class:`~nexus_vllm.integration.worker.
-   worker_step.Step`); nothing of it is shared with the next.
+   step has begun. Nothing of a step is shared with the next.
 
 With ``k`` steps in flight (pipeline stages, async scheduling) the scheduler may free a
 block on the reply of any of the last ``k`` plans this worker applied before it hears of
@@ -47,7 +51,7 @@ from __future__ import annotations
 import os
 import re
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,21 +61,23 @@ from vllm.logger import init_logger
 from nexus_vllm.integration import faults
 from nexus_vllm.integration.compat.runners import RunnerAdapter
 from nexus_vllm.integration.compat.vllm_compat import NULL_BLOCK_ID, reset_request_ids
-from nexus_vllm.integration.protocol import ScoreRequest, StepPlan, WorkerReply, read_step
+from nexus_vllm.integration.protocol import StepPlan, WorkerReply, read_step
 from nexus_vllm.integration.worker.block_scorer import BlockScorer, PendingScores
 from nexus_vllm.integration.worker.compaction import Compactor
 from nexus_vllm.integration.worker.query_ring import QueryRing
+from nexus_vllm.integration.worker.request_table import RequestTable
 from nexus_vllm.integration.worker.wire import RankLayout, StageLinks
-from nexus_vllm.integration.worker.worker_step import LayerKeys, SelfCheckError, Step
+from nexus_vllm.integration.worker.worker_step import LayerKeys, Masked, SelfCheckError, Step
 
 if TYPE_CHECKING:
-    from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.core.sched.output import SchedulerOutput
+
+    from nexus_vllm.core import Rotary
 
 logger = init_logger(__name__)
 
-__all__ = ["SELF_CHECK_ENV", "LayerKeys", "ReplyToken", "SelfCheckError",
-           "WorkerEvictionState", "layer_index"]
+__all__ = ["SELF_CHECK_ENV", "LayerKeys", "PlanCheck", "ReplyToken", "SelfCheckError",
+           "WorkerEvictionState", "WorkerParts", "layer_index"]
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 SELF_CHECK_ENV = "NEXUS_VLLM_SELF_CHECK"
@@ -104,6 +110,59 @@ class ReplyToken:
                            scoring_seconds=evidence.seconds, faults=faults)
 
 
+class PlanCheck:
+    """Whether a step may apply the plan it came with (fail-closed, as ``protocol`` says).
+
+    A plan is usable only if it is the step's own (the one stamped on its output; an
+    unstamped output's plan is taken as its own) and newer than the last one applied.
+    Any other case is counted as a fault, and the step masks what may have been freed.
+
+    Parameters
+    ----------
+    fault : callable
+        ``(kind, message)``: count and log a fault.
+    """
+
+    def __init__(self, fault: Callable[..., None]) -> None:
+        self._fault = fault
+
+    def usable(self, plan: StepPlan | None, own: int | None,
+               last_applied: int) -> StepPlan | None:
+        """``plan`` if the step may apply it, else None.
+
+        Parameters
+        ----------
+        plan : StepPlan or None
+            The plan on the step's output.
+        own : int or None
+            The id of the plan made for that output (None: not stamped).
+        last_applied : int
+            The id of the last plan this worker applied (0: none yet).
+        """
+        ok = (plan is not None and plan.step_id > last_applied
+              and (own is None or plan.step_id == own))
+        if plan is None:
+            self._fault("plan_missing", "a step arrived without an eviction plan; masking "
+                        "every block the scheduler may have freed for this step")
+        elif not ok:
+            self._fault("plan_stale", f"plan {plan.step_id} arrived for step {own} after plan "
+                        f"{last_applied}; masking possibly freed blocks for this step")
+        elif plan.step_id != last_applied + 1:
+            self._fault("plan_gap", f"plans {last_applied + 1}..{plan.step_id - 1} never "
+                        "arrived; their evictions are resent in this one")
+        return plan if ok else None
+
+
+@dataclass(frozen=True)
+class WorkerParts:
+    """How :class:`WorkerEvictionState` builds the parts a test double may stand in for
+    (``fault_doubles.worker_parts``): a class or factory taking the real one's
+    arguments."""
+
+    scorer: Callable[..., BlockScorer] = BlockScorer
+    plan_check: Callable[[faults.FaultLog], PlanCheck] = PlanCheck
+
+
 class WorkerEvictionState:
     """Per-worker eviction state (see module docstring).
 
@@ -131,36 +190,42 @@ class WorkerEvictionState:
         how many applied plans a missed plan's masking covers.
     stages : StageLinks, optional
         Links to the last pipeline stage (needed with pipeline parallelism).
+    rotary : Rotary, optional
+        The scored layers' rotary table (evidence kinds that un-rotate queries read it).
+    parts : WorkerParts, optional
+        The scorer and plan check to build (default: the real ones).
     """
 
     def __init__(self, *, block_size: int, window: int, max_requests: int,
                  device: torch.device, score_backend: str,
                  layout: RankLayout | None = None, scored_layers: int = 0,
                  head_reduce: str = "mean", steps_in_flight: int = 1,
-                 stages: StageLinks | None = None) -> None:
+                 stages: StageLinks | None = None, rotary: Rotary | None = None,
+                 parts: WorkerParts | None = None) -> None:
+        parts = parts or WorkerParts()
         self.max_requests = int(max_requests)
         self.runner: RunnerAdapter | None = None
         self.fault = faults.FaultLog(logger)
         self.self_check = os.environ.get(SELF_CHECK_ENV, "0") == "1"
+        self.requests = RequestTable(self.max_requests)
+        self.plans = parts.plan_check(self.fault)
         self.compactor = Compactor(block_size=block_size, max_requests=max_requests,
                                    backend=score_backend)
         self.ring = QueryRing(window=window, max_requests=max_requests, device=device,
-                              fault=self.fault)
-        self.scorer = BlockScorer(self.ring, block_size=block_size,
-                                  max_requests=max_requests, device=device,
-                                  backend=score_backend, layout=layout or RankLayout(),
-                                  scored_layers=scored_layers, head_reduce=head_reduce,
-                                  fault=self.fault, self_check=self.self_check,
-                                  stages=stages)
-        # Logical block indices nulled per request (shared with the compactor).
-        self.evicted: dict[str, set[int]] = self.compactor.evicted
+                              fault=self.fault, requests=self.requests,
+                              compaction=self.compactor.result)
+        self.scorer = parts.scorer(self.ring, block_size=block_size,
+                                   max_requests=max_requests, device=device,
+                                   backend=score_backend, layout=layout or RankLayout(),
+                                   scored_layers=scored_layers, head_reduce=head_reduce,
+                                   fault=self.fault, self_check=self.self_check,
+                                   stages=stages, rotary=rotary)
         self.last_step = 0
-        # The score maps of the last k plans applied: the scheduler may free blocks of
-        # these requests on any of their replies before this worker hears of the nulls.
-        self.recent_scores: deque[dict[str, ScoreRequest]] = deque(
-            maxlen=max(1, int(steps_in_flight)))
+        # Ids of the last k plans applied: the scheduler may free blocks of the requests
+        # they scored on any of their replies before this worker hears of the nulls.
+        self.applied: deque[int] = deque(maxlen=max(1, int(steps_in_flight)))
         self.sink_blocks = 1
-        self.step: Step | None = None
+        self.current: Step | None = None  # begun and not yet ended
 
     @property
     def window(self) -> int:
@@ -176,140 +241,123 @@ class WorkerEvictionState:
     def bind_layers(self, runner: RunnerAdapter, scored: dict[int, LayerKeys]) -> None:
         """Attach the runner adapter and the scored layers (model layer number -> keys)."""
         self.runner = runner
-        self.compactor.batch_req_ids = runner.batch_req_ids
+        self.compactor.bind(runner.batch_req_ids)
         self.ring.bind(scored)
 
     def ring_bytes(self) -> int:
         return self.ring.nbytes()
 
-    def _open(self, step: Step | None) -> None:
-        self.step = self.compactor.step = self.ring.step = step
-
     # -- the plan ----------------------------------------------------------------------
     def begin_step(self, scheduler_output: SchedulerOutput, plan: StepPlan | None) -> Step:
-        """Apply ``plan`` to the runner's block tables and open one step."""
+        """Apply ``plan`` to the runner's block tables and begin one step."""
         runner = self.runner
         assert runner is not None, "bind_layers() first"
-        if self.step is not None:  # a previous step raised before end_step()
-            self.end_step(self.step)
+        if self.current is not None:  # a previous step raised before end_step()
+            self.end_step(self.current)
         runner.observe(scheduler_output)
-        resets = reset_request_ids(scheduler_output)
-        gone = set(scheduler_output.finished_req_ids) | resets
-        # This step's own plan (the stamp on the output; an unstamped output's plan is
-        # taken as its own), and newer than the last one applied.
-        own = read_step(scheduler_output)
-        usable = (plan is not None and plan.step_id > self.last_step
-                  and (own is None or plan.step_id == own))
-        if faults.fires("plan_lost"):
-            usable = False
-            self.fault("plan_lost", "injected: the step's plan is dropped")
-        elif plan is None:
-            self.fault("plan_missing", "a step arrived without an eviction plan; masking "
-                       "every block the scheduler may have freed for this step")
-        elif not usable:
-            self.fault("plan_stale", f"plan {plan.step_id} arrived for step {own} after plan "
-                       f"{self.last_step}; masking possibly freed blocks for this step")
-        elif plan.step_id != self.last_step + 1:
-            self.fault("plan_gap", f"plans {self.last_step + 1}..{plan.step_id - 1} never "
-                       "arrived; their evictions are resent in this one")
-
-        if usable:
-            assert plan is not None
-            self.sink_blocks = plan.sink_blocks
-            for req_id, idxs in plan.evict.items():
-                if req_id in gone:
-                    continue
-                done = self.evicted.setdefault(req_id, set())
-                new = [j for j in idxs if j not in done]
-                runner.set_entries(req_id, new, [NULL_BLOCK_ID] * len(new))
-                done.update(new)
-            self.last_step = plan.step_id
-        step = Step(plan=plan if usable else None, tracked=set(),
-                    ack=plan.step_id if usable and plan is not None else None)
-        if not usable:
-            self._mask_suspects(step, gone)
+        gone = set(scheduler_output.finished_req_ids) | reset_request_ids(scheduler_output)
+        usable = self.plans.usable(plan, read_step(scheduler_output), self.last_step)
+        masked: tuple[Masked, ...] = ()
+        if usable is not None:
+            self._apply(usable, gone)
+        else:
+            masked = self._mask_suspects(gone)
         for req_id in gone:
-            self._forget(req_id)
-        if usable:
-            assert plan is not None
-            self.recent_scores.append(dict(plan.score))
-            step.tracked = set(plan.track)
+            self.requests.drop(req_id)
+        if usable is not None:
+            self._record_scores(usable)
+            tracked = frozenset(usable.track)
         else:
             # Keep the windows of known requests continuous through a faulty step.
-            step.tracked = set(self.ring.slots)
-        for req_id in step.tracked:
-            self.ring.track(req_id)
-        self._open(step)
+            tracked = self.requests.tracked()
+        for req_id in tracked:
+            self.requests.track(req_id)
+        compacted = {r: len(req.evicted) for r, req in self.requests.items() if req.evicted}
+        for m in masked:
+            compacted[m.req_id] = compacted.get(m.req_id, 0) + len(m.idxs)
+        step = Step(plan=usable, tracked=tracked, compacted=compacted, masked=masked)
+        self.compactor.begin(step.compacted)
+        self.ring.begin(step.tracked)
+        self.current = step
         return step
 
-    def _mask_suspects(self, step: Step, gone: set[str]) -> None:
+    def _apply(self, plan: StepPlan, gone: set[str]) -> None:
+        """Null the plan's new evictions for good."""
+        runner = self.runner
+        assert runner is not None
+        self.sink_blocks = plan.sink_blocks
+        for req_id, idxs in plan.evict.items():
+            if req_id in gone:
+                continue
+            done = self.requests.open(req_id).evicted
+            new = [j for j in idxs if j not in done]
+            runner.set_entries(req_id, new, [NULL_BLOCK_ID] * len(new))
+            done.update(new)
+        self.last_step = plan.step_id
+
+    def _record_scores(self, plan: StepPlan) -> None:
+        """Remember which requests ``plan`` scored, as long as it is among the last k."""
+        self.applied.append(plan.step_id)
+        oldest = self.applied[0]
+        for req_id, sreq in plan.score.items():
+            scored = self.requests.open(req_id).scored
+            scored[plan.step_id] = sreq.evictable_below
+            for old in [s for s in scored if s < oldest]:
+                del scored[old]
+
+    def _mask_suspects(self, gone: set[str]) -> tuple[Masked, ...]:
         """Without a usable plan, the scheduler may have freed (and reallocated) blocks
         of the requests its last ``k`` applied plans scored (on any of their replies):
         hide their evictable blocks for this step."""
         runner = self.runner
         assert runner is not None
-        below: dict[str, int] = {}
-        for scores in self.recent_scores:
-            for req_id, sreq in scores.items():
-                below[req_id] = max(below.get(req_id, 0), sreq.evictable_below)
-        for req_id, evictable_below in below.items():
-            if req_id in gone:
+        if not self.applied:
+            return ()
+        oldest = self.applied[0]
+        masked = []
+        for req_id, req in self.requests.items():
+            below = max((b for s, b in req.scored.items() if s >= oldest), default=0)
+            if req_id in gone or below <= self.sink_blocks:
                 continue
-            done = self.evicted.get(req_id, set())
             ids = runner.logical_row(req_id)
             if ids is None:
                 continue
-            idxs = [j for j in range(self.sink_blocks, min(evictable_below, len(ids)))
-                    if j not in done]
+            idxs = tuple(j for j in range(self.sink_blocks, min(below, len(ids)))
+                         if j not in req.evicted)
             if not idxs:
                 continue
-            original = [int(ids[j]) for j in idxs]
+            original = tuple(int(ids[j]) for j in idxs)
             runner.set_entries(req_id, idxs, [NULL_BLOCK_ID] * len(idxs))
-            step.masked.append((req_id, idxs, original))
-            step.masked_counts[req_id] = len(idxs)
+            masked.append(Masked(req_id, idxs, original))
+        return tuple(masked)
 
-    def _forget(self, req_id: str) -> None:
-        self.evicted.pop(req_id, None)
-        for scores in self.recent_scores:
-            scores.pop(req_id, None)
-        self.ring.forget(req_id)
-
-    # -- the hooks (each part is also reachable directly) -------------------------------
-    def compact(self, cm: CommonAttentionMetadata) -> CommonAttentionMetadata:
-        """``cm`` with evicted blocks compacted out (see ``compaction.Compactor``)."""
-        return self.compactor.compact(cm)
-
-    def capture(self, layer: int, query: torch.Tensor) -> None:
-        """Copy this layer's queries of tracked requests into the ring."""
-        self.ring.capture(layer, query)
-
-    def check_keys(self, layer: int, key: torch.Tensor) -> None:
-        """Self-check: the layer's key view holds the keys it was just given."""
-        self.ring.check_keys(layer, key)
-
-    def finish_forward(self) -> None:
-        """Score the requests due (after the forward); start the host copy."""
-        self.scorer.score(self.step)
+    # -- after the forward -------------------------------------------------------------
+    def finish_forward(self, step: Step) -> PendingScores | None:
+        """Score the requests ``step``'s plan marks as due (after the forward, before
+        :meth:`end_step`): the scores on their way to the host, on the output rank."""
+        compaction = self.compactor.result()
+        return self.scorer.score(step.plan, None if compaction is None else compaction.batch,
+                                 capture_failed=self.ring.capture_failed)
 
     # -- the reply ---------------------------------------------------------------------
-    def reply_token(self, step: Step) -> ReplyToken:
+    def reply_token(self, step: Step, pending: PendingScores | None) -> ReplyToken:
         """What ``step``'s reply needs, taken now: its acknowledgement, its pending
-        scores and the faults seen so far (:meth:`ReplyToken.reply` builds it)."""
-        return ReplyToken(ack=step.ack, pending=step.pending, faults=self.fault.take(),
+        scores (from :meth:`finish_forward`) and the faults seen so far
+        (:meth:`ReplyToken.reply` builds it)."""
+        return ReplyToken(ack=step.ack, pending=pending, faults=self.fault.take(),
                           scorer=self.scorer)
 
-    def reply(self, step: Step) -> WorkerReply:
-        """``step``'s reply, now (waits for the score copy started in finish_forward)."""
-        return self.reply_token(step).reply()
-
     def end_step(self, step: Step) -> None:
-        """Restore entries masked for ``step`` only; close it."""
-        if self.step is step:
-            self._open(None)
+        """Restore entries masked for ``step`` only; disarm the parts."""
+        if self.current is step:
+            self.compactor.end()
+            self.ring.end()
+            self.current = None
         if self.runner is None:
             return
-        for req_id, idxs, original in step.masked:
-            done = self.evicted.get(req_id, set())
-            keep = [(j, v) for j, v in zip(idxs, original) if j not in done]
+        for m in step.masked:
+            req = self.requests.get(m.req_id)
+            done = set() if req is None else req.evicted
+            keep = [(j, v) for j, v in zip(m.idxs, m.original) if j not in done]
             if keep:
-                self.runner.set_entries(req_id, [j for j, _ in keep], [v for _, v in keep])
+                self.runner.set_entries(m.req_id, [j for j, _ in keep], [v for _, v in keep])

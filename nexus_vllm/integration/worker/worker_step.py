@@ -1,27 +1,29 @@
-"""What the worker's eviction parts share within one step.
+"""What one step's parts hand each other.
 
-The worker's eviction state (``worker_state.py``) applies the plan and opens a
-:class:`Step`; compaction (``compaction.py``, fed to the metadata builders) fills in the
-:class:`Batch` attention sees; the query ring (``query_ring.py``, fed to the attention
-impls) captures queries of that batch; the scorer (``block_scorer.py``) scores it after the
-forward. Each part is handed the step explicitly; none reaches into another.
-
-A :class:`Step` also carries what its reply needs (the plan it acknowledges and the
-scores on their way to the host), so that, with async scheduling, the next step can start
-before this one's reply is built.
+The worker's eviction state (``worker_state.py``) applies the plan and begins a frozen
+:class:`Step`: the usable plan, the requests to track and how many blocks each request's
+row loses to compaction. Each part is handed what it needs of it and keeps its own
+result: compaction (``compaction.py``, fed to the metadata builders) builds the
+:class:`Compaction` of the batch attention sees; the query ring (``query_ring.py``, fed to
+the attention impls) reads that batch and keeps its own capture indices; the scorer
+(``block_scorer.py``) is handed the plan, the batch and whether capture failed, and
+returns the scores on their way to the host. Nothing of a step is written by a part
+other than the one that made it, and nothing is shared with the next step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple, TypedDict
 
 import numpy as np
 import torch
 
 from nexus_vllm.integration.protocol import StepPlan
 
-__all__ = ["Batch", "LayerKeys", "MetadataChanges", "SelfCheckError", "Staging", "Step"]
+__all__ = ["Batch", "Compaction", "LayerKeys", "Masked", "MetadataChanges",
+           "SelfCheckError", "Staging", "Step"]
 
 
 class SelfCheckError(RuntimeError):
@@ -36,7 +38,31 @@ class LayerKeys:
     key_cache: torch.Tensor  # [num_blocks, Hkv, block_size, D] view of the layer's cache
 
 
-@dataclass
+class Masked(NamedTuple):
+    """Block-table entries of one request nulled for one step only (a missed plan)."""
+
+    req_id: str
+    idxs: tuple[int, ...]  # logical block indices
+    original: tuple[int, ...]  # the block ids they held
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step as its plan was applied, from ``begin_step`` to ``end_step``."""
+
+    plan: StepPlan | None  # the usable plan (None: missing, stale or dropped)
+    tracked: frozenset[str]  # requests whose queries the ring captures
+    # Blocks compacted out of each request's row: evicted for good, plus masked.
+    compacted: Mapping[str, int]
+    masked: tuple[Masked, ...] = ()
+
+    @property
+    def ack(self) -> int | None:
+        """The plan this step's reply acknowledges (None: no usable plan)."""
+        return None if self.plan is None else self.plan.step_id
+
+
+@dataclass(frozen=True)
 class Batch:
     """This step's batch as attention metadata sees it (CPU values)."""
 
@@ -59,27 +85,14 @@ class MetadataChanges(TypedDict, total=False):
     _num_computed_tokens_cache: torch.Tensor | None
 
 
-@dataclass
-class Step:
-    """One step, from the plan's application to the reply."""
+@dataclass(frozen=True)
+class Compaction:
+    """What compaction built from a step's first attention metadata."""
 
-    plan: StepPlan | None
-    tracked: set[str]
-    # The plan it acknowledges (None: no usable plan).
-    ack: int | None = None
-    # The scorer's scores on their way to the host (``block_scorer.PendingScores``).
-    pending: Any = None
-    # (req_id, logical indices, original ids) masked for this step only (missed plan).
-    masked: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
-    masked_counts: dict[str, int] = field(default_factory=dict)
-    batch: Batch | None = None
-    changes: MetadataChanges | None = None
-    table_key: tuple[int, tuple[int, ...]] | None = None
-    slot_mapping: torch.Tensor | None = None
-    capture_ready: bool = False  # the capture indices of this step were worked out
-    capture_src: torch.Tensor | None = None
-    capture_dst: torch.Tensor | None = None
-    capture_failed: bool = False
+    batch: Batch
+    changes: MetadataChanges  # empty: nothing compacted in this batch
+    table_key: tuple[int, tuple[int, ...]]  # (data pointer, shape) of the stock table
+    slot_mapping: torch.Tensor  # [T] vLLM's slot of each token (the self-check reads it)
 
 
 class Staging:
