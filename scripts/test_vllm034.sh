@@ -28,7 +28,7 @@ py=.venv-vllm034/bin/python
 unit=(tests/integration/test_vllm_hooks.py tests/integration/test_patch_safety.py
       tests/integration/test_runners.py tests/integration/test_manager.py
       tests/integration/test_worker_state.py tests/integration/test_startup_checks.py
-      tests/integration/test_bad_input.py)
+      tests/integration/test_bad_input.py tests/integration/test_scheduler_vllm.py)
 case "$tier" in
   quick) e2e=() ;;
   ci) e2e=(tests/compat/test_vllm034_e2e.py) ;;

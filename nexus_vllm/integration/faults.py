@@ -2,8 +2,11 @@
 
 The reliability tests start real servers with faults switched on to show that eviction
 fails closed (nothing freed that a worker may still read, no deadlock across tensor-
-parallel ranks, the server keeps serving). Unset, every check here is one dictionary
-lookup.
+parallel ranks, the server keeps serving). The production classes never ask: when the
+variable names a fault, the scheduler or the worker is built with a test double of the
+part that fails (``scheduler/fault_doubles.py``, ``worker/fault_doubles.py``), and only
+the double calls :func:`fires`. Unset, no double is built. (:class:`FaultLog`, which
+counts the faults a server absorbs, real or injected, is production code.)
 
 Format: a comma-separated list of ``KIND[@RANK][/EVERY]``:
 

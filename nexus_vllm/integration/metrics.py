@@ -1,10 +1,22 @@
 """Eviction metrics: collected in the engine core, exported on the API server's /metrics.
 
 The scheduler (engine-core process) counts evictions and samples block usage each step;
-the numbers ride to the API server inside ``SchedulerStats.num_kv_fetch_reqs_by_stage``
-(a ``dict[str, int]`` that vLLM serialises as is and reads by fixed keys only) under keys
-prefixed ``nexus:``. The ``stat_logger`` patch pops them there, before vLLM's loggers see
-the dict, and feeds the Prometheus series below (same registry as ``vllm:*``):
+each stats update becomes one :class:`NexusStats`, which rides to the API server in
+``SchedulerStats.kv_connector_stats`` under the key :data:`STATS_KEY` (:func:`attach_stats`)
+and is taken out there (:func:`take_stats`) before vLLM's loggers run, by the
+``stat_logger`` patch, which feeds the Prometheus series below (same registry as
+``vllm:*``).
+
+Why that field: it is the one ``SchedulerStats`` field vLLM carries as an opaque payload
+(``dict[str, Any]``) and never interprets itself; it belongs to a KV connector, and
+eviction refuses KV connectors (``frontend/engine_policy.py``), so on an evicting server
+it is always empty. No field of our own survives the trip: vLLM sends ``SchedulerStats``
+with msgspec and decodes it into vLLM's own dataclass (``vllm/v1/serial_utils.py``,
+``MsgpackDecoder(EngineCoreOutputs)`` in ``vllm/v1/engine/core_client.py``), which drops
+attributes and subclass fields it does not declare. The payload is taken out before
+vLLM's loggers see it because, without a connector, vLLM's ``LoggingStatLogger`` cannot
+read that field (``KVConnectorLogging.observe`` needs the connector's class); the
+scheduler ships it only where that patch is installed (:func:`route_open`).
 
 ========================================  =======  ============================================
 series                                    type     meaning
@@ -43,26 +55,41 @@ series                                    type     meaning
 ``{prompt_mode}``                         gram     blocks (the memory it held at most, before
                                                    any event freed blocks), by ``prompt_mode``;
                                                    ``_sum / _count`` is the mean peak
+``vllm:nexus_pool_blocks_peak``           gauge    self-check only (``NEXUS_VLLM_SELF_CHECK=1``):
+                                                   most blocks one evicting request held in
+                                                   vLLM's own block lists
+``vllm:nexus_pool_over_bound``            gauge    self-check only: most blocks one request
+                                                   held in vLLM's lists above its admission
+                                                   bound; <= 0 when every bound held
 ========================================  =======  ============================================
 
-A finished request's peak rides as ``nexus:peak:<prompt_mode>:<blocks>`` -> how many
-requests finished with that peak since the last stats update (a few keys per update).
+Each series carries vLLM's ``engine`` label (the data-parallel engine index vLLM passes
+with the stats), so every engine core of a data-parallel server reports its own.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["PREFIX", "SchedulerCounters", "export"]
+if TYPE_CHECKING:
+    from vllm.v1.metrics.stats import SchedulerStats
 
-PREFIX = "nexus:"
-FAULT_PREFIX = "fault:"
-PEAK_PREFIX = "peak:"
+__all__ = ["STATS_KEY", "TAKES_STATS", "NexusStats", "SchedulerCounters", "attach_stats",
+           "export", "route_open", "take_stats"]
+
+# The key of our payload in SchedulerStats.kv_connector_stats.
+STATS_KEY = "nexus_vllm"
+# Set (True) on the StatLoggerManager.record wrap that takes the payload out before
+# vLLM's loggers run (frontend/patches/stat_logger.py).
+TAKES_STATS = "_nexus_takes_stats"
 # Buckets of the peak histogram, in blocks: powers of two and the halves between them.
 PEAK_BUCKETS = tuple(sorted({b for k in range(18) for b in (2 ** k, 3 * 2 ** k // 2)
                              if b > 0})) + (float("inf"),)
+# Counter -> (series, help, scale to the series' unit); the counters SchedulerCounters keeps.
 _COUNTERS = {
     "evicted_blocks": ("vllm:nexus_evicted_blocks", "KV blocks evicted and freed.", 1.0),
     "eviction_events": ("vllm:nexus_eviction_events", "Eviction events.", 1.0),
@@ -87,14 +114,58 @@ _GAUGES = {
     "total_blocks": ("vllm:nexus_total_blocks", "Usable blocks in the KV block pool."),
     "plans_in_flight": ("vllm:nexus_plans_in_flight",
                         "Eviction plans sent whose reply was not processed yet."),
+    "pool_blocks_peak": ("vllm:nexus_pool_blocks_peak",
+                         "Self-check: most blocks one evicting request held in vLLM's pool."),
+    "pool_over_bound": ("vllm:nexus_pool_over_bound",
+                        "Self-check: most blocks one request held in vLLM's pool above its "
+                        "admission bound (<= 0: every bound held)."),
 }
 # Large negative start so any real value replaces it.
 _NO_VALUE = -(1 << 40)
 
 
+@dataclass(frozen=True)
+class NexusStats:
+    """One stats update of one engine core.
+
+    Attributes
+    ----------
+    counters : mapping of str to int
+        Increments since the previous update, in the counter's raw unit (``*_us``:
+        microseconds).
+    gauges : mapping of str to int
+        Values as sampled now (a high-water mark only once it has a value).
+    faults : mapping of str to int
+        Faults absorbed since the previous update, by kind.
+    peaks : mapping of (prompt_mode, peak live blocks) to int
+        Evicting requests finished since the previous update.
+    """
+
+    counters: Mapping[str, int] = field(default_factory=dict)
+    gauges: Mapping[str, int] = field(default_factory=dict)
+    faults: Mapping[str, int] = field(default_factory=dict)
+    peaks: Mapping[tuple[str, int], int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form: plain dicts and lists, which vLLM's msgspec encoder sends as is."""
+        return {"counters": dict(self.counters), "gauges": dict(self.gauges),
+                "faults": dict(self.faults),
+                "peaks": [[mode, blocks, n] for (mode, blocks), n in self.peaks.items()]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> NexusStats:
+        """Inverse of :meth:`to_dict`."""
+        def ints(name: str) -> dict[str, int]:
+            return {str(k): int(v) for k, v in data.get(name, {}).items()}
+
+        return cls(counters=ints("counters"), gauges=ints("gauges"), faults=ints("faults"),
+                   peaks={(str(mode), int(blocks)): int(n)
+                          for mode, blocks, n in data.get("peaks", ())})
+
+
 @dataclass
 class SchedulerCounters:
-    """Engine-core side accumulators; ``drain()`` returns the ``nexus:`` stats dict."""
+    """Engine-core side accumulators; ``drain()`` returns the stats update."""
 
     evicted_blocks: int = 0
     eviction_events: int = 0
@@ -120,30 +191,55 @@ class SchedulerCounters:
     def add_faults(self, counts: dict[str, int]) -> None:
         self.faults.update(counts)
 
-    def drain(self) -> dict[str, int]:
-        out = {
-            PREFIX + "evicted_blocks": self.evicted_blocks,
-            PREFIX + "eviction_events": self.eviction_events,
-            PREFIX + "scoring_us": self.scoring_us,
-            PREFIX + "admission_waits": self.admission_waits,
-            PREFIX + "event_holds": self.event_holds,
-            PREFIX + "policy_us": self.policy_us,
-            PREFIX + "step_us": self.step_us,
-            PREFIX + "live_blocks_peak": self.live_blocks_peak,
-        }
+    def drain(self) -> NexusStats:
+        """The update since the last drain; the counters start again from zero."""
+        gauges = {"live_blocks_peak": self.live_blocks_peak}
         if self.over_budget_peak != _NO_VALUE:
-            out[PREFIX + "over_budget_peak"] = self.over_budget_peak
-        out.update({PREFIX + k: int(v) for k, v in self._gauges.items()})
-        out.update({PREFIX + FAULT_PREFIX + k: int(v) for k, v in self.faults.items() if v})
-        out.update({f"{PREFIX}{PEAK_PREFIX}{mode}:{peak}": int(n)
-                    for (mode, peak), n in self.request_peaks.items() if n})
-        self.evicted_blocks = self.eviction_events = self.scoring_us = 0
-        self.admission_waits = self.policy_us = self.step_us = self.event_holds = 0
+            gauges["over_budget_peak"] = self.over_budget_peak
+        gauges.update((k, int(v)) for k, v in self._gauges.items())
+        out = NexusStats(
+            counters={k: int(getattr(self, k)) for k in _COUNTERS}, gauges=gauges,
+            faults={k: int(v) for k, v in self.faults.items() if v},
+            peaks={key: int(n) for key, n in self.request_peaks.items() if n})
+        for k in _COUNTERS:
+            setattr(self, k, 0)
         self.faults.clear()
         self.request_peaks.clear()
         return out
 
 
+# -- the route: engine core -> API server ----------------------------------------------
+def route_open() -> bool:
+    """Whether the API server takes the payload out before vLLM's loggers: the wrap that
+    does is installed in this process (patches are all or nothing, the same in every
+    process of a server)."""
+    from vllm.v1.metrics.loggers import StatLoggerManager
+
+    return bool(getattr(StatLoggerManager.record, TAKES_STATS, False))
+
+
+def attach_stats(scheduler_stats: SchedulerStats, stats: NexusStats) -> bool:
+    """Engine core: put ``stats`` on vLLM's stats of this step. False (nothing attached)
+    where a KV connector's stats hold the field."""
+    if scheduler_stats.kv_connector_stats is not None:
+        return False
+    scheduler_stats.kv_connector_stats = {STATS_KEY: stats.to_dict()}
+    return True
+
+
+def take_stats(scheduler_stats: SchedulerStats) -> NexusStats | None:
+    """API server: remove the payload :func:`attach_stats` put on vLLM's stats (None:
+    there is none), leaving the field as vLLM's loggers expect it."""
+    data = scheduler_stats.kv_connector_stats
+    if not isinstance(data, dict) or STATS_KEY not in data:
+        return None
+    payload = data.pop(STATS_KEY)
+    if not data:
+        scheduler_stats.kv_connector_stats = None
+    return NexusStats.from_dict(payload)
+
+
+# -- the API server's Prometheus series ------------------------------------------------
 class _PromMetrics:
     """Prometheus series in the API server (created lazily: vLLM's PrometheusStatLogger
     unregisters every ``vllm:`` collector when it starts)."""
@@ -157,46 +253,36 @@ class _PromMetrics:
         self.gauges = {k: Gauge(n, d, ["engine"], multiprocess_mode="mostrecent")
                        for k, (n, d) in _GAUGES.items()}
         self.faults = PromCounter("vllm:nexus_faults", "Eviction faults absorbed, by kind.",
-                              ["engine", "kind"])
+                                  ["engine", "kind"])
         self.peaks = Histogram("vllm:nexus_request_peak_live_blocks",
                                "Peak live KV blocks of each finished evicting request.",
                                ["engine", "prompt_mode"], buckets=PEAK_BUCKETS)
 
-    def observe(self, stats: dict[str, int], engine_idx: int) -> None:
+    def observe(self, stats: NexusStats, engine_idx: int) -> None:
         label = str(engine_idx)
-        for key, value in stats.items():
-            if key.startswith(FAULT_PREFIX):
-                if value > 0:
-                    self.faults.labels(label, key[len(FAULT_PREFIX):]).inc(value)
-            elif key.startswith(PEAK_PREFIX):
-                mode, _, blocks = key[len(PEAK_PREFIX):].rpartition(":")
-                if mode and blocks.isdigit():
-                    hist = self.peaks.labels(label, mode)
-                    for _ in range(value):
-                        hist.observe(int(blocks))
-            elif key in self.counters:
+        for key, value in stats.counters.items():
+            if key in self.counters and value > 0:
                 counter, scale = self.counters[key]
-                if value > 0:
-                    counter.labels(label).inc(value * scale)
-            elif key in self.gauges:
+                counter.labels(label).inc(value * scale)
+        for key, value in stats.gauges.items():
+            if key in self.gauges:
                 self.gauges[key].labels(label).set(value)
+        for kind, n in stats.faults.items():
+            if n > 0:
+                self.faults.labels(label, kind).inc(n)
+        for (mode, blocks), n in stats.peaks.items():
+            hist = self.peaks.labels(label, mode)
+            for _ in range(n):
+                hist.observe(blocks)
 
 
 _PROM: _PromMetrics | None = None
 _LOCK = threading.Lock()
 
 
-def pop_nexus_stats(stage_counts: dict[str, int]) -> dict[str, int]:
-    """Remove and return the ``nexus:`` entries of ``num_kv_fetch_reqs_by_stage``."""
-    keys = [k for k in stage_counts if isinstance(k, str) and k.startswith(PREFIX)]
-    return {k[len(PREFIX):]: int(stage_counts.pop(k)) for k in keys}
-
-
-def export(stats: dict[str, int], engine_idx: int = 0) -> None:
-    """Feed one step's stats into the Prometheus series."""
+def export(stats: NexusStats, engine_idx: int = 0) -> None:
+    """Feed one stats update of engine ``engine_idx`` into the Prometheus series."""
     global _PROM
-    if not stats:
-        return
     with _LOCK:
         if _PROM is None:
             _PROM = _PromMetrics()

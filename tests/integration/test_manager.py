@@ -98,8 +98,8 @@ def test_chunked_prefill_stays_within_budget_plus_chunk_and_frees_blocks() -> No
     single.free("r")
     assert pool.get_num_free_blocks() == free0
     stats = mgr.stats({})
-    assert stats["nexus:evicted_blocks"] == evicted_total
-    assert stats["nexus:free_blocks"] == stats["nexus:total_blocks"] == free0
+    assert stats.counters["evicted_blocks"] == evicted_total
+    assert stats.gauges["free_blocks"] == stats.gauges["total_blocks"] == free0
 
 
 def test_plan_ids_and_resend_until_acknowledged() -> None:
@@ -396,15 +396,14 @@ def test_finished_requests_report_their_peak_live_blocks() -> None:
     mgr.plan_step(_output({}, finished=("e", "s")), reqs)  # the next plan retires both
     mgr.plan_step(_output({}, finished=("e", "s")), reqs)  # (never twice)
     stats = mgr.stats({})
-    assert {k: v for k, v in stats.items() if k.startswith("nexus:peak:")} == {
-        "nexus:peak:end:32": 1, "nexus:peak:stream:12": 1}
-    assert not any(k.startswith("nexus:peak:") for k in mgr.stats({}))  # drained
+    assert stats.peaks == {("end", 32): 1, ("stream", 12): 1}
+    assert not mgr.stats({}).peaks  # drained
 
     def sample(name: str, mode: str) -> float:
         return REGISTRY.get_sample_value(f"vllm:nexus_request_peak_live_blocks_{name}",
                                          {"engine": "9", "prompt_mode": mode}) or 0.0
 
-    metrics.export(metrics.pop_nexus_stats(dict(stats)), engine_idx=9)
+    metrics.export(stats, engine_idx=9)
     assert sample("count", "end") == 1 and sample("sum", "end") == 32
     assert sample("sum", "stream") == 12
 

@@ -146,13 +146,14 @@ def test_every_grafted_attribute_is_catalogued() -> None:
                     if isinstance(t, ast.Attribute) and t.attr.startswith("_nexus_") and \
                             isinstance(t.value, ast.Name) and t.value.id != "self":
                         written.add(t.attr)
-    # _nexus_patched marks our own wrapper functions, not vLLM objects.
-    ours = {a for a in written if "nexus" in a} - {"_nexus_patched"}
+    # _nexus_patched and _nexus_takes_stats mark our own wrapper functions, not vLLM
+    # objects.
+    ours = {a for a in written if "nexus" in a} - {"_nexus_patched", "_nexus_takes_stats"}
     assert ours <= grafts, f"uncatalogued attributes on vLLM objects: {ours - grafts}"
     from nexus_vllm.integration.protocol import PLAN_ATTR, REPLY_ATTR, STEP_ATTR
 
-    assert {PLAN_ATTR, REPLY_ATTR, STEP_ATTR, "num_kv_fetch_reqs_by_stage",
-            "next_decode_eligible_step"} <= grafts
+    assert {PLAN_ATTR, REPLY_ATTR, STEP_ATTR, "kv_connector_stats",
+            "next_decode_eligible_step", "max_num_scheduled_tokens"} <= grafts
 
 
 def test_the_plugin_writes_no_environment_variable() -> None:

@@ -100,11 +100,74 @@ def test_stat_logger_manager_record_and_stats_field() -> None:
 
     assert _params(StatLoggerManager.record) == [
         "self", "scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx"]
-    field = {f.name: f for f in dataclasses.fields(SchedulerStats)}["num_kv_fetch_reqs_by_stage"]
-    assert "dict[str, int]" in str(field.type)
+    field = {f.name: f for f in dataclasses.fields(SchedulerStats)}["kv_connector_stats"]
+    assert str(field.type).startswith("dict[str,") and field.default is None
 
 
-# -- scheduler side --------------------------------------------------------------------
+def test_eviction_stats_cross_the_engine_core_wire() -> None:
+    """metrics.attach_stats / take_stats: the stats ride in kv_connector_stats through
+    vLLM's own encoder and decoder (engine core -> API server), nested and whole; an
+    attribute of our own on SchedulerStats would not (why that field)."""
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from nexus_vllm.integration.metrics import NexusStats, attach_stats, take_stats
+
+    def wire(stats: SchedulerStats) -> SchedulerStats:
+        frames = MsgpackEncoder().encode(EngineCoreOutputs(engine_index=1,
+                                                           scheduler_stats=stats))
+        out = MsgpackDecoder(EngineCoreOutputs).decode(frames)
+        assert out.scheduler_stats is not None
+        return out.scheduler_stats
+
+    sent = NexusStats(counters={"evicted_blocks": 7, "step_us": 12},
+                      gauges={"over_budget_peak": -3, "free_blocks": 40},
+                      faults={"plan_lost": 2}, peaks={("stream", 12): 1, ("end", 32): 2})
+    stats = SchedulerStats(num_running_reqs=1)
+    assert attach_stats(stats, sent)
+    got = wire(stats)
+    assert take_stats(got) == sent and got.kv_connector_stats is None
+    assert take_stats(got) is None  # taken once
+    # A KV connector's stats are never mixed with ours.
+    assert not attach_stats(SchedulerStats(kv_connector_stats={"x": 1}), sent)
+    own = SchedulerStats()
+    own.nexus = {"a": 1}  # type: ignore[attr-defined]
+    assert not hasattr(wire(own), "nexus")
+
+
+def test_the_record_wrap_takes_the_stats_out_before_vllms_loggers() -> None:
+    """The API server's StatLoggerManager.record wrap exports the eviction stats of the
+    engine they came from and leaves kv_connector_stats as vLLM's loggers expect it; the
+    scheduler attaches stats only where it is installed (metrics.route_open)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.loggers import StatLoggerManager
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    import nexus_vllm
+    from nexus_vllm.integration.metrics import NexusStats, attach_stats, route_open
+
+    nexus_vllm.register()
+    assert route_open()
+    seen: list[Any] = []
+    manager = object.__new__(StatLoggerManager)
+    manager.stat_loggers = [SimpleNamespace(  # type: ignore[list-item]
+        record=lambda stats, _it, **kw: seen.append((stats.kv_connector_stats, kw)))]
+    stats = SchedulerStats()
+    assert attach_stats(stats, NexusStats(counters={"evicted_blocks": 5}))
+
+    def sample() -> float:
+        return REGISTRY.get_sample_value("vllm:nexus_evicted_blocks_total",
+                                         {"engine": "3"}) or 0.0
+
+    before = sample()
+    manager.record(stats, None, engine_idx=3)
+    assert seen == [(None, {"mm_cache_stats": None, "engine_idx": 3})]
+    assert sample() == before + 5
+
+
 def test_scheduler_hooks() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -113,19 +176,19 @@ def test_scheduler_hooks() -> None:
         "self", "scheduler_output", "model_runner_output"]
     assert _params(Scheduler.get_request_counts) == ["self"]
     assert "spec_decoding_stats" in _params(Scheduler.make_stats)
-    # The per-request prefill cap is dropped when one request is eligible; the
-    # get_request_counts override in scheduler.py relies on this being the first count.
-    # (0.34 reads "enable_chunked_prefill and num_eligible_reqs > 1": same behaviour with
-    # chunked prefill forced on, as evicting configs do.)
+    # The per-request prefill cap is dropped when one request is eligible; then
+    # lone_request_prefill_cap lowers the step's token budget, which schedule() reads
+    # once. (0.34 reads "enable_chunked_prefill and num_eligible_reqs > 1": the same
+    # with chunked prefill forced on, as evicting configs do.)
     import re
 
     src = inspect.getsource(Scheduler.schedule)
-    first = src.index("self.get_request_counts()")
+    budget = src.index("token_budget = self.max_num_scheduled_tokens")
+    assert src.count("self.max_num_scheduled_tokens") == 2  # the budget, the final assert
     cap = re.search(r"if (self\.scheduler_config\.enable_chunked_prefill and )?"
                     r"num_eligible_reqs > 1", src)
-    assert cap is not None and first < cap.start() < src.index(
-        "if 0 < long_prefill_token_threshold < num_new_tokens"), (
-        "re-read Scheduler.schedule and NexusScheduler.get_request_counts")
+    assert cap is not None and budget < src.index("self.get_request_counts()") < cap.start(), (
+        "re-read Scheduler.schedule and vllm_compat.lone_request_prefill_cap")
 
 
 def test_engine_step_order() -> None:

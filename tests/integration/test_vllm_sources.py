@@ -422,23 +422,28 @@ def test_scheduler_methods(src: VllmSource) -> None:
     assert sigs["get_request_counts"] == ["self"]
     assert sigs["add_request"][:2] == ["self", "request"]
     assert sigs["schedule"][0] == "self" and sigs["make_stats"][0] == "self"
-    assert "num_kv_fetch_reqs_by_stage" in _fields(
-        src.cls("v1/metrics/stats.py", "SchedulerStats"))
 
 
-def test_first_request_count_decides_the_prefill_cap(src: VllmSource) -> None:
-    """NexusScheduler.get_request_counts reports one more waiting request at the first
-    count inside schedule(): that count must be the one the per-request prefill cap
-    (long_prefill_token_threshold) is derived from, before the cap is applied."""
+def test_lone_request_prefill_cap(src: VllmSource) -> None:
+    """vllm_compat.lone_request_prefill_cap: schedule() derives the per-request prefill
+    cap (long_prefill_token_threshold) from the request counts, 0 when one request is
+    eligible; it reads the step's token budget (max_num_scheduled_tokens) once, into
+    token_budget, and every request's tokens are bounded by it. So, for a call that
+    starts with one eligible request (counted as the override counts, with nothing
+    queued or dequeued before schedule() counts), a lower budget caps that request as the
+    per-request cap would."""
     schedule = src.method(SCHED, "Scheduler", "schedule")
     where = f"vLLM {src.label}: Scheduler.schedule (vllm/{SCHED})"
     first = _first_call(schedule, "self.get_request_counts", where)
+    parent = _parents(schedule)[first]
+    assert isinstance(parent, ast.Assign) and ast.unparse(parent.targets[0]) == (
+        "(num_running, num_waiting)"), f"{where}: {ast.unparse(parent)}"
     assigns = sorted((n for n in ast.walk(schedule) if isinstance(n, ast.Assign)
                       and any(isinstance(t, ast.Name) and t.id == "long_prefill_token_threshold"
                               for t in n.targets)), key=_pos)
     assert assigns, f"{where}: no local long_prefill_token_threshold any more"
     cap = assigns[0]
-    assert _pos(first) < _pos(cap), f"{where}: the cap is computed before the first count"
+    assert _pos(first) < _pos(cap), f"{where}: the cap is computed before the count"
     # long_prefill_token_threshold = (config value if <eligible > 1> else 0)
     assert isinstance(cap.value, ast.IfExp), ast.unparse(cap)
     test = ast.unparse(cap.value.test)
@@ -451,34 +456,69 @@ def test_first_request_count_decides_the_prefill_cap(src: VllmSource) -> None:
                 and ast.unparse(n.targets[0]) == "num_eligible_reqs"]
     assert eligible and _pos(first) < _pos(eligible[0]) < _pos(cap), where
     assert ast.unparse(eligible[0].value) == "num_running + num_waiting", where
-    parent = _parents(schedule)[first]
-    assert isinstance(parent, ast.Assign) and ast.unparse(parent.targets[0]) == (
-        "(num_running, num_waiting)"), f"{where}: {ast.unparse(parent)}"
-    # The cap is applied after it is computed (running and waiting loops).
+    # Nothing joins or leaves the queues before the count.
+    queues = ("self.running.", "self.waiting.", "self.kv_holding_waiting.")
+    for call in ast.walk(schedule):
+        if isinstance(call, ast.Call) and _pos(call) < _pos(first):
+            assert not ast.unparse(call.func).startswith(queues), (
+                f"{where}: {ast.unparse(call)} changes a queue before the count")
+    # The budget: read once, before any request is scheduled; otherwise only asserted.
+    reads = sorted((n for n in ast.walk(schedule) if isinstance(n, ast.Attribute)
+                    and ast.unparse(n) == "self.max_num_scheduled_tokens"), key=_pos)
+    budget = [n for n in ast.walk(schedule) if isinstance(n, ast.Assign)
+              and ast.unparse(n) == "token_budget = self.max_num_scheduled_tokens"]
+    assert budget and _pos(reads[0]) == _pos(budget[0].value), where
+    asserts = [n for n in ast.walk(schedule) if isinstance(n, ast.Assert)
+               and "self.max_num_scheduled_tokens" in ast.unparse(n)]
+    assert len(reads) == 1 + len(asserts), f"{where}: reads the token budget elsewhere"
+    loops = sorted((n for n in ast.walk(schedule) if isinstance(n, ast.While)), key=_pos)
+    assert loops and _pos(budget[0]) < _pos(loops[0]), where
+    # Each request's tokens are bounded by the budget (running loop; waiting loop
+    # through request_token_budget), after the per-request cap.
+    text = ast.unparse(schedule)
+    assert re.search(r"num_new_tokens = min\(num_new_tokens, token_budget\b", text), where
+    assert "request_token_budget = min(token_budget, " in text, where
+    assert "num_new_tokens = min(num_new_tokens, request_token_budget)" in text, where
     uses = [n for n in ast.walk(schedule) if isinstance(n, ast.Compare)
             and "long_prefill_token_threshold < num_new_tokens" in ast.unparse(n)]
     assert len(uses) >= 2 and all(_pos(cap) < _pos(u) for u in uses), where
-    # No Scheduler method called earlier in schedule() counts first.
+    # Other readers of the budget: the Mamba prefill split only (eviction refuses Mamba).
     sched_cls = src.cls(SCHED, "Scheduler")
-    for call in ast.walk(schedule):
-        if not (isinstance(call, ast.Call) and _pos(call) < _pos(first)):
-            continue
-        name = ast.unparse(call.func)
-        if name.startswith("self.") and name.count(".") == 1:
-            helper = _method_or_none(sched_cls, name[5:])
-            assert helper is None or not _calls(helper, "self.get_request_counts"), (
-                f"{where}: {name}() counts requests before the cap's count")
+    readers = {f.name for f in sched_cls.body if isinstance(f, FuncDef)
+               and "self.max_num_scheduled_tokens" in ast.unparse(f)}
+    assert readers <= {"__init__", "schedule", "_mamba_block_aligned_split"}, (
+        f"vLLM {src.label}: Scheduler methods reading the token budget: {readers}")
     # The adaptive floor, max(cap, input_budget // num_eligible_reqs), would lift the cap
-    # above --kv-chunk-size: evicting configs rely on it being off (the default).
+    # above --kv-chunk-size: evicting configs refuse it.
     floors = [n for n in ast.walk(schedule) if isinstance(n, ast.If)
               and "self.adaptive_long_prefill_threshold" in ast.unparse(n.test)]
     assert floors and _pos(cap) < _pos(floors[0]), f"{where}: re-read the adaptive floor"
-    cfg = src.cls("config/scheduler.py", "SchedulerConfig")
-    adaptive = [s for s in cfg.body if isinstance(s, ast.AnnAssign) and s.value is not None
-                and ast.unparse(s.target) == "long_prefill_token_threshold_adaptive"]
-    assert adaptive and "default=False" in ast.unparse(adaptive[0].value), (  # type: ignore
-        f"vLLM {src.label}: SchedulerConfig.long_prefill_token_threshold_adaptive is no "
-        "longer off by default")
+
+
+def test_stats_route(src: VllmSource) -> None:
+    """metrics.attach_stats / take_stats: SchedulerStats.kv_connector_stats is an opaque
+    dict vLLM fills only from a KV connector (none on an evicting server), carries in
+    EngineCoreOutputs (decoded as vLLM's SchedulerStats, so undeclared fields are lost),
+    and hands to the connector's logging, which needs a connector: the
+    StatLoggerManager.record wrap takes ours out before any logger runs."""
+    stats_rel = "v1/metrics/stats.py"
+    field = [s for s in src.cls(stats_rel, "SchedulerStats").body
+             if isinstance(s, ast.AnnAssign) and ast.unparse(s.target) == "kv_connector_stats"]
+    assert field and ast.unparse(field[0].annotation) == "dict[str, Any] | None"
+    assert field[0].value is not None and ast.unparse(field[0].value) == "None"
+    outputs = [s for s in src.cls("v1/engine/__init__.py", "EngineCoreOutputs").body
+               if isinstance(s, ast.AnnAssign) and ast.unparse(s.target) == "scheduler_stats"]
+    assert outputs and ast.unparse(outputs[0].annotation) == "SchedulerStats | None"
+    make = ast.unparse(src.method(SCHED, "Scheduler", "make_stats"))
+    assert "kv_connector_stats.to_dict() if kv_connector_stats else None" in make, (
+        f"vLLM {src.label}: make_stats fills kv_connector_stats differently")
+    assert "kv_connector_stats=connector_stats_payload" in make
+    loggers = "v1/metrics/loggers.py"
+    record = ast.unparse(src.method(loggers, "LoggingStatLogger", "record"))
+    assert "self.kv_connector_logging.observe(kv_connector_stats)" in record
+    manager = src.method(loggers, "StatLoggerManager", "record")
+    assert _calls(manager, "stat_logger.record"), (
+        f"vLLM {src.label}: StatLoggerManager.record no longer calls each logger")
 
 
 def test_prefill_chunk_is_the_cap_or_the_step_budget(src: VllmSource) -> None:
@@ -710,7 +750,7 @@ def test_worker_methods(src: VllmSource, worker: str) -> None:
     assert _params(_worker_method(src, worker, "load_model"))[:1] == ["self"]
 
 
-# -- 10. attention metadata (worker_state.compact, attention.NexusMetadataBuilderMixin) ----
+# -- 10. attention metadata (compaction.Compactor.compact, attention.NexusMetadataBuilderMixin)
 BACKEND_FILES = {
     "CPU_ATTN": ("v1/attention/backends/cpu_attn.py", "CPUAttentionMetadataBuilder",
                  "CPUAttentionBackendImpl"),
@@ -730,7 +770,7 @@ def test_common_attention_metadata(src: VllmSource) -> None:
             "block_table_tensor", "slot_mapping", "seq_lens_cpu_upper_bound",
             "_num_computed_tokens_cache"}
     assert need <= fields, (f"vLLM {src.label}: CommonAttentionMetadata lacks "
-                            f"{need - fields}; re-read WorkerEvictionState.compact")
+                            f"{need - fields}; re-read Compactor.compact")
     build = src.method(rel, "AttentionMetadataBuilder", "build")
     assert _signature(build) == "(self, common_prefix_len, common_attn_metadata, " \
                                 "fast_build=False)", _signature(build)
@@ -810,8 +850,6 @@ def test_api_server_patch_targets(src: VllmSource) -> None:
     # The wrap reads engine_idx as a keyword or as the second extra positional.
     assert _params(record) == ["self", "scheduler_stats", "iteration_stats",
                                "mm_cache_stats", "engine_idx"], _signature(record)
-    assert "num_kv_fetch_reqs_by_stage" in _fields(
-        src.cls("v1/metrics/stats.py", "SchedulerStats"))
 
     model = _members(src.cls("config/model.py", "ModelConfig"))
     props = {"uses_alibi", "use_mla", "is_hybrid", "is_encoder_decoder", "is_mm_prefix_lm",

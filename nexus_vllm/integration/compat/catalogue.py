@@ -107,9 +107,12 @@ CATALOGUE: tuple[Patch, ...] = (
           "after vLLM's checks, validate extra_args; raise VLLMValidationError",
           "a logits-processor validate_params hook without a per-token processor"),
     Patch("StatLoggerManager.record", "class-wrap", "frontend/patches/stat_logger", _ALL,
-          "SchedulerStats has no field for plugin metrics",
-          "pops the nexus:* entries from num_kv_fetch_reqs_by_stage, exports vllm:nexus_*",
-          "KVConnectorStats (if the plugin took the connector slot) or a stats extras field"),
+          "SchedulerStats has no field for plugin metrics, and without a KV connector "
+          "vLLM's LoggingStatLogger cannot read kv_connector_stats, where they ride",
+          "takes the eviction stats out of kv_connector_stats before vLLM's loggers "
+          "(metrics.take_stats), exports vllm:nexus_*",
+          "KVConnectorStats/build_prom_metrics (if the plugin took the connector slot) or a "
+          "SchedulerStats extras field read by a stat-logger plugin"),
     # -- scheduler: instance wraps on the KV-cache manager of an evicting server -------
     Patch("SingleTypeKVCacheManager.cache_blocks", "instance-wrap", "compat/vllm_compat", _ALL,
           "blocks computed after a request's first eviction must never be published",
@@ -126,22 +129,20 @@ CATALOGUE: tuple[Patch, ...] = (
           "an admission hook on the scheduler"),
     # -- scheduler: overrides of NexusScheduler(Scheduler) ----------------------------
     Patch("Scheduler.schedule", "override", "scheduler/scheduler", _ALL,
-          "attach the step's eviction plan", "super(), then plan_step and the graft",
-          "KVConnectorMetadata (see the decision above)"),
+          "attach the step's eviction plan; a lone evicting request must still prefill "
+          "in chunks", "super() (under lone_request_prefill_cap), then plan_step and the "
+          "graft", "KVConnectorMetadata (see the decision above); a per-request prefill "
+          "cap that vLLM always applies"),
     Patch("Scheduler.update_from_output", "override", "scheduler/scheduler", _ALL,
           "apply the worker's scores before vLLM frees and schedules",
           "apply_reply, then super()", "KVConnector worker metadata"),
-    Patch("Scheduler.get_request_counts", "override", "scheduler/scheduler", _ALL,
-          "vLLM drops the prefill cap when one request is eligible; evicting prompts must "
-          "still be chunked", "reports one more waiting request at the first count of a step",
-          "a per-request prefill cap that vLLM always applies"),
     Patch("Scheduler.make_stats", "override", "scheduler/scheduler", _ALL,
-          "the nexus:* counters ride on SchedulerStats", "adds them to the stats dict",
+          "the eviction stats ride on SchedulerStats", "super(), then metrics.attach_stats",
           "a stats extras field"),
-    Patch("AsyncScheduler.schedule/update_from_output/get_request_counts/make_stats",
+    Patch("AsyncScheduler.schedule/update_from_output/make_stats",
           "override", "scheduler/scheduler", _ALL,
           "async scheduling needs vLLM's AsyncScheduler (output placeholders) under the "
-          "same four overrides", "NexusAsyncScheduler: the overrides' mixin over "
+          "same three overrides", "NexusAsyncScheduler: the overrides' mixin over "
           "AsyncScheduler, picked after vLLM settles async scheduling "
           "(frontend/patches/engine_args.match_scheduler)",
           "a scheduler hook that works with either scheduler"),
@@ -199,9 +200,18 @@ CATALOGUE: tuple[Patch, ...] = (
     Patch("ModelRunnerOutput.nexus_reply", "graft", "protocol", _ALL,
           "the worker -> scheduler channel", "set by sample_tokens, read by "
           "update_from_output", "KVConnector worker metadata"),
-    Patch("SchedulerStats.num_kv_fetch_reqs_by_stage", "graft", "scheduler/scheduler", _ALL,
-          "carries nexus:* counters to the API server", "extra keys, popped by the "
-          "StatLoggerManager.record wrap", "a stats extras field"),
+    Patch("SchedulerStats.kv_connector_stats", "graft", "metrics", _ALL,
+          "carries the eviction stats to the API server (the one field vLLM sends as an "
+          "opaque dict; an attribute or subclass field of our own is dropped by vLLM's "
+          "msgspec decoder)", "set to {'nexus_vllm': NexusStats.to_dict()} by "
+          "make_stats where it is empty (eviction refuses KV connectors), taken out by "
+          "the StatLoggerManager.record wrap", "a stats extras field"),
+    Patch("Scheduler.max_num_scheduled_tokens", "graft", "compat/scheduler_internals",
+          _ALL, "schedule() lifts long_prefill_token_threshold when one request is "
+          "eligible: a lone evicting prompt would be computed whole, past budget + one chunk",
+          "lowered to the prefill cap for one schedule() call when one request is eligible "
+          "(lone_request_prefill_cap): schedule() reads it once as the step's token budget",
+          "a per-request prefill cap that vLLM always applies"),
     Patch("EngineArgs._nexus_from_cli", "graft", "frontend/patches/engine_args", _ALL,
           "CLI errors exit with one line; Python API errors raise", "a flag on the args",
           "none needed"),

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,9 +18,11 @@ from nexus_vllm.integration.compat.vllm_types import EngineRequest, KVBlock, Ste
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
     from vllm.v1.kv_cache_interface import KVCacheSpec
     from vllm.v1.request import Request
+
 
 class UnsupportedKVCacheGroup(ValueError):
     """A KV cache group eviction cannot run with (the message says which and why)."""
@@ -320,3 +323,29 @@ def steps_in_flight(vllm_config: VllmConfig) -> int:
     return max(1, int(getattr(vllm_config, "max_concurrent_batches", 1)))
 
 
+@contextmanager
+def lone_request_prefill_cap(scheduler: Scheduler, cap: int) -> Iterator[None]:
+    """Within the block, cap the tokens one ``scheduler.schedule()`` call may schedule at
+    ``cap`` when vLLM would drop its per-request prefill cap.
+
+    ``Scheduler.schedule`` caps each request's tokens at
+    ``long_prefill_token_threshold`` only when more than one request is eligible
+    (``num_running + num_waiting > 1``, from ``get_request_counts()``; 0.34 also needs
+    chunked prefill, which evicting configs force on): a lone request may prefill its
+    whole prompt in one step, past budget + one chunk. For such a call the step's token
+    budget (``max_num_scheduled_tokens``, read once, as ``token_budget``, before any
+    request is scheduled) is lowered to ``cap``: the lone request gets ``min(its tokens,
+    cap)``, as the per-request cap would give it. The counts are the ones ``schedule()``
+    reads (no request is added or removed between here and there), and the budget holds
+    for the whole call, whatever reads it and in which order.
+    """
+    running, waiting = scheduler.get_request_counts()
+    budget = scheduler.max_num_scheduled_tokens
+    if cap <= 0 or running + waiting != 1 or budget <= cap:
+        yield
+        return
+    scheduler.max_num_scheduled_tokens = cap
+    try:
+        yield
+    finally:
+        scheduler.max_num_scheduled_tokens = budget

@@ -43,6 +43,11 @@ accessor                      vLLM internal                         why
                                                                     is dropped
 ``steps_in_flight``           ``VllmConfig.max_concurrent_batches`` k: the steps vLLM schedules
                                                                     before the first reply
+``lone_request_prefill_cap``  ``Scheduler.max_num_scheduled_tokens  a lone evicting request
+                              / get_request_counts`` (``schedule``  still prefills in chunks
+                              drops ``long_prefill_token_           (vLLM lifts the cap when
+                              threshold`` when one request is       one request is eligible)
+                              eligible)
 ``executor_skipping_worker``  ``Executor.get_class``; 0.32's        an executor whose workers
                               ``v1/executor/ray_executor.py``       never call the worker's
                               (``RayWorkerWrapper.                  execute_model: eviction
@@ -90,6 +95,7 @@ from nexus_vllm.integration.compat.scheduler_internals import (
     group_role,
     hold_request,
     kv_cache_groups,
+    lone_request_prefill_cap,
     preemption_count,
     release_request,
     request_blocks,
@@ -148,6 +154,7 @@ __all__ = [
     "WindowGroup",
     "group_role",
     "kv_cache_groups",
+    "lone_request_prefill_cap",
     "cpu_cache_writer",
     "cpu_key_layout_probe",
     "gpu_sync_check",

@@ -22,7 +22,6 @@ from collections.abc import Callable, Mapping
 import torch
 
 from nexus_vllm.core.evidence import Evidence
-from nexus_vllm.integration import faults
 from nexus_vllm.integration.compat.vllm_compat import preemption_count
 from nexus_vllm.integration.compat.vllm_types import EngineRequest
 from nexus_vllm.integration.metrics import SchedulerCounters
@@ -78,8 +77,6 @@ class Evictor:
             gathered = {kind: torch.from_numpy(values) for kind, values in found.items()
                         if values is not None}
             try:
-                if faults.fires("policy_error"):
-                    raise RuntimeError("injected policy failure")
                 self.evict(st, request, sreq, gathered)
             except Exception:
                 # A policy error skips this event: nothing was freed (freeing is the

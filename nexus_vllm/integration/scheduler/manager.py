@@ -24,6 +24,11 @@ one part per job:
 * :class:`~nexus_vllm.integration.scheduler.evictor.Evictor`: the worker's scores turned into
   evictions (policy, null + free).
 
+The scheduler builds it from :class:`SchedulerParts` (the evictor, and the
+:class:`PlanSender` that puts each plan on vLLM's output): the real parts, or a test
+double of one where ``NEXUS_VLLM_FAULTS`` names a scheduler fault
+(``scheduler/fault_doubles.py``).
+
 Every budget rule (a request's target and hard limit at each step, its admission bound,
 the blocks its policy must keep, all following its ``prompt_mode``) comes from
 :class:`nexus_vllm.core.EvictionConfig`, and when events fire from
@@ -40,7 +45,8 @@ the pipeline busy meanwhile.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
@@ -59,8 +65,8 @@ from nexus_vllm.integration.compat.vllm_compat import (
     reset_request_ids,
 )
 from nexus_vllm.integration.compat.vllm_types import EngineRequest, StepSchedule
-from nexus_vllm.integration.metrics import SchedulerCounters
-from nexus_vllm.integration.protocol import ScoreRequest, StepPlan, WorkerReply
+from nexus_vllm.integration.metrics import NexusStats, SchedulerCounters
+from nexus_vllm.integration.protocol import ScoreRequest, StepPlan, WorkerReply, attach_plan
 from nexus_vllm.integration.scheduler.admission import AdmissionGate
 from nexus_vllm.integration.scheduler.evictor import Evictor
 from nexus_vllm.integration.scheduler.live_blocks import LiveBlocks, WindowBlocks
@@ -77,7 +83,23 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-__all__ = ["EvictionManager"]
+__all__ = ["EvictionManager", "PlanSender", "SchedulerParts"]
+
+
+class PlanSender:
+    """Puts each step's plan on vLLM's ``SchedulerOutput``, which carries it to the
+    workers."""
+
+    def send(self, scheduler_output: object, plan: StepPlan) -> None:
+        attach_plan(scheduler_output, plan, step_id=plan.step_id)
+
+
+@dataclass(frozen=True)
+class SchedulerParts:
+    """The parts a scheduler is built from (factories: each scheduler gets its own)."""
+
+    evictor: Callable[..., Evictor] = Evictor
+    sender: Callable[[], PlanSender] = PlanSender
 
 
 class EvictionManager:
@@ -101,12 +123,15 @@ class EvictionManager:
         Most tokens one request computes in a step (vLLM's token budget per step):
         what a sliding-window group holds beyond its window. Needed only for models
         with sliding-window groups.
+    evictor : callable, optional
+        Builds the :class:`Evictor` (keyword arguments as its own).
     """
 
     def __init__(self, server_cfg: EvictionConfig, kv_cache_manager: KVCacheManager,
                  block_size: int,
                  max_model_len: int | None = None, steps_in_flight: int = 1,
-                 step_tokens: int | None = None) -> None:
+                 step_tokens: int | None = None,
+                 evictor: Callable[..., Evictor] = Evictor) -> None:
         self.server_cfg = server_cfg
         self.block_size = int(block_size)
         self.steps_in_flight = int(steps_in_flight)
@@ -128,7 +153,7 @@ class EvictionManager:
         self.channel = PlanChannel(self.states, self.fault)
         self.admission = AdmissionGate(self.states, self.blocks, self.counters,
                                        max_model_len, windows=self.windows)
-        self.evictor = Evictor(states=self.states, blocks=self.blocks, channel=self.channel,
+        self.evictor = evictor(states=self.states, blocks=self.blocks, channel=self.channel,
                                counters=self.counters, fault=self.fault)
         for manager in groups.managers:
             cap_prefix_caching(manager, self.caching_limit)
@@ -278,7 +303,8 @@ class EvictionManager:
                 release_request(request, event.resume_step)
 
     # -- make_stats() ------------------------------------------------------------------
-    def stats(self, requests: Mapping[str, EngineRequest]) -> dict[str, int]:
+    def stats(self, requests: Mapping[str, EngineRequest]) -> NexusStats:
+        """This engine's stats update: counters since the last one, gauges sampled now."""
         live = [self.blocks.live_count(st) for r, st in self.states.items() if r in requests]
         self.counters.set_gauges(
             live_blocks=sum(live),

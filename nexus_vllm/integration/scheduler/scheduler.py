@@ -1,10 +1,12 @@
 """Scheduler subclasses selected by ``scheduler_cls`` for evicting configurations.
 
 ``schedule()`` attaches the step's :class:`~nexus_vllm.integration.protocol.StepPlan` to
-the ``SchedulerOutput``; ``update_from_output()`` reads the worker's
+the ``SchedulerOutput`` (and keeps a lone evicting request's prefill in chunks, see
+:func:`~nexus_vllm.integration.compat.vllm_compat.lone_request_prefill_cap`);
+``update_from_output()`` reads the worker's
 :class:`~nexus_vllm.integration.protocol.WorkerReply`, runs each scored request's policy
 and frees the evicted blocks *before* vLLM frees finished requests and schedules the next
-step; ``make_stats()`` adds the ``nexus:*`` metrics.
+step; ``make_stats()`` attaches the eviction stats (``integration/metrics.py``).
 
 vLLM may schedule up to ``k`` steps before it processes the first one's output (its batch
 queue: ``max_concurrent_batches``, the pipeline stages, one more with async scheduling):
@@ -25,14 +27,16 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from nexus_vllm.integration import faults
 from nexus_vllm.integration.compat.vllm_compat import (
     check_vllm_version,
+    lone_request_prefill_cap,
     prefill_chunk_tokens,
     steps_in_flight,
 )
 from nexus_vllm.integration.config import config_from_additional
-from nexus_vllm.integration.protocol import StepPlan, attach_plan, read_reply
+from nexus_vllm.integration.metrics import attach_stats, route_open
+from nexus_vllm.integration.protocol import StepPlan, read_reply
+from nexus_vllm.integration.scheduler.fault_doubles import scheduler_parts
 from nexus_vllm.integration.scheduler.manager import EvictionManager
 
 if TYPE_CHECKING:
@@ -55,7 +59,7 @@ class _PlannedStep:
     """A scheduled step whose output vLLM has not handed back yet."""
 
     output: object  # the SchedulerOutput (kept: its id() is the key while it lives)
-    plan: StepPlan  # the plan made for it (the one sent, unless a fault sent another)
+    plan: StepPlan  # the plan made for it (the one sent, unless a fault double sent another)
     started: float  # perf_counter() when schedule() began
 
 
@@ -77,20 +81,27 @@ class NexusSchedulerMixin(_SchedulerBase):
         chunk = prefill_chunk_tokens(self.scheduler_config)
         if chunk != cfg.chunk_size:
             cfg = cfg.replace(chunk_size=chunk)
-        # vLLM drops the per-request cap when one request is eligible (see
-        # get_request_counts): only a server that set the cap needs it kept.
-        self._nexus_keep_cap = cfg.evicts_mid_prompt
-        self._nexus_first_count = False
+        # vLLM lifts the per-request cap for a lone request: only a server that set the
+        # cap (it evicts mid-prompt) needs it kept then (0: nothing to keep).
+        self._nexus_lone_cap = chunk if cfg.evicts_mid_prompt else 0
         k = steps_in_flight(self.vllm_config)
+        parts = scheduler_parts()
         # Sliding-window groups hold up to one step's tokens beyond their window.
         self.nexus_manager = EvictionManager(
             cfg, self.kv_cache_manager, self.block_size, max_model_len=self.max_model_len,
             steps_in_flight=k,
-            step_tokens=int(self.scheduler_config.max_num_batched_tokens))
+            step_tokens=int(self.scheduler_config.max_num_batched_tokens),
+            evictor=parts.evictor)
+        self._nexus_sender = parts.sender()
+        self._nexus_stats_route = route_open()
+        if not self._nexus_stats_route:
+            # Not taken out by that patch, the payload would break vLLM's stat logger.
+            logger.warning("nexus-vllm: the plugin's StatLoggerManager.record patch that "
+                           "reads the eviction stats is not installed; the vllm:nexus_* "
+                           "metrics are not reported")
         # Steps scheduled and not yet handed back, by id() of their SchedulerOutput (vLLM
         # passes the same object to update_from_output): up to k at once.
         self._nexus_steps: dict[int, _PlannedStep] = {}
-        self._nexus_last_plan: StepPlan | None = None
         logger.info("nexus-vllm scheduler (%s): method=%s budget=%s keep_ratio=%s block=%d "
                     "chunk=%d prompt_mode=%s prefill_budget=%s blocks in pool=%d, %d steps "
                     "in flight", type(self).__name__, cfg.method, cfg.max_tokens,
@@ -99,33 +110,19 @@ class NexusSchedulerMixin(_SchedulerBase):
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         started = time.perf_counter()
-        self._nexus_first_count = True
-        try:
+        # An evicting request prefills in chunks even alone: it never holds more than
+        # budget + one chunk.
+        with lone_request_prefill_cap(self, self._nexus_lone_cap):
             output = super().schedule(*args, **kwargs)
-        finally:
-            self._nexus_first_count = False
         t0 = time.perf_counter()
         plan = self.nexus_manager.plan_step(output, self.requests)
         self.nexus_manager.counters.policy_us += int((time.perf_counter() - t0) * 1e6)
-        sent = plan
-        if faults.fires("plan_duplicate") and self._nexus_last_plan is not None:
-            sent = self._nexus_last_plan  # injected: the previous plan arrives again
-        attach_plan(output, sent, step_id=plan.step_id)
-        self._nexus_last_plan = plan
+        # Self-check only (NEXUS_VLLM_SELF_CHECK=1): each request's blocks in vLLM's own
+        # lists, right after vLLM allocated this step's, against its bound.
+        self.nexus_manager.admission.check_pool(self.requests)
+        self._nexus_sender.send(output, plan)
         self._nexus_steps[id(output)] = _PlannedStep(output, plan, started)
         return output
-
-    def get_request_counts(self) -> tuple[int, int]:
-        running, waiting = super().get_request_counts()
-        # vLLM 0.32 drops the per-request prefill cap (long_prefill_token_threshold)
-        # when only one request is eligible; an evicting request must still prefill in
-        # chunks so it never holds more than budget + one chunk. The first count taken
-        # inside schedule() is the one that decides the cap.
-        if self._nexus_first_count:
-            self._nexus_first_count = False
-            if running + waiting == 1 and self._nexus_keep_cap:
-                return running, waiting + 1
-        return running, waiting
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput
@@ -153,9 +150,11 @@ class NexusSchedulerMixin(_SchedulerBase):
         if stats is not None:
             # Requests that finished in this step: their peaks go out with its stats.
             self.nexus_manager.record_finished(getattr(self, "finished_req_ids", ()))
-            counts = dict(stats.num_kv_fetch_reqs_by_stage)
-            counts.update(self.nexus_manager.stats(self.requests))
-            stats.num_kv_fetch_reqs_by_stage = counts
+            update = self.nexus_manager.stats(self.requests)
+            if self._nexus_stats_route and not attach_stats(stats, update):
+                self.nexus_manager.fault("stats_field_taken", "a KV connector's stats "
+                                         "hold the field eviction stats ride in; this "
+                                         "update is dropped", count=False)
         return stats
 
 

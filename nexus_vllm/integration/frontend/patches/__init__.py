@@ -34,10 +34,10 @@ listed (with their canaries) in ``nexus_vllm/integration/compat/vllm_compat.py``
 * the attention backend registry: the worker re-registers ``CPU_ATTN`` / ``FLASH_ATTN`` /
   ``FLASHINFER`` / ``TRITON_ATTN`` with our subclasses (``integration/worker/attention.py``);
 * ``scheduler_cls`` / ``worker_cls``: ``NexusScheduler`` / ``NexusWorker``;
-* ``NexusScheduler.get_request_counts`` (behavioural): vLLM drops the per-request prefill
-  cap (``long_prefill_token_threshold``) when a single request is eligible; the override
-  keeps it for the first count inside ``schedule()`` so evicting prompts are always
-  chunked;
+* ``NexusScheduler.schedule`` with ``vllm_compat.lone_request_prefill_cap``
+  (behavioural): vLLM drops the per-request prefill cap (``long_prefill_token_threshold``)
+  when a single request is eligible; for such a call the step's token budget is lowered
+  to the chunk, so a lone evicting prompt is still chunked;
 * ``NexusWorker.sample_tokens``: on the V1 runner, vLLM rewinds seeded generators of
   partial-prefill rows with ``Generator.set_offset``, which CPU generators reject (the
   engine dies on the first seeded request with a chunked prompt); the runner adapter
