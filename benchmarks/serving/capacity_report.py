@@ -225,7 +225,10 @@ def docs_section(result: dict[str, Any], pngs: list[pathlib.Path],
         f"{d['seq_blocks']} blocks at its end.",
         f"- **Eviction:** `--kv-budget {d['budget_tokens']}` ({s['keep']:.0%} of the input "
         f"rounded up to blocks: {d['budget_blocks']} blocks), `--kv-chunk-size "
-        f"{d['chunk_tokens']}`: bound = {d['bound_blocks']} blocks per request.",
+        f"{d['chunk_tokens']}`: bound = {d['bound_blocks']} blocks per request"
+        + (f" at {d['bound_at']} prompt tokens (each row's follows the longest prompt it "
+           "sent: the random prompts re-encode to about that length)."
+           if "bound_at" in d else "."),
         *([f"- **stock-chunked:** stock vLLM with `--long-prefill-token-threshold "
            f"{d['chunk_tokens']} --no-scheduler-reserve-full-isl` (the evicting servers' "
            "chunk, admission by the first chunk as before vLLM 0.32)."]

@@ -5,7 +5,7 @@ evicting request may still grow to, cover its bound (:meth:`EvictionConfig.bound
 What an admitted request may still grow to is its :meth:`EvictionConfig.peak_from` its
 progress, less what it already holds: a request past its prompt reserves only its decode
 peak. ``integration/scheduler/admission.py`` applies it to vLLM's pool;
-``nexus_vllm.plan.burst`` to a simulated burst.
+``nexus_vllm.sizing.burst`` to a simulated burst.
 """
 
 from __future__ import annotations

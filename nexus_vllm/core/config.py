@@ -394,14 +394,31 @@ class EvictionConfig:
                 + self.chunk_blocks
         return self.target_blocks(tokens, prompt_tokens) + self.chunk_blocks
 
-    def bound_blocks(self, prompt_tokens: int, total_tokens: int) -> int:
+    def bound_blocks(self, prompt_tokens: int, total_tokens: int, *,
+                     recompute_tokens: int = 0) -> int:
         """Most blocks a request of ``prompt_tokens`` growing to ``total_tokens`` ever holds
         (what admission reserves for a new request): the larger of its prompt's peak and
         its decode peak (:meth:`peak_from` once the prompt is done), never more than the
-        whole sequence."""
-        prompt_peak = min(cdiv(prompt_tokens, self.block_size),
-                          self.hard_limit(prompt_tokens, prompt_tokens))
-        return min(cdiv(total_tokens, self.block_size),
+        whole sequence.
+
+        ``recompute_tokens``: a request that restarts (vLLM resumes a preempted request
+        by computing its prompt and the tokens it generated again, as one prefill)
+        computes that many tokens before it decodes. A chunk that ends past the prompt
+        holds what it was computed under plus the chunk (in ``end`` and ``keep`` mode
+        the prompt is not evicted before that chunk's event, so without a chunk cap it
+        holds all it recomputed). At most ``prompt_tokens`` (a new request): no change.
+        """
+        bs = self.block_size
+        prompt_limit = self.hard_limit(prompt_tokens, prompt_tokens)
+        prompt_peak = min(cdiv(prompt_tokens, bs), prompt_limit)
+        if recompute_tokens > prompt_tokens:
+            # Chunks that end in the prompt hold at most prompt_limit; a later chunk adds
+            # up to one chunk to a target no larger than the last one's.
+            prompt_peak = max(prompt_peak, min(
+                cdiv(recompute_tokens, bs),
+                max(prompt_limit, self.target_blocks(recompute_tokens, prompt_tokens)
+                    + self.chunk_blocks)))
+        return min(cdiv(total_tokens, bs),
                    max(prompt_peak, self._decode_peak(prompt_tokens, total_tokens)))
 
     def peak_from(self, tokens: int, prompt_tokens: int, total_tokens: int) -> int:

@@ -16,7 +16,7 @@ them null; ``benchmarks/scheduler/schedule_overhead.py``).
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from nexus_vllm.core import cdiv
@@ -27,7 +27,7 @@ from nexus_vllm.integration.scheduler.request_state import LiveIndex, RequestEvi
 if TYPE_CHECKING:
     from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
-__all__ = ["LiveBlocks", "WindowBlocks"]
+__all__ = ["LiveBlocks", "PoolPeaks", "WindowBlocks"]
 
 
 class LiveBlocks:
@@ -131,3 +131,48 @@ class WindowBlocks:
                     break
                 count += 1
         return count
+
+
+class PoolPeaks:
+    """The most blocks each request has held in vLLM's block pool, counted in vLLM's own
+    block lists: a self-check of the bounds that does not trust the live index.
+
+    :meth:`held` reads the whole list (every entry that is not the null block, those past
+    the computed tokens included) rather than :class:`LiveBlocks`'s index, so it costs the
+    list's length per request: a debug check. Read at the end of vLLM's ``schedule()``:
+    vLLM allocates a step's blocks only there and eviction only frees, so the largest
+    count read is the most the request ever held.
+
+    Parameters
+    ----------
+    blocks : LiveBlocks
+        Whose block lists (vLLM's full-attention manager) are read.
+    """
+
+    def __init__(self, blocks: LiveBlocks) -> None:
+        self.blocks = blocks
+        # Request -> (its peak so far, its bound): requests not forgotten yet.
+        self.peaks: dict[str, tuple[int, int]] = {}
+        # High-water marks over every request read: the most blocks one request held, and
+        # the most one held above its bound (None: nothing read yet).
+        self.peak = 0
+        self.over_bound: int | None = None
+
+    def held(self, req_id: str) -> int:
+        """Blocks the request holds in vLLM's pool now (non-null entries of its list)."""
+        return sum(1 for b in self.blocks.of(req_id) if not BlockPoolView.is_null(b))
+
+    def observe(self, req_id: str, bound: int) -> int:
+        """Read the request's blocks against ``bound``; returns what it holds now."""
+        held = self.held(req_id)
+        peak = max(held, self.peaks.get(req_id, (0, 0))[0])
+        self.peaks[req_id] = (peak, int(bound))
+        self.peak = max(self.peak, held)
+        excess = held - int(bound)
+        self.over_bound = excess if self.over_bound is None else max(self.over_bound, excess)
+        return held
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """Drop the peaks of requests that are gone (the high-water marks stay)."""
+        for req_id in req_ids:
+            self.peaks.pop(req_id, None)
