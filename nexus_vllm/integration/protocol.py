@@ -62,7 +62,8 @@ class ScoreRequest:
     Attributes
     ----------
     window : int
-        Newest queries to score with (per layer; averaged over the scored layers).
+        Newest queries to score with (per layer; their mass combined over the query
+        heads and scored layers as ``head_reduce`` says, the maximum by default).
     num_logical_blocks : int
         ``ceil(tokens after this step / block_size)``: the masses' columns are the live
         blocks among the first ``num_logical_blocks`` logical blocks.
