@@ -24,8 +24,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                       "build an embedded model's checkpoint (--model NAME, --list)"),
     "serve": ("nexus_vllm.integration.frontend.serve", "vllm serve with Nexus eviction on"),
     "presets": ("nexus_vllm.presets", "list the --kv-eviction-config presets (--show NAME)"),
-    "plan": ("nexus_vllm.plan", "KV blocks per GPU, concurrent requests with/without eviction"),
+    "size": ("nexus_vllm.sizing", "KV blocks per GPU, concurrent requests with/without eviction"),
 }
+# Old command names still accepted, each with a one-line notice on stderr.
+RENAMED: dict[str, str] = {"plan": "size"}
 
 
 def _usage() -> str:
@@ -41,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     command, rest = args[0], args[1:]
+    if command in RENAMED:
+        print(f"nexus-vllm: `{command}` is now `{RENAMED[command]}`; the old name will go in a "
+              "later release", file=sys.stderr)
+        command = RENAMED[command]
     if command not in SUBCOMMANDS:
         print(f"nexus-vllm: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2

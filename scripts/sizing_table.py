@@ -1,14 +1,14 @@
-"""The sizing table of docs/deploy.md, computed by ``nexus-vllm plan`` (not measured).
+"""The sizing table of docs/deploy.md, computed by ``nexus-vllm size`` (not measured).
 
 For Llama-3.1-8B, Llama-3.1-70B and Qwen2.5-72B on one H200 node (8 GPUs x 141 GiB) and
 on two, at 32k and 128k context and 10% / 20% keep-ratio budgets, per prompt mode
-(``stream`` and ``end``, the default), every other flag at its ``nexus-vllm plan``
+(``stream`` and ``end``, the default), every other flag at its ``nexus-vllm size``
 default (no per-step token budget: the pool binds, not the prefill throughput). 8B runs one replica per GPU (tp=1); 70B/72B one replica of tp=8 on a node, tp=8
 pp=2 on two. Prints the Markdown
-table; ``--update-docs`` writes it between ``<!-- plan-table:begin -->`` and
-``<!-- plan-table:end -->`` in docs/deploy.md.
+table; ``--update-docs`` writes it between ``<!-- sizing-table:begin -->`` and
+``<!-- sizing-table:end -->`` in docs/deploy.md.
 
-    python scripts/plan_table.py [--update-docs]
+    python scripts/sizing_table.py [--update-docs]
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import pathlib
 import shlex
 import sys
 
-from nexus_vllm.plan import Plan, build_parser, plan_from_args
+from nexus_vllm.sizing import Sizing, build_parser, sizing_from_args
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "deploy.md"
-BEGIN, END = "<!-- plan-table:begin -->", "<!-- plan-table:end -->"
+BEGIN, END = "<!-- sizing-table:begin -->", "<!-- sizing-table:end -->"
 GPU_GIB = 141
 GPUS_PER_NODE = 8
 # model -> per node count: (tp, pp)
@@ -36,9 +36,9 @@ BUDGETS = ("0.1", "0.2")
 MODES = ("stream", "end")
 
 
-def plan(argv: list[str]) -> Plan:
+def size(argv: list[str]) -> Sizing:
     parser = build_parser()
-    return plan_from_args(parser.parse_args(argv), parser)
+    return sizing_from_args(parser.parse_args(argv), parser)
 
 
 def rows() -> list[str]:
@@ -56,12 +56,12 @@ def rows() -> list[str]:
                         argv = ["--model", model, "--gpu-memory-gib", str(GPU_GIB), "--tp",
                                 str(tp), "--pp", str(pp), "--context", str(context),
                                 "--budget", budget, "--prompt-mode", mode]
-                        p = plan(argv)
+                        p = size(argv)
                         stock = p.stock["concurrent"] * replicas
                         evict = p.evicting["concurrent"] * replicas
                         ratio = f"{evict / stock:.1f}x" if stock else "-"
                         cells.append(f"{evict:,} | {ratio}")
-                        print(f"  nexus-vllm plan {shlex.join(argv)}", file=sys.stderr)
+                        print(f"  nexus-vllm size {shlex.join(argv)}", file=sys.stderr)
                     lines.append(
                         f"| {model} | {nodes} | {layout} | {context // 1024}k "
                         f"| {float(budget):.0%} | {p.pool_blocks:,} "
@@ -71,8 +71,8 @@ def rows() -> list[str]:
 
 
 def section() -> str:
-    return "\n".join([BEGIN, "", "*Computed by `nexus-vllm plan`, not measured* "
-                      "(`python scripts/plan_table.py --update-docs` rewrites this table).",
+    return "\n".join([BEGIN, "", "*Computed by `nexus-vllm size`, not measured* "
+                      "(`python scripts/sizing_table.py --update-docs` rewrites this table).",
                       "", *rows(), "", END])
 
 

@@ -1,22 +1,34 @@
-"""``nexus-vllm plan``: the arithmetic by hand, and the prediction against the CPU measurement."""
+"""``nexus-vllm size``: the arithmetic by hand, the prediction against the CPU measurement,
+and hybrid sliding-window models group by group (against vLLM's own functions when vLLM is
+installed)."""
 
 import importlib.util
 import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
 from nexus_vllm.core import EvictionConfig
-from nexus_vllm.plan import (
+from nexus_vllm.sizing import (
     BUILTIN_CONFIGS,
     BUILTIN_MODELS,
+    KVGroup,
     block_bytes_per_gpu,
+    eviction_refusal,
+    kv_cache_groups,
     kv_pool_blocks,
     main,
     model_shape,
     param_count,
+    pp_stages,
     simulate_burst,
     split_context,
+    stock_admission_blocks,
+    window_allowance,
+    window_held_blocks,
+    window_max_blocks,
 )
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -24,7 +36,7 @@ MEASURED = REPO / "docs" / "figures" / "serving_modes" / "capacity.json"
 LLAMA_8B = BUILTIN_MODELS["llama-3.1-8b"]
 
 
-def _plan(capsys, *flags: str) -> dict:
+def _size(capsys, *flags: str) -> dict:
     assert main([*flags, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
@@ -102,7 +114,7 @@ def test_pool_blocks_by_hand():
 
 
 def test_pool_blocks_through_the_command_line(capsys):
-    out = _plan(capsys, "--model", "llama-3.1-8b", "--gpu-memory-gib", "80", "--context",
+    out = _size(capsys, "--model", "llama-3.1-8b", "--gpu-memory-gib", "80", "--context",
                 "8192", "--budget", "0.2")
     assert out["pool_blocks"] == 27157 and out["usable_blocks"] == 27156
     assert out["inputs"]["gpu_memory_gib"] == 80.0 and out["inputs"]["tp"] == 1
@@ -163,7 +175,7 @@ def test_prediction_equals_the_cpu_measurement():
     (("--prompt-mode", "keep"), 2)])
 def test_every_prompt_mode_reproduces_the_headline(capsys, mode, measured):
     data = json.loads(MEASURED.read_text())
-    out = _plan(capsys, *CPU_RUN, *mode)
+    out = _size(capsys, *CPU_RUN, *mode)
     assert (out["prompt_tokens"], out["output_tokens"]) == (2048, 32)
     assert out["stock"]["concurrent"] == _no_preemption(data)["stock"]
     assert out["evicting"]["concurrent"] == measured
@@ -171,7 +183,7 @@ def test_every_prompt_mode_reproduces_the_headline(capsys, mode, measured):
 
 
 def test_bounds_by_hand(capsys):
-    out = _plan(capsys, *CPU_RUN, "--prompt-mode", "stream")
+    out = _size(capsys, *CPU_RUN, "--prompt-mode", "stream")
     # budget 416 // 32 = 13 blocks + one 64-token chunk (2 blocks) = 15 while the prompt
     # is computed; 132 // 15 = 8. Decoding, 13 + the one block a 16-token decode interval
     # can add = 14; 132 // 14 = 9.
@@ -180,40 +192,40 @@ def test_bounds_by_hand(capsys):
     assert out["evicting"]["ceiling"] == 9
     # stock: 2080 tokens -> 65 blocks at the end, 64 for the prompt at admission.
     assert out["stock"]["bound_blocks"] == 65 and out["stock"]["admission_blocks"] == 64
-    out = _plan(capsys, *CPU_RUN, "--prompt-mode", "end")
+    out = _size(capsys, *CPU_RUN, "--prompt-mode", "end")
     # end: the prompt's peak min(64, 64 + 2) = 64 is the bound; 132 // 64 = 2 guaranteed,
     # but past its prompt a request reserves only 13 + 1 = 14: 132 // 14 = 9.
     assert out["evicting"]["bound_blocks"] == 64 and out["evicting"]["guaranteed"] == 2
     assert out["evicting"]["decode_hard_limit_blocks"] == 14
     assert out["evicting"]["ceiling"] == 9
-    out = _plan(capsys, *CPU_RUN, "--prompt-mode", "end", "--max-num-seqs", "8")
+    out = _size(capsys, *CPU_RUN, "--prompt-mode", "end", "--max-num-seqs", "8")
     assert out["evicting"]["ceiling"] == 8  # capped by --max-num-seqs
 
 
 def test_ratio_and_token_budgets_agree(capsys):
     # 0.2 of 2080 tokens -> ceil(0.2 x 65 blocks) = 13 blocks, the same as 416 tokens.
-    by_ratio = _plan(capsys, *STREAM_RUN, "--budget", "0.2")
-    by_tokens = _plan(capsys, *STREAM_RUN)
+    by_ratio = _size(capsys, *STREAM_RUN, "--budget", "0.2")
+    by_tokens = _size(capsys, *STREAM_RUN)
     assert by_ratio["eviction"]["keep_ratio"] == 0.2 and by_ratio["eviction"]["max_tokens"] is None
     assert by_tokens["eviction"]["max_tokens"] == 416
     assert by_ratio["evicting"] == by_tokens["evicting"]
     # 0.5: the prompt's peak ceil(0.5 x 64) = 32 blocks + 2 = 34; decoding, 0.5 of the
     # 65 blocks at the end, 33 + 1 = 34 too. 132 // 34 = 3.
-    half = _plan(capsys, *STREAM_RUN, "--budget", "0.5")
+    half = _size(capsys, *STREAM_RUN, "--budget", "0.5")
     assert half["evicting"]["bound_blocks"] == 34 and half["evicting"]["concurrent"] == 3
 
 
 def test_stock_preempting_falls_back_to_whole_sequences(capsys):
     # 2048 + 160 tokens: 64 prompt blocks at admission (two fit in 132), 69 at the end:
     # two need 138 > 132, so the burst preempts; whole sequences: 132 // 69 = 1.
-    out = _plan(capsys, *CPU_RUN, "--prompt-tokens", "2048", "--output-tokens", "160",
+    out = _size(capsys, *CPU_RUN, "--prompt-tokens", "2048", "--output-tokens", "160",
                 "--context", "2240")
     assert out["stock"]["peak_running"] == 2 and out["stock"]["preempts"]
     assert out["stock"]["concurrent"] == 1
 
 
 def test_max_num_seqs_caps(capsys):
-    out = _plan(capsys, *STREAM_RUN, "--max-num-seqs", "5")
+    out = _size(capsys, *STREAM_RUN, "--max-num-seqs", "5")
     assert out["evicting"]["concurrent"] == 5
     assert any("--max-num-seqs 5" in n for n in out["notes"])
 
@@ -266,7 +278,7 @@ def test_number_flags_refused_as_the_server_refuses_them(capsys, flag, value, sa
 
 
 def test_no_overhead_is_allowed(capsys):
-    out = _plan(capsys, "--model", "llama-3.1-8b", "--gpu-memory-gib", "80", "--context",
+    out = _size(capsys, "--model", "llama-3.1-8b", "--gpu-memory-gib", "80", "--context",
                 "4096", "--budget", "0.2", "--overhead-gib", "0")
     assert out["memory"]["overhead_bytes"] == 0
 
@@ -277,8 +289,317 @@ def test_memory_or_pool_is_required(capsys):
     assert exc.value.code == 2 and "--gpu-memory-gib" in capsys.readouterr().err
 
 
-def test_cli_dispatches_plan(capsys):
+def test_cli_dispatches_size(capsys):
+    from nexus_vllm.cli import main as cli_main
+
+    assert cli_main(["size", *CPU_RUN, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["evicting"]["concurrent"] == 5
+
+
+def test_old_command_name_still_sizes_and_says_so(capsys):
     from nexus_vllm.cli import main as cli_main
 
     assert cli_main(["plan", *CPU_RUN, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["evicting"]["concurrent"] == 5
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["evicting"]["concurrent"] == 5
+    assert "`plan` is now `size`" in captured.err
+
+
+# -- hybrid sliding-window models --------------------------------------------------------
+# A small Gemma-3-shaped model: 6 layers, every third full attention, window 64.
+SMALL_GEMMA3 = {"model_type": "gemma3_text", "num_hidden_layers": 6, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 64, "hidden_size": 256,
+                "intermediate_size": 512, "vocab_size": 1000, "torch_dtype": "bfloat16",
+                "sliding_window": 64,
+                "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2}
+# 512 + 64 tokens, budget 128 tokens (8 blocks), 64-token chunks, 128-token steps, two in
+# flight (async scheduling), 16-token blocks.
+HYBRID_RUN = ("--pool-blocks", "200", "--context", "1024", "--prompt-tokens", "512",
+              "--output-tokens", "64", "--budget", "128", "--chunk-size", "64",
+              "--prompt-mode", "stream", "--max-num-batched-tokens", "128",
+              "--steps-in-flight", "2", "--max-num-seqs", "64")
+
+
+def _write_config(tmp_path, config: dict, total_size: int | None = None) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if total_size is not None:
+        (tmp_path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total_size}}))
+    return str(tmp_path)
+
+
+def test_sliding_layers_from_the_config(tmp_path):
+    m = model_shape(_write_config(tmp_path, SMALL_GEMMA3))
+    assert m.sliding_window == 64 and m.sliding_layers == (0, 1, 3, 4)
+    assert m.full_layers == (2, 5)
+    # Gemma 3's text_config often omits what equals transformers' defaults (Gemma3TextConfig:
+    # 8 heads, 4 KV heads, head_dim 256, every 6th layer full); the dtype sits at the top.
+    mm = {"model_type": "gemma3", "torch_dtype": "bfloat16",
+          "text_config": {"model_type": "gemma3_text", "hidden_size": 2560,
+                          "intermediate_size": 10240, "num_hidden_layers": 34,
+                          "sliding_window": 1024}}
+    m = model_shape(_write_config(tmp_path, mm))
+    assert (m.layers, m.attention_heads, m.kv_heads, m.head_size, m.dtype) == (
+        34, 8, 4, 256, "bfloat16")
+    assert m.sliding_window == 1024 and m.full_layers == (5, 11, 17, 23, 29)
+    # Qwen2: a window only with use_sliding_window, from max_window_layers on.
+    qwen = {**BUILTIN_CONFIGS["qwen2.5-72b"], "num_hidden_layers": 4, "sliding_window": 4096,
+            "use_sliding_window": False, "max_window_layers": 2}
+    assert model_shape(_write_config(tmp_path, qwen)).sliding_layers == ()
+    m = model_shape(_write_config(tmp_path, {**qwen, "use_sliding_window": True}))
+    assert m.sliding_layers == (2, 3) and m.full_layers == (0, 1)
+    # Gemma 2 and gpt-oss without layer_types: every other layer slides, from the first.
+    gemma2 = {**SMALL_GEMMA3, "model_type": "gemma2"}
+    del gemma2["layer_types"]
+    assert model_shape(_write_config(tmp_path, gemma2)).full_layers == (1, 3, 5)
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "lists 2 layers"),
+    ({"layer_types": ["chunked_attention"] * 6}, "only full_attention and sliding_attention"),
+])
+def test_bad_layer_types_are_refused(tmp_path, capsys, change, says):
+    path = _write_config(tmp_path, {**SMALL_GEMMA3, **change})
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", path, *HYBRID_RUN])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--model" in err and says in err
+
+
+def test_builtin_gemma3_shapes():
+    small, large = BUILTIN_MODELS["gemma-3-270m"], BUILTIN_MODELS["gemma-3-27b"]
+    assert (small.layers, small.attention_heads, small.kv_heads, small.head_size) == (
+        18, 4, 1, 256)
+    assert small.sliding_window == 512 and small.full_layers == (5, 11, 17)
+    # 268_098_176: the published count of gemma-3-270m (tied embeddings, four norms and
+    # the Q/K norms per layer).
+    assert param_count(BUILTIN_CONFIGS["gemma-3-270m"]) == 268_098_176
+    assert (large.layers, large.attention_heads, large.kv_heads, large.head_size) == (
+        62, 32, 16, 128)
+    assert large.sliding_window == 1024 and len(large.full_layers) == 10
+    # 10 full layers, 52 sliding: groups of 10, the sliding ones in 6 groups of 9 or 8.
+    sizes = [(len(g.layers), g.window) for g in kv_cache_groups(large)]
+    assert sizes == [(9, 1024)] * 4 + [(8, 1024)] * 2 + [(10, None)]
+
+
+def test_groups_by_hand(tmp_path):
+    m = model_shape(_write_config(tmp_path, SMALL_GEMMA3))
+    # 2 full and 4 sliding layers: groups of min(2, 4) = 2 layers (4 is not under 1.5 x 2),
+    # the sliding ones taking every other sliding layer; the kinds in order of first layer.
+    assert kv_cache_groups(m) == [KVGroup((0, 3), 64), KVGroup((1, 4), 64),
+                                  KVGroup((2, 5), None)]
+    # A block spans one group's 2 layers: 2 x 2 layers x 2 KV heads x 64 x 2 B x 16 tokens.
+    assert block_bytes_per_gpu(m, tp=1, pp=1, block_size=16) == 16384
+    # pp=2 (layers 0-2, 3-5): each group has one layer on each stage.
+    assert block_bytes_per_gpu(m, tp=1, pp=2, block_size=16) == 8192
+    # 1 GiB - 256 MiB of weights = 768 MiB for KV; / 16384 B = 49152 blocks.
+    m = model_shape(_write_config(tmp_path, SMALL_GEMMA3, total_size=2**28))
+    got = kv_pool_blocks(m, gpu_memory_gib=1, gpu_util=1, overhead_gib=0, tp=1, pp=1,
+                         block_size=16)
+    assert got["pool_blocks"] == 49152 and got["layers_per_block"] == 2
+    # 13 full, 12 sliding (gpt-oss-20b with a drafter): 13 < 1.5 x 12, so groups of 13.
+    oss = {**SMALL_GEMMA3, "num_hidden_layers": 25,
+           "layer_types": ["full_attention"] * 13 + ["sliding_attention"] * 12}
+    groups = kv_cache_groups(model_shape(_write_config(tmp_path, oss)))
+    assert [len(g.layers) for g in groups] == [13, 12]
+
+
+def test_pp_stages_as_vllm_splits_them():
+    # 32 // 3 = 10 each, the remainder 2 to the stages before the last.
+    assert [len(s) for s in pp_stages(32, 3)] == [11, 11, 10]
+    assert [len(s) for s in pp_stages(6, 4)] == [1, 2, 2, 1]
+
+
+def test_hybrid_blocks_per_request_by_hand(tmp_path, capsys):
+    out = _size(capsys, "--model", _write_config(tmp_path, SMALL_GEMMA3), *HYBRID_RUN)
+    sliding = [g for g in out["kv_cache_groups"] if g["kind"] == "sliding_window"]
+    (full,) = [g for g in out["kv_cache_groups"] if g["kind"] == "full_attention"]
+    assert [g["layers"] for g in sliding] == [[0, 3], [1, 4]] and full["layers"] == [2, 5]
+    assert full["evicted"] and not any(g["evicted"] for g in sliding)
+    # 512 + 64 = 576 tokens: 36 blocks, 32 for the prompt. Full group, stream, budget 8
+    # blocks: 8 + one 64-token chunk (4 blocks) = 12 while the prompt is computed, 8 + one
+    # 16-token decode interval (1 block) = 9 decoding.
+    assert (full["stock_admission_blocks"], full["stock_blocks"]) == (32, 36)
+    assert (full["evicting_bound_blocks"], full["evicting_decode_hard_limit_blocks"]) == (12, 9)
+    # Each sliding group: the window less one plus a 128-token step, on block boundaries,
+    # plus the block the window starts in: ceil((64 - 1 + 128) / 16) + 1 = 13, stock and
+    # with eviction alike. Stock admission caps the prompt's 32 blocks at the window plus
+    # two steps in flight: ceil((63 + 256) / 16) + 1 = 21.
+    for g in sliding:
+        assert (g["stock_blocks"], g["evicting_bound_blocks"],
+                g["evicting_decode_hard_limit_blocks"]) == (13, 13, 13)
+        assert g["stock_admission_blocks"] == 21
+    # Per request over the groups: stock admits on 32 + 2 x 21 = 74 free blocks and holds
+    # at most 36 + 2 x 13 = 62; eviction reserves 12 + 26 = 38, then 9 + 26 = 35.
+    assert (out["stock"]["admission_blocks"], out["stock"]["bound_blocks"]) == (74, 62)
+    assert (out["evicting"]["bound_blocks"], out["evicting"]["decode_hard_limit_blocks"]) == (
+        38, 35)
+    # 199 usable blocks: 199 // 38 = 5 guaranteed, 199 // 35 = 5 at the ceiling; stock:
+    # 199 // 62 = 3 whole, and the burst runs 3 (a third finds 199 - 2 x 46 >= 74 free).
+    assert (out["evicting"]["guaranteed"], out["evicting"]["ceiling"]) == (5, 5)
+    assert out["evicting"]["concurrent"] == 5
+    assert (out["stock"]["guaranteed"], out["stock"]["concurrent"]) == (3, 3)
+    assert not out["stock"]["preempts"]
+
+
+def test_hybrid_text_names_the_groups(tmp_path, capsys):
+    assert main(["--model", _write_config(tmp_path, SMALL_GEMMA3), *HYBRID_RUN]) == 0
+    text = capsys.readouterr().out
+    assert "KV cache groups (vLLM's hybrid KV cache manager): 3" in text
+    assert "1 full attention (2 layers, evicted)" in text
+    assert "2 sliding window 64 tokens (2, 2 layers, left to vLLM)" in text
+    assert "each sliding group: 13" in text and "stock admission reserves 21" in text
+
+
+def test_hybrid_without_a_step_budget_takes_vllms(tmp_path, capsys):
+    flags = [f for f in HYBRID_RUN]
+    i = flags.index("--max-num-batched-tokens")
+    del flags[i:i + 2]
+    out = _size(capsys, "--model", _write_config(tmp_path, SMALL_GEMMA3), *flags)
+    # ceil((63 + 8192) / 16) + 1 = 517 > the sequence's 36 blocks: the whole sequence.
+    assert all(g["stock_blocks"] == 36 for g in out["kv_cache_groups"]
+               if g["kind"] == "sliding_window")
+    assert any("--max-num-batched-tokens 8192" in n for n in out["notes"])
+
+
+def test_hybrid_startup_check_counts_every_group(tmp_path, capsys):
+    # One --max-model-len 1024 request: 64 full blocks + 2 x 21 = 106 > 99 usable.
+    flags = [*HYBRID_RUN]
+    flags[flags.index("--pool-blocks") + 1] = "100"
+    out = _size(capsys, "--model", _write_config(tmp_path, SMALL_GEMMA3), *flags)
+    assert any("needs 106 blocks, the pool has 99" in n for n in out["notes"])
+
+
+def test_stock_sliding_group_frees_what_leaves_the_window():
+    # One request, one sliding group of window 64, 512 + 64 tokens in 128-token steps.
+    # Admission needs 32 prompt blocks + min(32, ceil((63 + 128) / 16) + 1 = 13) = 45 free.
+    # The most it holds is at its last prompt step (384 computed, 512 allocated): 32 full
+    # blocks + 32 - (384 - 63) // 16 = 12 in the window = 44. Held whole, the window group
+    # would reach 36 + 36 = 72 blocks and preempt.
+    args = {"block_size": 16, "prompt_tokens": 512, "output_tokens": 64, "requests": 1,
+            "max_num_seqs": 1, "max_num_batched_tokens": 128, "windows": [64],
+            "in_flight_tokens": 128, "max_model_len": 1024}
+    got = simulate_burst(None, usable_blocks=45, **args)
+    assert got.peak_running == 1 and not got.preempted
+    assert simulate_burst(None, usable_blocks=44, **args).peak_running == 0
+    assert window_held_blocks(64, 16, 384, 512) == 12
+
+
+def _plugin_refusal(trait: str) -> str:
+    from nexus_vllm.integration.compat.attention_traits import (
+        AttentionTraits,
+        unsupported_attention,
+    )
+
+    (reason,) = unsupported_attention(AttentionTraits(**{trait: True}))
+    return reason
+
+
+@pytest.mark.parametrize("config", [
+    # Mistral-style: a window and no layer_types, so every layer slides.
+    {**BUILTIN_CONFIGS["llama-3.1-8b"], "model_type": "mistral", "sliding_window": 4096},
+    {**SMALL_GEMMA3, "layer_types": ["sliding_attention"] * 6},
+], ids=["mistral", "layer_types"])
+def test_all_sliding_models_are_refused_as_the_server_refuses_them(tmp_path, capsys, config):
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", _write_config(tmp_path, config), *HYBRID_RUN])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--model" in err and "--kv-eviction none" in err
+    assert _plugin_refusal("sliding_window_only") in err  # the server's own words
+
+
+def test_more_than_one_full_attention_group_is_refused(tmp_path, capsys):
+    # 6 full and 2 sliding layers: groups of 2, so 3 full-attention groups.
+    config = {**SMALL_GEMMA3, "num_hidden_layers": 8,
+              "layer_types": ["full_attention"] * 6 + ["sliding_attention"] * 2}
+    m = model_shape(_write_config(tmp_path, config))
+    assert "in 3 KV cache groups" in (eviction_refusal(m) or "")
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", str(tmp_path), *HYBRID_RUN])
+    assert exc.value.code == 2 and "exactly one full-attention group" in \
+        capsys.readouterr().err
+
+
+def test_sizing_imports_no_vllm():
+    code = "import sys, nexus_vllm.sizing; assert 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+# -- against vLLM's own functions (skipped without vLLM) ---------------------------------
+@pytest.fixture(scope="module")
+def vllm_kv():
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    def specs(model, block_size):
+        kw = {"block_size": block_size, "num_kv_heads": model.kv_heads,
+              "head_size": model.head_size, "dtype": torch.bfloat16}
+        return {f"model.layers.{i}.self_attn.attn":
+                SlidingWindowSpec(sliding_window=model.sliding_window, **kw)
+                if i in model.sliding_layers else FullAttentionSpec(**kw)
+                for i in range(model.layers)}
+
+    config = VllmConfig()
+    config.cache_config.kv_cache_layout = "LBHNC"
+    return {"config": config, "utils": kv_cache_utils, "specs": specs,
+            "BlockPool": BlockPool, "SlidingWindowManager": SlidingWindowManager}
+
+
+def _layer_index(name: str) -> int:
+    return int(name.split(".")[2])
+
+
+@pytest.mark.parametrize("name", ["small", "gemma-3-270m", "gemma-3-27b"])
+def test_groups_and_pool_match_vllm(tmp_path, vllm_kv, name):
+    m = (model_shape(_write_config(tmp_path, SMALL_GEMMA3)) if name == "small"
+         else BUILTIN_MODELS[name])
+    utils, config = vllm_kv["utils"], vllm_kv["config"]
+    specs = vllm_kv["specs"](m, 16)
+    groups = utils.get_kv_cache_groups(config, dict(specs))
+    assert [tuple(_layer_index(n) for n in g.layer_names) for g in groups] == [
+        g.layers for g in kv_cache_groups(m)]
+    memory = 10**9
+    for pp in (1, 2, 3):
+        # Each stage's worker holds its layers of every group; the pool is the smallest.
+        workers = [{n: s for n, s in specs.items() if _layer_index(n) in stage}
+                   for stage in pp_stages(m.layers, pp)]
+        blocks = min(utils.get_kv_cache_config_from_groups(
+            config, utils._project_kv_cache_groups_to_worker(groups, worker), memory
+        ).num_blocks for worker in workers)
+        assert blocks == memory // block_bytes_per_gpu(m, tp=1, pp=pp, block_size=16), pp
+
+
+def test_window_blocks_match_vllms_sliding_window_manager(vllm_kv):
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    bs, window, step = 16, 64, 48
+    spec = SlidingWindowSpec(block_size=bs, num_kv_heads=2, head_size=64,
+                             dtype=torch.bfloat16, sliding_window=window)
+    cap = spec.max_admission_blocks_per_request(max_in_flight_tokens=2 * step,
+                                                max_model_len=4096)
+    assert cap == window_max_blocks(window, bs, 2 * step, 4096)
+    manager = vllm_kv["SlidingWindowManager"](
+        spec, block_pool=vllm_kv["BlockPool"](1000, False, bs), enable_caching=False,
+        kv_cache_group_id=0, scheduler_block_size=bs, max_admission_blocks_per_request=cap)
+    # Stock admission of a 300-token prompt: its 19 blocks capped at the window + in flight.
+    assert manager.get_num_blocks_to_allocate(
+        "r", 300, [], 0, 0, 300, apply_admission_cap=True) == stock_admission_blocks(
+        300, bs, full_groups=0, windows=[window], in_flight_tokens=2 * step,
+        max_model_len=4096)
+    done, most = 0, 0
+    for n in [step] * 6 + [1] * 40:  # a prompt in steps, then decode
+        manager.remove_skipped_blocks("r", done)
+        manager.allocate_new_blocks("r", done + n, done + n)
+        held = sum(not b.is_null for b in manager.req_to_blocks["r"])
+        assert held == window_held_blocks(window, bs, done, done + n), done
+        most = max(most, held)
+        done += n
+    assert most <= window_allowance(done, bs, [window], step)

@@ -43,7 +43,18 @@ table and the headline) and the plots, and with ``--update-docs`` into the secti
         --input-len 8192 --output-len 256 --pool-blocks 1100      # a GPU
 
 ``--smoke`` (with ``--model`` a tiny checkpoint) runs short lengths, concurrency 1,2 and one
-baseline: a check of the script, not a measurement.
+baseline: a check of the script, not a measurement. It runs the evicting servers with
+``NEXUS_VLLM_SELF_CHECK=1`` (``--self-check``): the scheduler then also counts each
+request's blocks in vLLM's own block lists against its bound (``pool_*`` in the rows,
+where the server exports them; a request over its bound is a ``nexus-vllm self-check``
+warning in its log, counted in ``log_problems``).
+
+The bound of an ``end`` request is its own prompt's blocks, and the random prompts are
+``--input-len`` tokens only as far as the tokenizer re-encodes them to that length: the
+tiny checkpoint's makes some 1025 and 1026 tokens of a 1024-token ``--input-len`` (33
+blocks of 32, not 32). So each row's bound is taken at the longest prompt that level
+sent (``longest_prompt``); ``derived.bound_blocks`` is the bound at ``--input-len`` only
+(benchmarks/serving/pool_peaks.py reads one request's blocks in vLLM's pool).
 
 ``--workload gpu`` is the shape of serving on a GPU, per prompt mode: ~1k-token prompts
 computed in one or two steps (``--max-num-batched-tokens 1024``), 128-token answers, 12
@@ -88,10 +99,10 @@ FAULTS = "vllm:nexus_faults_total"
 # -- settings ---------------------------------------------------------------------------
 def evicting_methods() -> tuple[str, ...]:
     """The methods a server evicts with: every policy the plugin serves, read from the
-    policy registry (``nexus_vllm.core.SERVABLE_METHODS``) when asked."""
-    from nexus_vllm.core.policies import SERVABLE_METHODS
+    policy registry (``nexus_vllm.core.METHODS``) when asked."""
+    from nexus_vllm.core.policies import METHODS
 
-    return tuple(m for m in SERVABLE_METHODS if m != "none")
+    return tuple(m for m in METHODS if m != "none")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -132,7 +143,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--update-docs", action="store_true",
                    help="write the section of docs/performance.md and docs/figures/serving/")
     p.add_argument("--smoke", action="store_true",
-                   help="tiny lengths, concurrency 1,2, one baseline (script check)")
+                   help="tiny lengths, concurrency 1,2, one baseline (script check); "
+                        "implies --self-check")
+    p.add_argument("--self-check", action="store_true",
+                   help="evicting servers run with NEXUS_VLLM_SELF_CHECK=1 (the bounds "
+                        "checked in vLLM's block pool, the worker's key views and scores)")
     p.add_argument("--from-json", type=pathlib.Path, default=None, metavar="CAPACITY_JSON",
                    help="run nothing: rewrite the table, plots (and with --update-docs the "
                         "docs section) from a capacity.json of an earlier run")
@@ -153,6 +168,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         args.concurrency = "1,2"
         args.configs = "stock;nexus;streaming:prompt_mode=stream"
         args.prompts_per_slot, args.min_prompts = 1, 2
+        args.self_check = True
     names = split_configs(args.configs)
     evicting = {n: config_knobs(n) for n in names if n not in STOCK}
     methods = evicting_methods()
@@ -214,7 +230,7 @@ def _cdiv(a: int, b: int) -> int:
 def derive(args: argparse.Namespace) -> dict[str, int]:
     """Budget, bounds and pool in blocks/tokens from the options (what the servers get)."""
     from nexus_vllm.core import EvictionConfig
-    from nexus_vllm.plan import stock_admission_blocks
+    from nexus_vllm.sizing import stock_admission_blocks
 
     bs = args.block_size
     forced = EvictionConfig(block_size=bs).num_forced
@@ -231,7 +247,8 @@ def derive(args: argparse.Namespace) -> dict[str, int]:
         raise SystemExit(f"--pool-blocks {pool}: vLLM needs at least {full_blocks + 1} "
                          f"(one --max-model-len {max_model_len} request plus the null block)")
     seq_blocks = _cdiv(seq_tokens, bs)
-    # The default method's bound (the server's own rule); each config's is in its rows.
+    # The default method's bound (the server's own rule) for a prompt of --input-len
+    # tokens; each row's follows its config and the longest prompt it sent.
     bound = EvictionConfig(block_size=bs, max_tokens=budget_blocks * bs,
                            chunk_size=args.chunk).bound_blocks(args.input_len, seq_tokens)
     return {
@@ -244,6 +261,7 @@ def derive(args: argparse.Namespace) -> dict[str, int]:
         # input at admission), evicting servers by their bound.
         "stock_fit": (pool - 1) // stock_admission_blocks(args.input_len, bs),
         "evicting_fit": (pool - 1) // bound,
+        "bound_at": args.input_len,
     }
 
 
@@ -252,10 +270,10 @@ def config_bound(name: str, d: dict[str, int], args: argparse.Namespace,
     """Most blocks one request of config ``name`` may hold: the server's own rule
     (``EvictionConfig.bound_blocks``, which follows the config's ``prompt_mode``), so the
     benchmark cannot drift from what admission reserves. Stock: the whole sequence
-    (the planner's rule, ``nexus_vllm.plan``). ``prompt_tokens``: the longest prompt
+    (the sizing rule, ``nexus_vllm.sizing``). ``prompt_tokens``: the longest prompt
     sent (default ``--input-len``; a prompt's own length sets the bound of ``end``)."""
     from nexus_vllm.core import EvictionConfig
-    from nexus_vllm.plan import stock_bound_blocks
+    from nexus_vllm.sizing import stock_bound_blocks
 
     prompt = args.input_len if prompt_tokens is None else int(prompt_tokens)
     if name in STOCK:
@@ -408,6 +426,10 @@ def run_level(server: Any, name: str, level: int, args: argparse.Namespace,
         "faults": int(_delta(after, before, FAULTS)),
         "live_blocks_peak_lifetime": after.get("vllm:nexus_live_blocks_peak"),
         "over_budget_peak_lifetime": after.get("vllm:nexus_live_blocks_over_budget"),
+        # The self-check's (--self-check, where the server exports it): the most blocks
+        # one request held in vLLM's own block lists, and the most above its bound.
+        "pool_blocks_peak_lifetime": after.get("vllm:nexus_pool_blocks_peak"),
+        "pool_over_bound_lifetime": after.get("vllm:nexus_pool_over_bound"),
         "mean_input_len": (res["total_input_tokens"] / res["completed"]
                            if res.get("completed") else None),
         "errors": sorted({str(e) for e in errors if e})[:5],
@@ -518,7 +540,8 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     logs.mkdir(exist_ok=True)
     max_seqs = max(args.levels)
     print(f"capacity: budget {d['budget_tokens']} tokens ({d['budget_blocks']} blocks), "
-          f"bound {d['bound_blocks']} blocks, stock request {d['seq_blocks']} blocks, pool "
+          f"bound {d['bound_blocks']} blocks at {args.input_len} prompt tokens (each row's: "
+          f"at its longest prompt), stock request {d['seq_blocks']} blocks, pool "
           f"{d['usable_blocks']} usable blocks -> admission fits stock {d['stock_fit']}, "
           f"evicting {d['evicting_fit']}; out {out}", flush=True)
     rows: list[dict[str, Any]] = []
@@ -527,9 +550,11 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     for name in args.names:
         bar.set_postfix_str(f"{name}: starting")
         t0 = time.monotonic()
+        env = ({"NEXUS_VLLM_SELF_CHECK": "1"} if args.self_check and name not in STOCK
+               else None)
         try:
             server = VllmServer(model, server_flags(name, d, max_seqs, gpu), logs,
-                                base_flags=[], startup_timeout=900)
+                                base_flags=[], startup_timeout=900, env=env)
         except Exception as exc:  # noqa: BLE001 - report and go on with the next config
             servers[name] = {"error": str(exc)[-2000:]}
             tqdm.write(f"{name}: server failed to start: {str(exc)[-500:]}")

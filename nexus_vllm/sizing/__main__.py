@@ -1,5 +1,5 @@
-"""``python -m nexus_vllm.plan``: the same as ``nexus-vllm plan``."""
+"""``python -m nexus_vllm.sizing``: the same as ``nexus-vllm size``."""
 
-from nexus_vllm.plan.cli import main
+from nexus_vllm.sizing.cli import main
 
 raise SystemExit(main())

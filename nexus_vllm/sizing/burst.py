@@ -10,38 +10,69 @@ workload). The reserve of a running request shrinks as it progresses: an ``end``
 past its prompt keeps only its decode hard limit, so a burst runs more of them than
 ``pool // bound``. Stock vLLM 0.32 admits a request when its whole prompt fits in the free
 blocks (``scheduler_reserve_full_isl``) and keeps no other reserve (its ``--watermark``
-defaults to 0, and so does this plan); it preempts when decode runs out of blocks. Each
+defaults to 0, and so does this sizing); it preempts when decode runs out of blocks. Each
 request prefills at most ``chunk_size`` tokens a step when its prompt mode evicts during
 the prompt (the plugin sets vLLM's ``long_prefill_token_threshold``) and at most the
 step's token budget (``--max-num-batched-tokens``) otherwise, as on stock vLLM; decode
 adds one token a step.
+
+A hybrid sliding-window model (:mod:`.groups`) has more KV cache groups drawing on the one
+pool: ``full_groups`` full-attention groups hold what a one-group model holds, and each
+sliding group holds the blocks still in its window. The plugin's admission adds each
+sliding group's window plus one step (:func:`window_allowance`) to every bound and
+reserve; stock vLLM's admission counts the prompt in every group, capped in a sliding
+group at its window plus the tokens in flight (:func:`stock_admission_blocks`), and a
+running stock request's sliding groups free what leaves the window before it allocates.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nexus_vllm.core import EvictionConfig, cdiv
 from nexus_vllm.core.admission import admission_room
 
+from .groups import window_held_blocks, window_max_blocks
+
 __all__ = ["OUTPUT_PER_PROMPT", "SimResult", "simulate_burst", "split_context",
-           "stock_admission_blocks", "stock_bound_blocks"]
+           "stock_admission_blocks", "stock_bound_blocks", "window_allowance"]
 
 # The capacity benchmark's request shape (benchmarks/serving/capacity.py defaults): an
 # output of 1/64 of the prompt (2048 + 32), and --max-model-len one block past them.
 OUTPUT_PER_PROMPT = 64
 
 
-def stock_admission_blocks(prompt_tokens: int, block_size: int) -> int:
-    """Free blocks stock vLLM 0.32 needs to admit a request: its whole prompt
-    (``scheduler_reserve_full_isl``, on by default)."""
-    return cdiv(prompt_tokens, block_size)
+def stock_admission_blocks(prompt_tokens: int, block_size: int, *, full_groups: int = 1,
+                           windows: Sequence[int] = (), in_flight_tokens: int = 0,
+                           max_model_len: int | None = None) -> int:
+    """Free blocks stock vLLM 0.32 needs to admit a request (``scheduler_reserve_full_isl``,
+    on by default): its whole prompt in each of the ``full_groups`` full-attention groups,
+    and in each sliding group of window ``windows[i]`` no more than the window plus
+    ``in_flight_tokens`` (:func:`.groups.window_max_blocks`, vLLM's admission cap)."""
+    blocks = cdiv(prompt_tokens, block_size)
+    return full_groups * blocks + sum(
+        min(blocks, window_max_blocks(w, block_size, in_flight_tokens, max_model_len))
+        for w in windows)
 
 
-def stock_bound_blocks(total_tokens: int, block_size: int) -> int:
-    """Blocks a stock vLLM request holds at its end: its whole sequence."""
-    return cdiv(total_tokens, block_size)
+def stock_bound_blocks(total_tokens: int, block_size: int, *, full_groups: int = 1,
+                       windows: Sequence[int] = (), step_tokens: int = 0) -> int:
+    """Most blocks a stock vLLM request holds: its whole sequence in each full-attention
+    group, and in each sliding group its window plus one step of ``step_tokens``."""
+    return full_groups * cdiv(total_tokens, block_size) + window_allowance(
+        total_tokens, block_size, windows, step_tokens)
+
+
+def window_allowance(total_tokens: int, block_size: int, windows: Sequence[int],
+                     step_tokens: int) -> int:
+    """Blocks a request of ``total_tokens`` holds at most across sliding groups of windows
+    ``windows``, computing up to ``step_tokens`` a step: in each, the window plus one step
+    on block boundaries, never more than its sequence (what the plugin's admission
+    reserves, ``WindowBlocks.allowance``)."""
+    blocks = cdiv(total_tokens, block_size)
+    return sum(min(blocks, window_max_blocks(w, block_size, step_tokens)) for w in windows)
 
 
 def split_context(context: int, block_size: int) -> tuple[int, int]:
@@ -57,7 +88,7 @@ def split_context(context: int, block_size: int) -> tuple[int, int]:
 class _Request:
     computed: int = 0      # tokens whose KV is computed
     outputs: int = 0       # tokens sampled
-    blocks: int = 0        # blocks held (stock only: evicting requests hold <= reserve)
+    blocks: int = 0        # blocks held, all groups (stock only: evicting hold <= reserve)
     tokens_seen: int = 0   # the plugin's st.tokens: computed tokens as of the last plan
 
 
@@ -83,7 +114,9 @@ class SimResult:
 
 def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size: int,
                    prompt_tokens: int, output_tokens: int, requests: int, max_num_seqs: int,
-                   max_num_batched_tokens: int | None = None) -> SimResult:
+                   max_num_batched_tokens: int | None = None, full_groups: int = 1,
+                   windows: Sequence[int] = (), in_flight_tokens: int | None = None,
+                   max_model_len: int | None = None) -> SimResult:
     """``requests`` identical requests arrive at once; run the scheduler's admission until
     no request waits (stock vLLM: until all finish, since it may preempt later).
 
@@ -96,20 +129,42 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
     blocks cover its whole prompt; a running request that finds no free block is a
     preemption. ``max_num_batched_tokens`` None: no token budget a step (the pool alone
     limits).
+
+    A hybrid model has ``full_groups`` full-attention groups and one sliding group per
+    entry of ``windows`` (each its window in tokens). Evicting: each bound and reserve adds
+    :func:`window_allowance` (one step: ``max_num_batched_tokens``, or the prompt without
+    a budget). Stock: admission needs :func:`stock_admission_blocks` with
+    ``in_flight_tokens`` (vLLM's ``max_in_flight_tokens``; None: one step) and
+    ``max_model_len``; a running request first frees what left its windows
+    (:func:`.groups.window_held_blocks`).
     """
     total = prompt_tokens + output_tokens
+    bs = block_size
+    step_tokens = max_num_batched_tokens or prompt_tokens
     # The plugin caps a request's prompt chunk where events fire mid-prompt; otherwise
     # vLLM's step budget alone does (engine_policy.forced_engine_args).
     chunk = cfg.chunk_size if cfg is not None and cfg.evicts_mid_prompt else prompt_tokens
-    bound = (cfg.bound_blocks(prompt_tokens, total) if cfg is not None
-             else stock_admission_blocks(prompt_tokens, block_size))
+    allowance = window_allowance(total, bs, windows, step_tokens)
+    bound = (cfg.bound_blocks(prompt_tokens, total) + allowance if cfg is not None
+             else stock_admission_blocks(
+                 prompt_tokens, bs, full_groups=full_groups, windows=windows,
+                 in_flight_tokens=step_tokens if in_flight_tokens is None
+                 else in_flight_tokens, max_model_len=max_model_len))
+    window_counts = Counter(windows)
+
+    def held(done: int, allocated: int) -> int:
+        """Blocks a stock request holds in all groups with ``allocated`` slots once
+        its windows have moved past ``done`` computed tokens."""
+        return full_groups * cdiv(allocated, bs) + sum(
+            count * window_held_blocks(w, bs, done, allocated)
+            for w, count in window_counts.items())
     waiting: deque[_Request] = deque(_Request() for _ in range(requests))
     running: list[_Request] = []
     peak, steps = 0, 0
 
     def reserve(r: _Request) -> int:
         assert cfg is not None
-        return cfg.peak_from(r.tokens_seen, prompt_tokens, total)
+        return cfg.peak_from(r.tokens_seen, prompt_tokens, total) + allowance
 
     while waiting or running:
         if cfg is not None and not waiting:
@@ -124,11 +179,11 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
             n = min(prompt_tokens - r.computed, chunk, budget) if r.computed < prompt_tokens \
                 else 1
             if cfg is None:
-                need = cdiv(r.computed + n, block_size) - r.blocks
-                if need > free:
+                now = held(r.computed, r.computed + n)
+                if now - r.blocks > free:
                     return SimResult(peak, True, steps)
-                free -= need
-                r.blocks += need
+                free -= now - r.blocks
+                r.blocks = now
             budget -= n
             scheduled.append((r, n))
         admitted = False
@@ -142,7 +197,7 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
             r = waiting.popleft()
             n = min(prompt_tokens, chunk, budget)
             if cfg is None:
-                r.blocks = cdiv(n, block_size)
+                r.blocks = held(0, n)
                 free -= r.blocks
             running.append(r)
             budget -= n
@@ -161,17 +216,62 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
         running = [r for r in running if r.outputs < output_tokens]
         if pure_decode and running:
             # Pure decode and nobody admitted: nothing changes admission until the next
-            # request finishes, so jump there (stock: its growth is checked at the end).
+            # request finishes, so jump there (stock: its growth is checked on the way,
+            # and a sliding group's freed blocks may let a waiting request in sooner).
             skip = min(output_tokens - r.outputs for r in running) - 1
+            if skip > 0 and cfg is None:
+                may_admit = bool(waiting) and len(running) < max_num_seqs and len(running) \
+                    < (max_num_batched_tokens or requests * prompt_tokens)
+                skip, overflows = _stock_decode_skip(
+                    running, skip, usable_blocks, held, list(window_counts), bs,
+                    bound if may_admit else None)
+                if overflows:
+                    return SimResult(peak, True, steps + skip)
             if skip > 0:
                 steps += skip
                 for r in running:
                     r.computed += skip
                     r.tokens_seen = r.computed
                     r.outputs += skip
-                if cfg is None:
-                    for r in running:
-                        r.blocks = max(r.blocks, cdiv(r.computed, block_size))
-                    if sum(r.blocks for r in running) > usable_blocks:
-                        return SimResult(peak, True, steps)
+                    if cfg is None:
+                        r.blocks = held(r.computed - 1, r.computed)
     return SimResult(peak, False, steps)
+
+
+def _stock_decode_skip(running: Sequence[_Request], skip: int, usable_blocks: int,
+                       held: Callable[[int, int], int], windows: Sequence[int],
+                       block_size: int, admit_need: int | None) -> tuple[int, bool]:
+    """How far the stock requests ``running`` may jump through ``skip`` pure-decode steps:
+    ``(step, True)`` at the first step they hold more than ``usable_blocks``; else
+    ``(steps, False)``, all of them, or those before the first step whose free blocks
+    cover ``admit_need`` (None: no request may be admitted before one finishes).
+
+    Full-attention groups only grow, so without sliding groups their last step is their
+    most and the free blocks never grow. A sliding group frees a block whenever its window
+    passes one, so the held blocks are counted at each step where a request's allocation
+    or window crosses a block boundary (the only steps where they change).
+    """
+    if not windows:
+        last = sum(max(r.blocks, held(r.computed + skip - 1, r.computed + skip))
+                   for r in running)
+        return skip, last > usable_blocks
+    changes: dict[int, int] = {}
+    for r in running:
+        c = r.computed
+        steps = set(range((1 - c) % block_size or block_size, skip + 1, block_size))
+        for w in windows:
+            steps.update(range((w - c) % block_size or block_size, skip + 1, block_size))
+        before = r.blocks
+        for step in sorted(steps):
+            now = held(c + step - 1, c + step)
+            if now != before:
+                changes[step] = changes.get(step, 0) + now - before
+                before = now
+    total = sum(r.blocks for r in running)
+    for step in sorted({1, *changes}):  # the first step, then where the count changes
+        total += changes.get(step, 0)
+        if total > usable_blocks:
+            return step, True
+        if admit_need is not None and usable_blocks - total >= admit_need:
+            return step - 1, False
+    return skip, False

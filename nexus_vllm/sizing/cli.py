@@ -1,5 +1,5 @@
-"""``nexus-vllm plan``'s flags: each checked on its own by argparse, then together
-(:func:`plan_from_args`), each error naming its flag."""
+"""``nexus-vllm size``'s flags: each checked on its own by argparse, then together
+(:func:`sizing_from_args`), each error naming its flag."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from nexus_vllm.core.config import PROMPT_MODES
 from nexus_vllm.eval.budget import parse_budget
 
 from .burst import split_context
+from .groups import eviction_refusal
 from .memory import GIB
-from .report import Plan, format_plan, make_plan
+from .report import HYBRID_STEP_TOKENS, Sizing, format_sizing, size_replica
 from .shape import BUILTIN_MODELS, model_shape
 
-__all__ = ["build_parser", "main", "plan_from_args"]
+__all__ = ["build_parser", "main", "sizing_from_args"]
 
 
 def _budget(text: str) -> float | int:
@@ -29,7 +30,7 @@ def _budget(text: str) -> float | int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="nexus-vllm plan",
+        prog="nexus-vllm size",
         description="KV blocks per GPU and concurrent requests with and without eviction, "
                     "from the server's own admission rules (no vLLM needed).")
     p.add_argument("--model", required=True,
@@ -71,17 +72,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=None,
                    help="vLLM's token budget per step (default: none, so the KV pool "
                         "alone sets the concurrency; vLLM's on H100/H200 is 8192, and with "
-                        "short answers prefill throughput can bind before the pool)")
+                        "short answers prefill throughput can bind before the pool; a model "
+                        "with sliding-window layers takes "
+                        f"{HYBRID_STEP_TOKENS}, as its sliding groups hold one step's tokens "
+                        "beyond their window)")
+    p.add_argument("--steps-in-flight", type=int_at_least(1), default=None,
+                   help="steps vLLM schedules before the first one's output is back (its "
+                        "max_concurrent_batches; default pp + 1, vLLM 0.32's on GPU with "
+                        "async scheduling): stock vLLM's admission reserves their tokens in "
+                        "each sliding-window group")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
 
-def plan_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
-    """Validate the flags (each error names its flag) and make the plan."""
+def sizing_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Sizing:
+    """Validate the flags (each error names its flag) and size the replica."""
     try:
         model = model_shape(args.model)
     except ConfigError as exc:
         parser.error(f"--model: {exc}")
+    refusal = eviction_refusal(model)
+    if refusal is not None:
+        parser.error(f"--model: {refusal}")
     if model.attention_heads % args.tp:
         parser.error(f"--tp {args.tp}: must divide the {model.attention_heads} attention "
                      "heads (vLLM's rule)")
@@ -109,15 +121,16 @@ def plan_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                 "budget": "--budget"}.get(exc.field, f"--{exc.field.replace('_', '-')}")
         parser.error(f"{flag}: {exc}")
     if cfg.method == "none":
-        parser.error("--method: 'none' does not evict; the stock column is that plan")
+        parser.error("--method: 'none' does not evict; the stock column is that sizing")
     inputs = {k: v for k, v in vars(args).items() if k != "json"}
     try:
-        return make_plan(model, cfg, pool_blocks=args.pool_blocks,
+        return size_replica(model, cfg, pool_blocks=args.pool_blocks,
                          gpu_memory_gib=args.gpu_memory_gib, gpu_util=args.gpu_util,
                          overhead_gib=args.overhead_gib, tp=args.tp, pp=args.pp,
                          context=args.context, prompt_tokens=prompt, output_tokens=output,
                          max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens, inputs=inputs)
+                         max_num_batched_tokens=args.max_num_batched_tokens, inputs=inputs,
+                         steps_in_flight=args.steps_in_flight)
     except ConfigError as exc:
         parser.error(f"--{exc.field.replace('_', '-')}: {exc}")
 
@@ -125,12 +138,12 @@ def plan_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    plan = plan_from_args(args, parser)
-    if plan.memory is not None and plan.pool_blocks < 2:
-        left = plan.memory["kv_bytes_per_gpu"] / GIB
-        print(f"nexus-vllm plan: no memory left for KV: {left:.2f} GiB per GPU after the "
+    sizing = sizing_from_args(args, parser)
+    if sizing.memory is not None and sizing.pool_blocks < 2:
+        left = sizing.memory["kv_bytes_per_gpu"] / GIB
+        print(f"nexus-vllm size: no memory left for KV: {left:.2f} GiB per GPU after the "
               "weights and the overhead", file=sys.stderr)
         return 1
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    print(json.dumps(sizing.to_dict(), indent=2) if args.json else format_sizing(sizing))
     return 0
 

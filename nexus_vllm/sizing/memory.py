@@ -19,18 +19,26 @@ from typing import Any
 
 from nexus_vllm.core import cdiv
 
+from .groups import kv_cache_groups, layers_per_block
 from .shape import ModelShape
 
-__all__ = ["GIB", "block_bytes_per_gpu", "kv_pool_blocks"]
+__all__ = ["GIB", "block_bytes_per_gpu", "kv_pool_blocks", "page_bytes_per_layer"]
 
 GIB = 2**30
 
 
+def page_bytes_per_layer(model: ModelShape, *, tp: int, block_size: int) -> int:
+    """Bytes of one layer's page of one block on one GPU (vLLM's ``page_size_bytes``):
+    ``2 x ceil(kv_heads / tp) x head_size x dtype_bytes x block_size``."""
+    return 2 * cdiv(model.kv_heads, tp) * model.head_size * model.dtype_bytes * block_size
+
+
 def block_bytes_per_gpu(model: ModelShape, *, tp: int, pp: int, block_size: int) -> int:
-    """Bytes one KV block takes on one GPU: ``2 x ceil(layers / pp) x ceil(kv_heads / tp)
-    x head_size x dtype_bytes x block_size``."""
-    return (2 * cdiv(model.layers, pp) * cdiv(model.kv_heads, tp) * model.head_size
-            * model.dtype_bytes * block_size)
+    """Bytes one KV block takes on one GPU: a layer's page (:func:`page_bytes_per_layer`)
+    times the layers a block spans (:func:`.groups.layers_per_block`; ``ceil(layers /
+    pp)`` for a model with one KV cache group)."""
+    return (page_bytes_per_layer(model, tp=tp, block_size=block_size)
+            * layers_per_block(kv_cache_groups(model), model.layers, pp))
 
 
 def kv_pool_blocks(model: ModelShape, *, gpu_memory_gib: float, gpu_util: float,
@@ -42,6 +50,7 @@ def kv_pool_blocks(model: ModelShape, *, gpu_memory_gib: float, gpu_util: float,
     per_block = block_bytes_per_gpu(model, tp=tp, pp=pp, block_size=block_size)
     return {"usable_memory_bytes": budget, "weight_bytes_per_gpu": weights,
             "overhead_bytes": overhead_gib * GIB, "kv_bytes_per_gpu": kv_bytes,
+            "layers_per_block": layers_per_block(kv_cache_groups(model), model.layers, pp),
             "block_bytes_per_gpu": per_block,
             "pool_blocks": max(0, math.floor(kv_bytes / per_block))}
 

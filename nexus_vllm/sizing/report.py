@@ -1,5 +1,10 @@
-"""The plan: one replica's blocks and its concurrency with and without eviction
-(:func:`make_plan`), and the text ``nexus-vllm plan`` prints (:func:`format_plan`)."""
+"""The sizing: one replica's blocks and its concurrency with and without eviction
+(:func:`size_replica`), and the text ``nexus-vllm size`` prints (:func:`format_sizing`).
+
+A hybrid sliding-window model is sized group by group (:mod:`.groups`): the pool by the
+largest group's layers per block, and each request by its blocks in every group (the
+full-attention group's by the eviction rules, each sliding group's by its window).
+"""
 
 from __future__ import annotations
 
@@ -8,16 +13,21 @@ from typing import Any
 
 from nexus_vllm.core import ConfigError, EvictionConfig, cdiv
 
-from .burst import simulate_burst, stock_admission_blocks, stock_bound_blocks
+from .burst import simulate_burst, stock_admission_blocks, stock_bound_blocks, window_allowance
+from .groups import eviction_refusal, kv_cache_groups, window_max_blocks
 from .memory import GIB, kv_pool_blocks
 from .shape import DTYPE_BYTES, ModelShape
 
-__all__ = ["Plan", "format_plan", "make_plan"]
+__all__ = ["HYBRID_STEP_TOKENS", "Sizing", "format_sizing", "size_replica"]
+
+# vLLM 0.32's --max-num-batched-tokens for its API server on H100/H200: the step a
+# sliding-window group holds beyond its window when the flag is not given.
+HYBRID_STEP_TOKENS = 8192
 
 
 @dataclass(frozen=True)
-class Plan:
-    """Inputs and results of one ``nexus-vllm plan`` (``--json`` prints :meth:`to_dict`)."""
+class Sizing:
+    """Inputs and results of one ``nexus-vllm size`` (``--json`` prints :meth:`to_dict`)."""
 
     inputs: dict[str, Any]
     model: dict[str, Any]
@@ -31,22 +41,48 @@ class Plan:
     evicting: dict[str, Any]
     ratio: float | None
     notes: list[str] = field(default_factory=list)
+    kv_cache_groups: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def make_plan(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | None,
+def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | None,
               gpu_memory_gib: float | None, gpu_util: float, overhead_gib: float, tp: int,
               pp: int, context: int, prompt_tokens: int, output_tokens: int,
               max_num_seqs: int, max_num_batched_tokens: int | None,
-              inputs: dict[str, Any] | None = None) -> Plan:
+              inputs: dict[str, Any] | None = None,
+              steps_in_flight: int | None = None) -> Sizing:
     """Blocks and concurrency for one replica (``tp x pp`` GPUs).
 
     ``pool_blocks`` (vLLM's ``--num-gpu-blocks-override``) skips the memory arithmetic;
-    otherwise ``gpu_memory_gib`` is needed.
+    otherwise ``gpu_memory_gib`` is needed. A model with sliding-window groups computes
+    ``max_num_batched_tokens`` (None: :data:`HYBRID_STEP_TOKENS`) tokens a step, and stock
+    vLLM keeps ``steps_in_flight`` (None: ``pp + 1``, vLLM 0.32's on GPU: async
+    scheduling with model runner V2) steps in flight.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``model`` when the plugin refuses to evict on it
+        (:func:`.groups.eviction_refusal`); naming ``gpu_memory_gib`` when neither it
+        nor ``pool_blocks`` is given.
     """
+    refusal = eviction_refusal(model)
+    if refusal is not None:
+        raise ConfigError("model", refusal)
     bs = cfg.block_size
+    groups = kv_cache_groups(model)
+    windows = [g.window for g in groups if g.window is not None]
+    full_groups = len(groups) - len(windows)
+    notes = []
+    if windows and max_num_batched_tokens is None:
+        max_num_batched_tokens = HYBRID_STEP_TOKENS
+        notes.append(f"--max-num-batched-tokens {HYBRID_STEP_TOKENS} (vLLM's on H100/H200), as "
+                     "a sliding-window group holds one step's tokens beyond its window; the "
+                     "budget also paces the burst's prefills")
+    step = max_num_batched_tokens or prompt_tokens
+    in_flight = (pp + 1 if steps_in_flight is None else steps_in_flight) * step
     memory = None
     if pool_blocks is None:
         if gpu_memory_gib is None:
@@ -56,24 +92,33 @@ def make_plan(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | None
         pool_blocks = int(memory["pool_blocks"])
     usable = max(0, pool_blocks - 1)  # block 0 is vLLM's null block
     total = prompt_tokens + output_tokens
-    notes = []
-    if usable < cdiv(context, bs):
+    # vLLM's start-up check (get_kv_cache_configs): one --max-model-len request, every
+    # group at its most (a sliding group: its window plus the tokens in flight).
+    one_request = full_groups * cdiv(context, bs) + sum(
+        window_max_blocks(w, bs, in_flight, context) for w in windows)
+    if usable < one_request:
         notes.append(f"vLLM will not start: one --max-model-len {context} request needs "
-                     f"{cdiv(context, bs)} blocks, the pool has {usable}")
+                     f"{one_request} blocks, the pool has {usable}")
     sim: dict[str, Any] = {
         "usable_blocks": usable, "block_size": bs, "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens, "requests": max_num_seqs,
-        "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
-    stock_bound = stock_bound_blocks(total, bs)
+        "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+        "full_groups": full_groups, "windows": windows, "in_flight_tokens": in_flight,
+        "max_model_len": context}
+    stock_bound = stock_bound_blocks(total, bs, full_groups=full_groups, windows=windows,
+                                     step_tokens=step)
     stock_run = simulate_burst(None, **sim)
     stock_guaranteed = min(usable // stock_bound, max_num_seqs)
-    stock = {"admission_blocks": stock_admission_blocks(prompt_tokens, bs),
+    stock = {"admission_blocks": stock_admission_blocks(
+                 prompt_tokens, bs, full_groups=full_groups, windows=windows,
+                 in_flight_tokens=in_flight, max_model_len=context),
              "bound_blocks": stock_bound, "peak_running": stock_run.peak_running,
              "preempts": stock_run.preempted, "guaranteed": stock_guaranteed,
              # Preemption-free: the burst's peak, or if it preempts, what fits whole.
              "concurrent": stock_guaranteed if stock_run.preempted else stock_run.peak_running}
-    bound = cfg.bound_blocks(prompt_tokens, total)
-    decode_peak = cfg.decode_peak_blocks(prompt_tokens, total)
+    allowance = window_allowance(total, bs, windows, step)
+    bound = cfg.bound_blocks(prompt_tokens, total) + allowance
+    decode_peak = cfg.decode_peak_blocks(prompt_tokens, total) + allowance
     evict_run = simulate_burst(cfg, **sim)
     evicting = {"bound_blocks": bound, "decode_hard_limit_blocks": decode_peak,
                 "concurrent": evict_run.peak_running,
@@ -86,52 +131,102 @@ def make_plan(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | None
                 "keep_ratio": cfg.keep_ratio, "prompt_mode": cfg.prompt_mode,
                 "prefill_budget": cfg.prefill_budget, "chunk_size": cfg.chunk_size,
                 "block_size": bs, "budget_blocks": cfg.budget_blocks(total)}
-    return Plan(inputs=inputs or {}, model=asdict(model), memory=memory,
+    group_rows = []
+    for g in groups:
+        if g.window is None:
+            blocks = {"stock_admission_blocks": cdiv(prompt_tokens, bs),
+                      "stock_blocks": cdiv(total, bs),
+                      "evicting_bound_blocks": cfg.bound_blocks(prompt_tokens, total),
+                      "evicting_decode_hard_limit_blocks":
+                          cfg.decode_peak_blocks(prompt_tokens, total)}
+        else:
+            held = window_allowance(total, bs, [g.window], step)
+            blocks = {"stock_admission_blocks": stock_admission_blocks(
+                          prompt_tokens, bs, full_groups=0, windows=[g.window],
+                          in_flight_tokens=in_flight, max_model_len=context),
+                      "stock_blocks": held, "evicting_bound_blocks": held,
+                      "evicting_decode_hard_limit_blocks": held, "step_tokens": step,
+                      "in_flight_tokens": in_flight}
+        group_rows.append({"kind": "full_attention" if g.window is None
+                           else "sliding_window", "window": g.window,
+                           "layers": list(g.layers), "evicted": g.window is None, **blocks})
+    return Sizing(inputs=inputs or {}, model=asdict(model), memory=memory,
                 pool_blocks=pool_blocks, usable_blocks=usable, prompt_tokens=prompt_tokens,
                 output_tokens=output_tokens, eviction=eviction, stock=stock,
-                evicting=evicting, ratio=ratio, notes=notes)
+                evicting=evicting, ratio=ratio, notes=notes, kv_cache_groups=group_rows)
 
 
-def format_plan(plan: Plan) -> str:
-    """The plan as the text ``nexus-vllm plan`` prints."""
-    m, i, e, s, v = plan.model, plan.inputs, plan.eviction, plan.stock, plan.evicting
+def format_sizing(sizing: Sizing) -> str:
+    """The sizing as the text ``nexus-vllm size`` prints."""
+    m, i, e, s, v = sizing.model, sizing.inputs, sizing.eviction, sizing.stock, sizing.evicting
     tp, pp = i.get("tp", 1), i.get("pp", 1)
     lines = [f"model {m['name']}: {m['layers']} layers, {m['kv_heads']} KV heads x "
              f"{m['head_size']}, {m['dtype']}; weights {m['weight_bytes'] / 1e9:.2f} GB "
              f"({m['weight_source']})"]
-    if plan.memory is not None:
-        mem = plan.memory
+    if sizing.memory is not None:
+        mem = sizing.memory
         lines += [
             f"per GPU (tp={tp}, pp={pp}): {i['gpu_memory_gib']} GiB x {i['gpu_util']} - "
             f"weights {mem['weight_bytes_per_gpu'] / GIB:.2f} GiB - overhead "
             f"{mem['overhead_bytes'] / GIB:.2f} GiB = {mem['kv_bytes_per_gpu'] / GIB:.2f} GiB "
             "for KV",
-            f"bytes per block per GPU: 2 x {cdiv(m['layers'], pp)} layers x "
+            f"bytes per block per GPU: 2 x {mem['layers_per_block']} layers"
+            + (" (the largest KV cache group's)" if len(sizing.kv_cache_groups) > 1
+               else "") + " x "
             f"{cdiv(m['kv_heads'], tp)} KV heads x {m['head_size']} x "
             f"{DTYPE_BYTES[m['dtype']]} B x {e['block_size']} tokens = "
             f"{mem['block_bytes_per_gpu'] / 2**20:.3f} MiB"]
     lines += [
-        f"KV blocks per GPU: {plan.pool_blocks} ({plan.usable_blocks} usable, "
-        f"{plan.usable_blocks * e['block_size']} tokens)",
-        f"requests: {plan.prompt_tokens} prompt + {plan.output_tokens} output tokens",
+        f"KV blocks per GPU: {sizing.pool_blocks} ({sizing.usable_blocks} usable, "
+        + (f"{sizing.usable_blocks * e['block_size']} tokens)"
+           if len(sizing.kv_cache_groups) <= 1 else
+           f"one pool for its {len(sizing.kv_cache_groups)} KV cache groups: a block holds "
+           f"{e['block_size']} tokens of one group's layers)"),
+        *_group_lines(sizing),
+        f"requests: {sizing.prompt_tokens} prompt + {sizing.output_tokens} output tokens",
         f"eviction: {e['method']}, budget "
         + (f"{e['max_tokens']} tokens" if e["max_tokens"] is not None
            else f"{e['keep_ratio']} of the tokens seen")
         + f", prompt_mode {e['prompt_mode']}"
         + (f", prefill_budget {e['prefill_budget']}" if e["prefill_budget"] else "")
         + f", chunk {e['chunk_size']}: bound {v['bound_blocks']} blocks per request, "
-          f"decode hard limit {v['decode_hard_limit_blocks']}",
+          f"decode hard limit {v['decode_hard_limit_blocks']}"
+        + (" (all groups)" if len(sizing.kv_cache_groups) > 1 else ""),
         f"concurrent requests (a burst of {i.get('max_num_seqs')} at once, the server's "
         "admission step by step):",
         f"  without eviction (stock vLLM): {s['concurrent']}"
         + (" (the burst preempts; this many fit whole)" if s["preempts"] else ""),
         f"  with eviction:                 {v['concurrent']}",
         "  ratio:                         "
-        + (f"{plan.ratio:.2f}x" if plan.ratio is not None else "- (stock fits none)"),
+        + (f"{sizing.ratio:.2f}x" if sizing.ratio is not None else "- (stock fits none)"),
         f"  ceiling (all at the decode hard limit, budget + one decode interval): "
         f"{v['ceiling']}",
         f"  guaranteed (all at their bound at once): {v['guaranteed']}",
     ]
-    lines += [f"note: {n}" for n in plan.notes]
+    lines += [f"note: {n}" for n in sizing.notes]
     return "\n".join(lines)
 
+
+def _group_lines(sizing: Sizing) -> list[str]:
+    """The KV cache groups and a request's blocks in each (nothing for one group)."""
+    groups = sizing.kv_cache_groups
+    if len(groups) <= 1:
+        return []
+    full = [g for g in groups if not g["window"]]
+    sliding = [g for g in groups if g["window"]]
+    f, w = full[0], sliding[0]
+    counts = ", ".join(str(len(g["layers"])) for g in sliding)
+    return [
+        f"KV cache groups (vLLM's hybrid KV cache manager): {len(groups)}, sharing the "
+        f"pool: {len(full)} full attention ({len(f['layers'])} layers, evicted), "
+        f"{len(sliding)} sliding window {w['window']} tokens ({counts} layers, left to "
+        "vLLM)",
+        f"blocks per request: full-attention group: stock {f['stock_admission_blocks']} "
+        f"at admission, {f['stock_blocks']} at the end; with eviction bound "
+        f"{f['evicting_bound_blocks']}, decode hard limit "
+        f"{f['evicting_decode_hard_limit_blocks']}",
+        f"                    each sliding group: {w['stock_blocks']} (its window plus one "
+        f"{w['step_tokens']}-token step, stock and with eviction); stock admission "
+        f"reserves {w['stock_admission_blocks']} (its window plus the "
+        f"{w['in_flight_tokens']} tokens in flight)",
+    ]
