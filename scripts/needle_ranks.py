@@ -53,10 +53,10 @@ def main(argv: list[str] | None = None) -> None:
                              if a < end and b > start})
             question_at = len(tok(s.preamble + s.context)["input_ids"])
             ids = torch.tensor(enc["input_ids"])
-            for head_reduce in ("mean", "max"):
+            for attention_reduce in ("mean", "max"):
                 cfg = EvictionConfig(method="nexus", max_tokens=1 << 20, block_size=BLOCK,
-                                     window=max(rows_list), prefill_window=max(rows_list),
-                                     head_reduce=head_reduce)
+                                     window=max(rows_list), prompt_window=max(rows_list),
+                                     attention_reduce=attention_reduce)
                 sess = StreamingSession(model, cfg, prompt_tokens=1 << 30)
                 for at in range(0, question_at - CHUNK, CHUNK):
                     sess.forward(ids[at:at + CHUNK])
@@ -75,11 +75,11 @@ def main(argv: list[str] | None = None) -> None:
                         inside = [b - 1 for b in needle if 1 <= b < n - 3]
                         if inside:
                             best = min(order.index(b) for b in inside)
-                            ranks[(task, head_reduce, name)].append(best / len(cand))
+                            ranks[(task, attention_reduce, name)].append(best / len(cand))
     print(f"{'task':20} {'heads':6} {'evidence':30} {'mean rank':>10} {'top 10%':>8}")
-    for (task, head_reduce, name), values in ranks.items():
+    for (task, attention_reduce, name), values in ranks.items():
         top = sum(1 for v in values if v < 0.1)
-        print(f"{task:20} {head_reduce:6} {name:30} {sum(values) / len(values):10.2f} "
+        print(f"{task:20} {attention_reduce:6} {name:30} {sum(values) / len(values):10.2f} "
               f"{top:>4}/{len(values)}")
 
 

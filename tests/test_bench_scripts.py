@@ -89,16 +89,16 @@ def test_capacity_configs_with_knobs() -> None:
     import json
 
     mod = _load("benchmarks/serving/capacity.py")
-    args = mod._parse(["--configs", "stock;nexus;nexus:layer_stride=2,prefill_window=16"])
-    assert args.names == ["stock", "nexus", "nexus:layer_stride=2,prefill_window=16"]
+    args = mod._parse(["--configs", "stock;nexus;nexus:layer_stride=2,prompt_window=16"])
+    assert args.names == ["stock", "nexus", "nexus:layer_stride=2,prompt_window=16"]
     assert mod._parse(["--configs", "stock,nexus"]).names == ["stock", "nexus"]
     d = mod.derive(args)
     flags = mod.server_flags(args.names[2], d, 8, gpu=False)
     assert flags[flags.index("--kv-eviction") + 1] == "nexus"
     extra = json.loads(flags[flags.index("--additional-config") + 1])
-    assert extra == {"nexus": {"layer_stride": 2, "prefill_window": 16}}
+    assert extra == {"nexus": {"layer_stride": 2, "prompt_window": 16}}
     assert "--additional-config" not in mod.server_flags("nexus", d, 8, gpu=False)
-    assert mod.file_stem(args.names[2]) == "nexus_layer_stride_2_prefill_window_16"
+    assert mod.file_stem(args.names[2]) == "nexus_layer_stride_2_prompt_window_16"
     for bad in ("nexus:layer_stride=0", "nexus:layer_strid=2", "lru"):
         with pytest.raises(SystemExit):
             mod._parse(["--configs", bad])

@@ -11,7 +11,7 @@ Llama-3-70B (64 q / 8 kv heads) head shapes, timing each launch with
 divided by the time), the fraction of the device's peak HBM bandwidth (from
 ``--peak-gbps`` or a table keyed on the device name), and the speed ratio against the torch
 reference (``backend="torch"``: ``nexus_vllm.core`` per request) timed in the same run.
-``--head-reduce max`` times the maximum over query heads (the combine launch's ``HEAD_MAX``
+``--attention-reduce max`` times the maximum over query heads (the combine launch's ``HEAD_MAX``
 build) instead of their mean; the bytes moved are the same. It then times
 ``compact_block_tables`` against a decode-step proxy (the time to read a model's bf16
 weights once at this device's measured copy bandwidth).
@@ -67,7 +67,7 @@ class ScoringPoint:
     batch: int
     block_size: int
     dtype: str
-    head_reduce: str
+    attention_reduce: str
     triton_us: float
     torch_us: float | None
     gbps: float
@@ -144,20 +144,20 @@ def bench_scoring(args, torch, kernels, bench, device, peak) -> list[ScoringPoin
                 )
                 out = torch.zeros(bt.shape[0], w, bt.shape[1], device=device)
 
-                hr = args.head_reduce
+                hr = args.attention_reduce
 
                 def run_triton(q=q, kc=kc, bt=bt, sl=sl, out=out, hr=hr):
                     return kernels.block_attention_mass_paged(
-                        q, kc, bt, sl, backend="triton", out=out, head_reduce=hr
+                        q, kc, bt, sl, backend="triton", out=out, attention_reduce=hr
                     )
 
                 def run_torch(q=q, kc=kc, bt=bt, sl=sl, hr=hr):
                     return kernels.block_attention_mass_paged(
-                        q, kc, bt, sl, backend="torch", head_reduce=hr
+                        q, kc, bt, sl, backend="torch", attention_reduce=hr
                     )
 
                 got = kernels.block_attention_mass_paged(
-                    q, kc, bt, sl, backend="triton", head_reduce=hr
+                    q, kc, bt, sl, backend="triton", attention_reduce=hr
                 )
                 t_ms = bench(run_triton)
                 torch_ms = diff = None
@@ -179,7 +179,7 @@ def bench_scoring(args, torch, kernels, bench, device, peak) -> list[ScoringPoin
                     batch=args.batch,
                     block_size=args.block_size,
                     dtype=args.dtype,
-                    head_reduce=hr,
+                    attention_reduce=hr,
                     triton_us=t_ms * 1e3,
                     torch_us=None if torch_ms is None else torch_ms * 1e3,
                     gbps=gbps,
@@ -256,10 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     ap.add_argument(
-        "--head-reduce",
+        "--attention-reduce",
         choices=("mean", "max"),
         default="mean",
-        help="how the query heads combine (the kernels' head_reduce)",
+        help="how the query heads combine (the kernels' attention_reduce)",
     )
     ap.add_argument("--peak-gbps", type=float, default=None, help="override the peak table")
     ap.add_argument(
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"device: {name}; peak HBM: {'unknown' if peak is None else f'{peak:.0f} GB/s'}; "
         f"dtype {args.dtype}; block size {args.block_size}; batch {args.batch}; "
-        f"head_reduce {args.head_reduce}",
+        f"attention_reduce {args.attention_reduce}",
         flush=True,
     )
     if not cuda:

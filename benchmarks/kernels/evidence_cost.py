@@ -38,7 +38,7 @@ def make_batch(requests: int, blocks: int, rows: int, seed: int = 0) -> PagedBat
         queries=torch.randn(LAYERS, requests, rows, HQ, D, generator=g),
         rows=torch.full((requests,), rows), query_positions=ends[:, None] - rows
         + torch.arange(rows)[None, :], next_positions=ends, key_caches=caches, tables=tables,
-        seq_lens=lens, head_reduce="max", layers_divisor=LAYERS, backend="batched",
+        seq_lens=lens, attention_reduce="max", layers_divisor=LAYERS, backend="batched",
         rotary=Rotary.from_inv_freq(inv_freq, 8192, head_size=D))
 
 

@@ -259,8 +259,8 @@ def evicting_knobs_md() -> str:
     from nexus_vllm.core import EvictionConfig
 
     cfg = EvictionConfig()
-    return (f"evicting servers score with the defaults (`prefill_window` "
-            f"{cfg.prefill_window}, `window` {cfg.window}, `skip_layers` {cfg.skip_layers}, "
+    return (f"evicting servers score with the defaults (`prompt_window` "
+            f"{cfg.prompt_window}, `window` {cfg.window}, `skip_layers` {cfg.skip_layers}, "
             f"`layer_stride` {cfg.layer_stride}) unless their name carries knobs, which they "
             "get as `--additional-config '{\"nexus\": {...}}'`")
 

@@ -30,7 +30,7 @@ from .policies import (
 from .rotary import Rotary
 from .sampling import SAMPLERS, inclusion_probabilities, sample_blocks
 from .scoring import (
-    HEAD_REDUCES,
+    ATTENTION_REDUCES,
     block_attention_mass,
     block_attention_mass_paged,
     cdiv,
@@ -50,7 +50,7 @@ from .weights import (
 )
 
 __all__ = [
-    "HEAD_REDUCES",
+    "ATTENTION_REDUCES",
     "DIRECT_MODES",
     "EVIDENCE_KINDS",
     "INDIRECT_MODES",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -17,15 +18,38 @@ import torch
 
 from ._validate import ConfigError, check_choice, check_float, check_int
 from .policies import METHODS, POLICIES, EvictionPolicy, forced_count
-from .scoring import HEAD_REDUCES, cdiv
+from .scoring import ATTENTION_REDUCES, cdiv
 
-__all__ = ["METHODS", "PROMPT_MODES", "EvictionConfig"]
+__all__ = ["METHODS", "PROMPT_MODES", "RENAMED_FIELDS", "EvictionConfig"]
+
+logger = logging.getLogger(__name__)
 
 # When the budget holds: from the first prompt chunk (the paper's streaming setting), from
 # the prompt's end (one event with the question in its window), or on generated tokens
 # only (the prompt is never evicted).
 PROMPT_MODES = ("stream", "end", "keep")
 _PREFILL = "prefill_"
+# Former names of fields, still accepted (each with a deprecation line, once per process)
+# so that no config written for an earlier release breaks.
+RENAMED_FIELDS = {"head_reduce": "attention_reduce", "prefill_window": "prompt_window"}
+_warned_renamed: set[str] = set()
+
+
+def _current_names(data: Mapping[Any, Any]) -> dict[Any, Any]:
+    """``data`` with former field names replaced by the current ones, in order (a later
+    key wins over an earlier one, as in any merge of mappings)."""
+    out: dict[Any, Any] = {}
+    for key, value in data.items():
+        new = RENAMED_FIELDS.get(key) if isinstance(key, str) else None
+        if new is not None:
+            if key not in _warned_renamed:
+                _warned_renamed.add(key)
+                logger.warning("nexus-vllm: eviction config key %r is now %r; the old name "
+                               "is still accepted and will go in a later release", key, new)
+            out.pop(new, None)
+            key = new
+        out[key] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -46,7 +70,7 @@ class EvictionConfig:
         When the budget holds. ``stream`` (the paper's setting): from the first prompt
         chunk, an event after every chunk. ``end``: the prompt is computed under the looser
         ``prefill_budget``, then one event after its last chunk evicts down to the budget,
-        with the prompt's last ``prefill_window`` tokens (the question) as its window.
+        with the prompt's last ``prompt_window`` tokens (the question) as its window.
         ``keep``: the prompt is never evicted; the budget counts generated tokens only.
         Decode events are the same in every mode.
     prefill_budget : int, optional
@@ -61,15 +85,15 @@ class EvictionConfig:
         Policies that read attention mass raise each block's weight to that of the
         ``carry`` blocks before it (a fact found in one block often ends in the next;
         :func:`~nexus_vllm.core.policies.carry_forward`). 0: off.
-    head_reduce : {"mean", "max"}
+    attention_reduce : {"mean", "max"}
         How the scored heads' and layers' attention becomes the evidence: their mean, or
         their maximum with rows renormalised and each row's total kept
         (:meth:`~nexus_vllm.core.evidence.Evidence.from_gathered`).
     interval : int
         Decode tokens between eviction events once over budget.
-    window, prefill_window : int
+    window, prompt_window : int
         W, the newest queries scored at decode and at prefill events (after a prompt
-        chunk; at the prompt-end event, the prompt's last ``prefill_window`` tokens).
+        chunk; at the prompt-end event, the prompt's last ``prompt_window`` tokens).
     chunk_size : int
         Prefill chunk in tokens; an event follows each chunk (that leaves the sequence
         over its target). Where no event can fire before the prompt's end
@@ -104,10 +128,10 @@ class EvictionConfig:
     sink_blocks: int = 1
     recent_blocks: int = 2
     carry: int = 1
-    head_reduce: str = "max"
+    attention_reduce: str = "max"
     interval: int = 16
     window: int = 16
-    prefill_window: int = 32
+    prompt_window: int = 32
     chunk_size: int = 512
     skip_layers: int = 2
     layer_stride: int = 1
@@ -125,7 +149,7 @@ class EvictionConfig:
         check_int("sink_blocks", self.sink_blocks, low=1)
         check_int("recent_blocks", self.recent_blocks, low=0)
         check_int("carry", self.carry, low=0, high=4)
-        check_choice("head_reduce", self.head_reduce, HEAD_REDUCES)
+        check_choice("attention_reduce", self.attention_reduce, ATTENTION_REDUCES)
         if self.max_tokens is not None:
             check_int("max_tokens", self.max_tokens, low=1)
             floor = self.forced_tokens
@@ -149,7 +173,7 @@ class EvictionConfig:
                                   f"budget ({floor} tokens); got {self.prefill_budget}")
         check_int("interval", self.interval, low=1)
         check_int("window", self.window, low=1)
-        check_int("prefill_window", self.prefill_window, low=1)
+        check_int("prompt_window", self.prompt_window, low=1)
         check_int("chunk_size", self.chunk_size, low=1)
         check_int("skip_layers", self.skip_layers, low=0)
         check_int("layer_stride", self.layer_stride, low=1)
@@ -210,6 +234,7 @@ class EvictionConfig:
         if not isinstance(data, Mapping):
             raise ConfigError("", f"eviction config must be a mapping; got "
                                   f"{type(data).__name__}")
+        data = _current_names(data)
         method = data.get("method", cls.method)
         check_choice("method", method, METHODS)
         takes = POLICIES[method].knobs() if method in POLICIES else ()
@@ -296,6 +321,7 @@ class EvictionConfig:
         ``method`` starts from its policy's defaults (the old policy's knobs mean nothing
         to it) unless ``changes`` gives its knobs."""
         merged = self.to_dict()
+        changes = _current_names(changes)
         if changes.get("method", self.method) != self.method:
             merged["policy_args"], merged["prefill_args"] = {}, {}
         merged.update(changes)

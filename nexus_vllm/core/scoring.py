@@ -12,7 +12,7 @@ import math
 import torch
 
 __all__ = [
-    "HEAD_REDUCES",
+    "ATTENTION_REDUCES",
     "KV_LAYOUTS",
     "block_attention_mass",
     "block_attention_mass_paged",
@@ -32,7 +32,7 @@ KV_LAYOUTS = ("NHD", "HND")
 # shared by every head and layer, so the choice stays per block; ``max`` lets one head
 # that attends to a block sharply (a retrieval head) keep it, where the mean over heads
 # that look elsewhere dilutes it (docs/algorithm.md, "Head-aware evidence").
-HEAD_REDUCES = ("mean", "max")
+ATTENTION_REDUCES = ("mean", "max")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -50,9 +50,9 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
 
 
-def _check_head_reduce(head_reduce: str) -> None:
-    if head_reduce not in HEAD_REDUCES:
-        raise ValueError(f"head_reduce must be one of {HEAD_REDUCES}, got {head_reduce!r}")
+def _check_attention_reduce(attention_reduce: str) -> None:
+    if attention_reduce not in ATTENTION_REDUCES:
+        raise ValueError(f"attention_reduce must be one of {ATTENTION_REDUCES}, got {attention_reduce!r}")
 
 
 def normalize_rows(mass: torch.Tensor) -> torch.Tensor:
@@ -63,14 +63,14 @@ def normalize_rows(mass: torch.Tensor) -> torch.Tensor:
     return mass / torch.where(sums > 0, sums, torch.ones_like(sums))
 
 
-def combine_layer_masses(masses: list[torch.Tensor], head_reduce: str = "mean") -> torch.Tensor:
+def combine_layer_masses(masses: list[torch.Tensor], attention_reduce: str = "mean") -> torch.Tensor:
     """One evidence matrix from the per-layer results of :func:`block_attention_mass`.
 
     Parameters
     ----------
     masses : list of Tensor[W, N]
-        One per scored layer, each reduced over its heads by ``head_reduce``.
-    head_reduce : {"mean", "max"}
+        One per scored layer, each reduced over its heads by ``attention_reduce``.
+    attention_reduce : {"mean", "max"}
         ``mean``: the mean over layers (rows sum to 1). ``max``: the elementwise maximum
         over layers, as softmax gave it (rows sum to 1 or more;
         :meth:`~nexus_vllm.core.evidence.Evidence.from_gathered` renormalises them and keeps
@@ -81,17 +81,17 @@ def combine_layer_masses(masses: list[torch.Tensor], head_reduce: str = "mean") 
     Tensor[W, N] (float32): under ``mean`` rows summing to 1 (or 0 for a query that saw
     nothing); under ``max`` rows of maxima.
     """
-    _check_head_reduce(head_reduce)
+    _check_attention_reduce(attention_reduce)
     if not masses:
         raise ValueError("combine_layer_masses needs at least one layer")
     stacked = torch.stack([m.float() for m in masses])
-    if head_reduce == "mean":
+    if attention_reduce == "mean":
         return stacked.mean(dim=0)
     return stacked.amax(dim=0)
 
 
 def block_attention_mass(
-    queries: torch.Tensor, keys: torch.Tensor, block_size: int, *, head_reduce: str = "mean"
+    queries: torch.Tensor, keys: torch.Tensor, block_size: int, *, attention_reduce: str = "mean"
 ) -> torch.Tensor:
     """Attention mass that each window query puts on each block of keys.
 
@@ -106,8 +106,8 @@ def block_attention_mass(
     block_size : int
         Tokens per block; block ``j`` covers tokens ``j*b .. j*b+b-1`` (the last block may
         be partial).
-    head_reduce : {"mean", "max"}
-        How the query heads' masses combine (:data:`HEAD_REDUCES`).
+    attention_reduce : {"mean", "max"}
+        How the query heads' masses combine (:data:`ATTENTION_REDUCES`).
 
     Returns
     -------
@@ -117,7 +117,7 @@ def block_attention_mass(
         row sums to 1), or with ``max`` the largest over query heads (not renormalised).
     """
     _check_block_size(block_size)
-    _check_head_reduce(head_reduce)
+    _check_attention_reduce(attention_reduce)
     if queries.dim() != 3 or keys.dim() != 3:
         raise ValueError(
             f"queries must be [W, Hq, D] and keys [T, Hkv, D], got {tuple(queries.shape)} "
@@ -146,7 +146,7 @@ def block_attention_mass(
     probs = torch.softmax(logits, dim=-1)  # [Hq, W, T]
     padded = torch.nn.functional.pad(probs, (0, n * block_size - t))
     per_head = padded.view(hq, w, n, block_size).sum(dim=-1)  # [Hq, W, N]
-    return per_head.mean(dim=0) if head_reduce == "mean" else per_head.amax(dim=0)
+    return per_head.mean(dim=0) if attention_reduce == "mean" else per_head.amax(dim=0)
 
 
 def gather_paged_keys(
@@ -192,7 +192,7 @@ def block_attention_mass_paged(
     seq_len: int,
     *,
     kv_layout: str = "NHD",
-    head_reduce: str = "mean",
+    attention_reduce: str = "mean",
 ) -> torch.Tensor:
     """:func:`block_attention_mass` read from a paged key cache.
 
@@ -205,7 +205,7 @@ def block_attention_mass_paged(
         The sequence's physical blocks in logical order.
     seq_len : int
         Live tokens of the sequence.
-    head_reduce : {"mean", "max"}
+    attention_reduce : {"mean", "max"}
 
     Returns
     -------
@@ -214,4 +214,4 @@ def block_attention_mass_paged(
     """
     keys = gather_paged_keys(key_cache, block_table, seq_len, kv_layout=kv_layout)
     block_size = key_cache.shape[1] if kv_layout == "NHD" else key_cache.shape[2]
-    return block_attention_mass(queries, keys, block_size, head_reduce=head_reduce)
+    return block_attention_mass(queries, keys, block_size, attention_reduce=attention_reduce)

@@ -8,7 +8,7 @@ header, no answer prefix) is prefilled once, uncompressed (:func:`dense_states`)
 (:func:`run_candidate`).
 
 A candidate's block weights (:func:`candidate_weights`) are core's evidence and scores:
-the window's mass combined over heads and layers by ``head_reduce``
+the window's mass combined over heads and layers by ``attention_reduce``
 (:meth:`~nexus_vllm.hf.streaming.StreamingSession.block_mass`), its rows read by
 :func:`~nexus_vllm.core.direct_scores`, carried by
 :func:`~nexus_vllm.core.carry_forward`; a few candidates add a reading core does not ship
@@ -81,7 +81,7 @@ class Candidate:
     window : int
         Rows under ``last``.
     heads : {"mean", "max", "union"}
-        How heads and layers combine: the config's ``head_reduce`` (``mean``, ``max``), or
+        How heads and layers combine: the config's ``attention_reduce`` (``mean``, ``max``), or
         each head nominating its best blocks in turn (the ``union`` of TensorRT-LLM's
         KV-cache compression).
     carry : int
@@ -303,10 +303,10 @@ def _scoring_view(session: Any, config: EvictionConfig) -> Any:
     return view
 
 
-def _rows_mass(session: Any, window: int, head_reduce: str) -> torch.Tensor:
+def _rows_mass(session: Any, window: int, attention_reduce: str) -> torch.Tensor:
     """The newest ``window`` rows' mass ``[window, N]``, combined over heads and layers by
-    ``head_reduce``."""
-    mass = _scoring_view(session, session.config.replace(head_reduce=head_reduce)
+    ``attention_reduce``."""
+    mass = _scoring_view(session, session.config.replace(attention_reduce=attention_reduce)
                          ).block_mass(window)
     if mass.shape[0] != window:
         raise ValueError(f"the session kept {mass.shape[0]} query rows; {window} asked "

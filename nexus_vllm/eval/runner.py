@@ -233,7 +233,7 @@ def _capture_rows(cfg: RunConfig) -> int:
     for spec in (parse_method(m) for m in cfg.methods):
         if spec.method != "dense":
             c = EvictionConfig.from_dict({**cfg.knobs_for(spec), "method": spec.method})
-            rows = max(rows, c.window, c.prefill_window)
+            rows = max(rows, c.window, c.prompt_window)
     return rows
 
 

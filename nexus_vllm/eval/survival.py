@@ -35,7 +35,7 @@ SAMPLERS = ("topk", "pps", "ares")
 # The paper's streaming setting (an event after every prompt chunk) and its evidence (the
 # mean over heads and layers, no carry): the regime this figure is about, and the one it
 # was published in, not the served defaults.
-STREAMING = {"prompt_mode": "stream", "head_reduce": "mean", "carry": 0}
+STREAMING = {"prompt_mode": "stream", "attention_reduce": "mean", "carry": 0}
 # Bins of the inclusion probability for the calibration curve.
 BIN_EDGES = np.linspace(0.0, 1.0, 11)
 
@@ -62,7 +62,7 @@ class SamplerTrace:
             live = ev.live_blocks.tolist()
             n = len(live)
             policy = cfg.policy(prefill=ev.prefill)
-            evidence = Evidence.from_gathered(ev.gathered, head_reduce=cfg.head_reduce,
+            evidence = Evidence.from_gathered(ev.gathered, attention_reduce=cfg.attention_reduce,
                                               num_blocks=n)
             weights = policy.score(evidence, None).to(torch.float64)
             forced = set(forced_blocks(n, cfg.sink_blocks, cfg.recent_blocks).tolist())

@@ -10,7 +10,7 @@ which is correct because every cached token precedes the new ones.
 Evidence for an eviction event is the post-RoPE query rows of the newest ``W`` tokens per
 layer, scored against the cached keys of the layers ``>= skip_layers`` with
 ``nexus_vllm.core.block_attention_mass`` and combined over heads and layers by the
-config's ``head_reduce`` (their maximum by default); the decision (which blocks of
+config's ``attention_reduce`` (their maximum by default); the decision (which blocks of
 ``block_size`` tokens to keep) is shared by every layer and head, as in the vLLM plugin.
 
 Hybrid models (full-attention layers interleaved with sliding-window ones, each kind with
@@ -163,7 +163,7 @@ class EvictionEvent:
     kept_positions: torch.Tensor  # LongTensor[T_after], logical positions still cached
     # What the policy read: the logical ids of the live blocks it scored (LongTensor[N],
     # in cache order) and each evidence kind as gathered over them (``mass``: Tensor[W, N]
-    # combined over heads and layers by the config's head_reduce;
+    # combined over heads and layers by the config's attention_reduce;
     # Evidence.from_gathered reads them back; empty for score-free policies).
     live_blocks: torch.Tensor | None = None
     gathered: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -221,7 +221,7 @@ class StreamingSession:
         # The vLLM plugin's rule for when events fire (nexus_vllm.core.trigger).
         self.trigger = EvictionTrigger(config, _UNKNOWN if prompt_tokens is None
                                        else int(prompt_tokens))
-        keep = max(config.window, config.prefill_window) if config is not None else 0
+        keep = max(config.window, config.prompt_window) if config is not None else 0
         self._query_keep = max(keep, int(capture_rows))
         self._queries: list[torch.Tensor | None] = [None] * self.num_layers
         self._rotary: Rotary | None = None
@@ -292,20 +292,20 @@ class StreamingSession:
         rotary = (self.rotary() if any(evidence_kind(k).needs_rotary for k in kinds)
                   else None)
         return DenseSequence(layers=layers, block_size=cfg.block_size,
-                             head_reduce=cfg.head_reduce,
+                             attention_reduce=cfg.attention_reduce,
                              query_positions=torch.arange(self.seen - w, self.seen),
                              next_position=self.seen, rotary=rotary)
 
     def gather(self, kinds: frozenset[str], window: int) -> dict[str, torch.Tensor]:
         """Each evidence kind in ``kinds`` for this sequence now, as its registered dense
         gatherer computes it (``mass``: ``[W, N]`` rows combined over heads and layers by
-        the config's ``head_reduce``, rows of maxima under ``max``)."""
+        the config's ``attention_reduce``, rows of maxima under ``max``)."""
         seq = self._sequence(window, kinds)
         return {name: evidence_kind(name).gather_dense(seq) for name in sorted(kinds)}
 
     def block_mass(self, window: int) -> torch.Tensor:
         """Attention mass ``[W, N]`` of the newest ``window`` queries over the scored
-        layers and heads, combined by the config's ``head_reduce``."""
+        layers and heads, combined by the config's ``attention_reduce``."""
         return self.gather(frozenset({"mass"}), window)["mass"]
 
     def key_norms(self) -> torch.Tensor:
@@ -352,9 +352,9 @@ class StreamingSession:
         b = cfg.block_size
         t = self.cache_len
         policy = cfg.policy(prefill=prefill, prompt_tokens=self.prompt_tokens)
-        window = policy.window(cfg.prefill_window if prefill else cfg.window)
+        window = policy.window(cfg.prompt_window if prefill else cfg.window)
         gathered = self.gather(policy.needs, window) if policy.needs else {}
-        evidence = Evidence.from_gathered(gathered, head_reduce=cfg.head_reduce,
+        evidence = Evidence.from_gathered(gathered, attention_reduce=cfg.attention_reduce,
                                           num_blocks=n_blocks)
         live_blocks = self.positions[::b] // b if self.record_events else None
         keep = policy.select(
@@ -424,7 +424,7 @@ class StreamingSession:
                              "'end' without prefill_budget, or 'keep'")
         # What an evicting session refuses at construction (no full-attention layer, ...).
         _sliding_layers(self.cache, self.model.config, evicting=True)
-        need = max(config.window, config.prefill_window)
+        need = max(config.window, config.prompt_window)
         if self._query_keep < need:
             raise ValueError(f"this session kept {self._query_keep} query rows; the config "
                              f"scores {need}")

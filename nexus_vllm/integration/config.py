@@ -31,7 +31,7 @@ ADDITIONAL_CONFIG_KEY = "nexus"
 # The per-request fields of ``vllm_xargs`` -> the EvictionConfig field each sets.
 CONFIG_FIELD_OF = {"kv_budget": "max_tokens", "kv_eviction": "method",
                    "kv_prompt_mode": "prompt_mode", "kv_prefill_budget": "prefill_budget",
-                   "kv_question_tokens": "prefill_window"}
+                   "kv_question_tokens": "prompt_window"}
 REQUEST_FIELDS = tuple(CONFIG_FIELD_OF)
 
 
@@ -64,7 +64,7 @@ def request_config(server_cfg: EvictionConfig | None,
     ``extra_args`` are the request's ``vllm_xargs``; a token count may be an integral
     float. A ``kv_prompt_mode`` other than ``end`` drops the server's ``prefill_budget``
     (it applies to ``end`` only). ``kv_question_tokens`` (the question's length) sets the
-    query rows that score the request's prompt events (``prefill_window``).
+    query rows that score the request's prompt events (``prompt_window``).
 
     Raises
     ------
@@ -93,7 +93,7 @@ def request_config(server_cfg: EvictionConfig | None,
             changes["prefill_budget"] = int(extra_args["kv_prefill_budget"])
         if "kv_question_tokens" in extra_args:
             # The question's length: the prompt's newest rows that score its events.
-            changes["prefill_window"] = int(extra_args["kv_question_tokens"])
+            changes["prompt_window"] = int(extra_args["kv_question_tokens"])
         if changes:
             cfg = cfg.replace(**changes)
     return None if cfg.method == "none" else cfg

@@ -63,7 +63,7 @@ class ScoreRequest:
     ----------
     window : int
         Newest queries to score with (per layer; their mass combined over the query
-        heads and scored layers as ``head_reduce`` says, the maximum by default).
+        heads and scored layers as ``attention_reduce`` says, the maximum by default).
     num_logical_blocks : int
         ``ceil(tokens after this step / block_size)``: the masses' columns are the live
         blocks among the first ``num_logical_blocks`` logical blocks.
@@ -136,7 +136,7 @@ class WorkerReply:
         blocks (the live blocks among its first ``num_logical_blocks``, in logical order):
         ``[W, N]`` for a ``rows`` kind (the mass of its ``window`` newest queries,
         combined over the scored layers and all query heads of all ranks by the server's
-        ``head_reduce``), ``[N]`` for a ``blocks`` kind (key norms, expected attention).
+        ``attention_reduce``), ``[N]`` for a ``blocks`` kind (key norms, expected attention).
         A request the worker dropped (a fault it counted) is absent.
     scoring_seconds : float
         Device time spent scoring (wall time on CPU).

@@ -31,10 +31,10 @@ def block_attention_mass_paged_torch(
     seq_lens: torch.Tensor,
     out: torch.Tensor,
     kv_layout: str = "NHD",
-    head_reduce: str = "mean",
+    attention_reduce: str = "mean",
 ) -> torch.Tensor:
     """Torch fallback: ``core.block_attention_mass_paged`` per request, combined into
-    ``out`` (added; with ``head_reduce="max"`` the elementwise maximum).
+    ``out`` (added; with ``attention_reduce="max"`` the elementwise maximum).
 
     ``out`` is float32 ``[R, W, max_blocks]``; rows of requests shorter than the window and
     columns past each request's block count are left unchanged.
@@ -55,10 +55,10 @@ def block_attention_mass_paged_torch(
             continue
         mass = _core_mass_paged(
             queries[r, w - w_live :], key_cache, block_tables[r], seq_len, kv_layout=kv_layout,
-            head_reduce=head_reduce,
+            attention_reduce=attention_reduce,
         )
         view = out[r, w - w_live :, :n]
-        if head_reduce == "max":
+        if attention_reduce == "max":
             torch.maximum(view, mass, out=view)
         else:
             view += mass
@@ -94,11 +94,11 @@ def block_attention_mass_paged_batched(
     seq_lens: torch.Tensor,
     out: torch.Tensor,
     kv_layout: str = "NHD",
-    head_reduce: str = "mean",
+    attention_reduce: str = "mean",
 ) -> torch.Tensor:
     """The torch path vectorised over requests: combined into ``out`` like the others."""
     return block_attention_mass_paged_batched_layers(
-        queries[None], [key_cache], block_tables, seq_lens, out, kv_layout, head_reduce
+        queries[None], [key_cache], block_tables, seq_lens, out, kv_layout, attention_reduce
     )
 
 
@@ -109,11 +109,11 @@ def block_attention_mass_paged_batched_layers(
     seq_lens: torch.Tensor,
     out: torch.Tensor,
     kv_layout: str = "NHD",
-    head_reduce: str = "mean",
+    attention_reduce: str = "mean",
 ) -> torch.Tensor:
     """The batched path over several layers: ``queries[l]`` against ``key_caches[l]``,
     all combined into ``out`` (float32 ``[R, W, max_blocks]``): each layer's mean over
-    its query heads summed, or with ``head_reduce="max"`` the maximum over every layer
+    its query heads summed, or with ``attention_reduce="max"`` the maximum over every layer
     and head (and ``out``).
 
     What depends only on the batch (gather ids, query positions, the mask) is built once
@@ -163,7 +163,7 @@ def block_attention_mass_paged_batched_layers(
                 # A finite floor keeps fully masked rows NaN-free (they are dropped).
                 logits.view(n, hkv, g, w, t)[..., first:].masked_fill_(hidden, _MASKED)
             per_head = torch.softmax(logits, dim=-1).view(n, hq, w, m, bs).sum(dim=-1)
-            if head_reduce == "max":
+            if attention_reduce == "max":
                 torch.maximum(out[lo:hi], per_head.amax(dim=1) * live_rows, out=out[lo:hi])
             else:
                 out[lo:hi] += per_head.mean(dim=1) * live_rows

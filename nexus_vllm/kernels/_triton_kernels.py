@@ -22,7 +22,7 @@ Block scoring is split in three launches so that the key cache is read exactly o
 3. ``_block_mass_combine_kernel`` -- grid ``(R, cdiv(max_blocks, BLOCK_N))``. Sums the
    rescaled partials over query heads (deterministic order, no atomics), divides by ``Hq``
    and stores (or adds into) ``out[r, i, j]``; with ``HEAD_MAX`` it takes their maximum
-   instead and stores it (or the maximum with ``out``): ``head_reduce="max"``.
+   instead and stores it (or the maximum with ``out``): ``attention_reduce="max"``.
 
 Compaction is one launch, ``_compact_block_tables_kernel`` -- grid ``(R,)``.
 """

@@ -3,7 +3,7 @@
 Public API (also exported by ``nexus_vllm.kernels``)
 ---------------------------------------------------
 ``block_attention_mass_paged(queries, key_cache, block_tables, seq_lens, *, kv_layout="NHD",
-backend="auto", out=None, head_reduce="mean") -> Tensor[R, W, max_blocks] float32``
+backend="auto", out=None, attention_reduce="mean") -> Tensor[R, W, max_blocks] float32``
     ``queries`` ``[R, W, Hq, D]`` (fp32/fp16/bf16); ``key_cache`` the K part of a paged cache,
     any strides, ``[num_blocks, block_size, Hkv, D]`` (``"NHD"``) or
     ``[num_blocks, Hkv, block_size, D]`` (``"HND"``), same dtype as ``queries``;
@@ -16,7 +16,7 @@ backend="auto", out=None, head_reduce="mean") -> Tensor[R, W, max_blocks] float3
     (``i < W - seq_len``, i.e. a request shorter than the window) are all 0, so a request
     with ``seq_len == 0`` gives an all-zero slice; the other rows each sum to 1. With
     ``out`` (float32 ``[R, W, max_blocks]``) the result is *added* into it (one buffer for
-    several layers) and ``out`` is returned. ``head_reduce="max"`` takes the maximum over
+    several layers) and ``out`` is returned. ``attention_reduce="max"`` takes the maximum over
     query heads of each head's block mass instead of their mean (rows then do not sum to
     1: the caller renormalises) and combines with ``out`` by the elementwise maximum
     instead of adding (mass is >= 0, so a zeroed ``out`` is the identity of both). A
@@ -26,7 +26,7 @@ backend="auto", out=None, head_reduce="mean") -> Tensor[R, W, max_blocks] float3
 
 ``block_attention_mass_paged_layers(queries, key_caches, block_tables, seq_lens, *, ...)``
     The same over several layers of one batch (``queries`` ``[L, R, W, Hq, D]``, one key
-    cache per layer), summed (``head_reduce="max"``: their maximum): what the vLLM
+    cache per layer), summed (``attention_reduce="max"``: their maximum): what the vLLM
     plugin calls once per eviction step. A composition of the op above (one launch per
     layer), except on the ``"batched"`` backend, which builds the batch's gather ids and
     mask once for all layers.
@@ -56,8 +56,8 @@ bit); all are deterministic. Compaction treats ``"batched"`` as ``"torch"``.
 
 Custom ops (what ``torch.compile`` sees; each has a fake implementation):
 ``torch.ops.nexus_vllm.block_attention_mass_paged(q, k, bt, sl, kv_layout, backend,
-head_reduce)`` (functional), ``torch.ops.nexus_vllm.block_attention_mass_paged_add_(q, k, bt,
-sl, out, kv_layout, backend, head_reduce)`` (mutates ``out``) and
+attention_reduce)`` (functional), ``torch.ops.nexus_vllm.block_attention_mass_paged_add_(q, k, bt,
+sl, out, kv_layout, backend, attention_reduce)`` (mutates ``out``) and
 ``torch.ops.nexus_vllm.compact_block_tables(bt, sl, out_tables, out_seq_lens, block_size,
 null_block, backend, validate)`` (mutates the two outputs).
 This module has no ``from __future__ import annotations``: ``torch.library.custom_op``
@@ -77,7 +77,7 @@ from collections.abc import Sequence
 
 import torch
 
-from nexus_vllm.core.scoring import HEAD_REDUCES, KV_LAYOUTS
+from nexus_vllm.core.scoring import ATTENTION_REDUCES, KV_LAYOUTS
 from nexus_vllm.kernels._interpreter import triton_interpret_enabled
 from nexus_vllm.kernels._launch import block_mass_triton, compact_triton
 from nexus_vllm.kernels._reference import (
@@ -98,7 +98,7 @@ except (ImportError, OSError):  # pragma: no cover - missing or broken (no libtr
 __all__ = [
     "BACKENDS",
     "HAS_TRITON",
-    "HEAD_REDUCES",
+    "ATTENTION_REDUCES",
     "KV_LAYOUTS",
     "block_attention_mass_paged",
     "block_attention_mass_paged_batched",
@@ -147,7 +147,7 @@ def block_attention_mass_paged(
     kv_layout: str = "NHD",
     backend: str = "auto",
     out: torch.Tensor | None = None,
-    head_reduce: str = "mean",
+    attention_reduce: str = "mean",
 ) -> torch.Tensor:
     """Attention mass of each request's window queries on each of its live KV blocks.
 
@@ -168,9 +168,9 @@ def block_attention_mass_paged(
     backend : {"auto", "triton", "torch", "batched"}
     out : Tensor[R, W, max_blocks] (float32), optional
         If given, the result is combined into it (several layers into one buffer): added,
-        or with ``head_reduce="max"`` the elementwise maximum.
-    head_reduce : {"mean", "max"}
-        How the query heads combine (``nexus_vllm.core.HEAD_REDUCES``).
+        or with ``attention_reduce="max"`` the elementwise maximum.
+    attention_reduce : {"mean", "max"}
+        How the query heads combine (``nexus_vllm.core.ATTENTION_REDUCES``).
 
     Returns
     -------
@@ -181,13 +181,13 @@ def block_attention_mass_paged(
         count are 0 (or unchanged in ``out``).
     """
     _check_mass_args(queries, key_cache, block_tables, seq_lens, kv_layout, backend, out,
-                     head_reduce)
+                     attention_reduce)
     if out is None:
         return torch.ops.nexus_vllm.block_attention_mass_paged(
-            queries, key_cache, block_tables, seq_lens, kv_layout, backend, head_reduce
+            queries, key_cache, block_tables, seq_lens, kv_layout, backend, attention_reduce
         )
     torch.ops.nexus_vllm.block_attention_mass_paged_add_(
-        queries, key_cache, block_tables, seq_lens, out, kv_layout, backend, head_reduce
+        queries, key_cache, block_tables, seq_lens, out, kv_layout, backend, attention_reduce
     )
     return out
 
@@ -201,10 +201,10 @@ def block_attention_mass_paged_layers(
     kv_layout: str = "NHD",
     backend: str = "auto",
     out: torch.Tensor | None = None,
-    head_reduce: str = "mean",
+    attention_reduce: str = "mean",
 ) -> torch.Tensor:
     """:func:`block_attention_mass_paged` over several layers of one batch, summed (with
-    ``head_reduce="max"``: the maximum over every layer and head).
+    ``attention_reduce="max"``: the maximum over every layer and head).
 
     Parameters
     ----------
@@ -212,7 +212,7 @@ def block_attention_mass_paged_layers(
         Layer ``l``'s window queries, scored against ``key_caches[l]``.
     key_caches : sequence of L key caches
         Same shapes, dtype and layout as the single-layer op takes.
-    block_tables, seq_lens, kv_layout, backend, out, head_reduce
+    block_tables, seq_lens, kv_layout, backend, out, attention_reduce
         As for :func:`block_attention_mass_paged`; shared by every layer.
 
     Returns
@@ -228,7 +228,7 @@ def block_attention_mass_paged_layers(
                          f"{tuple(queries.shape)}")
     # The shared arguments once; then only what can differ per layer (on the hot path).
     _check_mass_args(queries[0], key_caches[0], block_tables, seq_lens, kv_layout, backend, out,
-                     head_reduce)
+                     attention_reduce)
     first = key_caches[0]
     for li, cache in enumerate(key_caches):
         if (cache.shape != first.shape or cache.dtype != first.dtype
@@ -243,12 +243,12 @@ def block_attention_mass_paged_layers(
                           device=queries.device)
     if resolve_backend(backend, queries.device) == "batched":
         block_attention_mass_paged_batched_layers(
-            queries, key_caches, block_tables, seq_lens, out, kv_layout, head_reduce
+            queries, key_caches, block_tables, seq_lens, out, kv_layout, attention_reduce
         )
         return out
     for q, cache in zip(queries, key_caches, strict=True):
         torch.ops.nexus_vllm.block_attention_mass_paged_add_(
-            q, cache, block_tables, seq_lens, out, kv_layout, backend, head_reduce
+            q, cache, block_tables, seq_lens, out, kv_layout, backend, attention_reduce
         )
     return out
 
@@ -322,12 +322,12 @@ def _check_mass_args(
     kv_layout: str,
     backend: str,
     out: torch.Tensor | None,
-    head_reduce: str = "mean",
+    attention_reduce: str = "mean",
 ) -> None:
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
-    if head_reduce not in HEAD_REDUCES:
-        raise ValueError(f"head_reduce must be one of {HEAD_REDUCES}, got {head_reduce!r}")
+    if attention_reduce not in ATTENTION_REDUCES:
+        raise ValueError(f"attention_reduce must be one of {ATTENTION_REDUCES}, got {attention_reduce!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if queries.dim() != 4:
@@ -442,14 +442,14 @@ def _mass_impl(
     kv_layout: str,
     backend: str,
     accumulate: bool,
-    head_reduce: str,
+    attention_reduce: str,
 ) -> None:
     which = resolve_backend(backend, queries.device)
     if which == "batched":
         if not accumulate:
             out.zero_()
         block_attention_mass_paged_batched(
-            queries, key_cache, block_tables, seq_lens, out, kv_layout, head_reduce
+            queries, key_cache, block_tables, seq_lens, out, kv_layout, attention_reduce
         )
         return
     if which == "triton":
@@ -457,7 +457,7 @@ def _mass_impl(
         if (bs >= 16 and (bs & (bs - 1)) == 0) or backend == "triton":
             block_mass_triton(
                 queries, key_cache, block_tables, seq_lens, out, kv_layout, accumulate,
-                head_reduce == "max",
+                attention_reduce == "max",
             )
             return
     # torch path (also "auto" with a block size the kernel does not take); mass is >= 0,
@@ -465,7 +465,7 @@ def _mass_impl(
     if not accumulate:
         out.zero_()
     block_attention_mass_paged_torch(queries, key_cache, block_tables, seq_lens, out, kv_layout,
-                                     head_reduce)
+                                     attention_reduce)
 
 
 @torch.library.custom_op("nexus_vllm::block_attention_mass_paged", mutates_args=())
@@ -476,17 +476,17 @@ def _block_mass_op(
     seq_lens: torch.Tensor,
     kv_layout: str,
     backend: str,
-    head_reduce: str,
+    attention_reduce: str,
 ) -> torch.Tensor:
     r, w = queries.shape[:2]
     out = torch.empty((r, w, block_tables.shape[1]), dtype=torch.float32, device=queries.device)
     _mass_impl(queries, key_cache, block_tables, seq_lens, out, kv_layout, backend, False,
-               head_reduce)
+               attention_reduce)
     return out
 
 
 @_block_mass_op.register_fake
-def _(queries, key_cache, block_tables, seq_lens, kv_layout, backend, head_reduce):
+def _(queries, key_cache, block_tables, seq_lens, kv_layout, backend, attention_reduce):
     r, w = queries.shape[:2]
     return queries.new_empty((r, w, block_tables.shape[1]), dtype=torch.float32)
 
@@ -500,14 +500,14 @@ def _block_mass_add_op(
     out: torch.Tensor,
     kv_layout: str,
     backend: str,
-    head_reduce: str,
+    attention_reduce: str,
 ) -> None:
     _mass_impl(queries, key_cache, block_tables, seq_lens, out, kv_layout, backend, True,
-               head_reduce)
+               attention_reduce)
 
 
 @_block_mass_add_op.register_fake
-def _(queries, key_cache, block_tables, seq_lens, out, kv_layout, backend, head_reduce):
+def _(queries, key_cache, block_tables, seq_lens, out, kv_layout, backend, attention_reduce):
     return None
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from nexus_vllm.core import (
+    ATTENTION_REDUCES,
     EVIDENCE_KINDS,
-    HEAD_REDUCES,
     Evidence,
     Rotary,
     evidence_kind,
@@ -71,10 +71,10 @@ def test_evidence_is_a_validated_mapping():
     with pytest.raises(KeyError, match="holds no 'mass'"):
         _ = empty.mass
     # Gathered maxima: mass rows renormalised, their totals kept.
-    ev = Evidence.from_gathered({"mass": torch.tensor([[0.5, 1.0, 0.5]])}, head_reduce="max")
+    ev = Evidence.from_gathered({"mass": torch.tensor([[0.5, 1.0, 0.5]])}, attention_reduce="max")
     torch.testing.assert_close(ev.mass, torch.tensor([[0.25, 0.5, 0.25]]))
     torch.testing.assert_close(ev.row_scale, torch.tensor([2.0]))
-    assert Evidence.from_gathered({"mass": mass}, head_reduce="mean").row_scale is None
+    assert Evidence.from_gathered({"mass": mass}, attention_reduce="mean").row_scale is None
 
 
 @pytest.mark.parametrize("head_size", [8, 32])
@@ -120,11 +120,11 @@ def _paged(keys_per_req, block_size, g):
     return cache, tables, n_max
 
 
-@pytest.mark.parametrize("head_reduce", HEAD_REDUCES)
+@pytest.mark.parametrize("attention_reduce", ATTENTION_REDUCES)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("shape", HEAD_SHAPES)
 @pytest.mark.parametrize("kind_name", list(EVIDENCE_KINDS))
-def test_paged_gatherer_split_over_ranks_matches_dense(kind_name, shape, batch, head_reduce):
+def test_paged_gatherer_split_over_ranks_matches_dense(kind_name, shape, batch, attention_reduce):
     """Every kind's worker gatherer, on two layers split over two TP ranks (each with half
     the heads) and reduced as the kind declares, gives its transformers-path gatherer."""
     hq, hkv, d, bs = shape
@@ -155,7 +155,7 @@ def test_paged_gatherer_split_over_ranks_matches_dense(kind_name, shape, batch, 
         caches.append(c)
     positions = torch.tensor([[t - w_s + i for i in range(w_s)] for t in lens]).clamp(min=0)
     tp = 2 if hkv % 2 == 0 else 1
-    op = kind.rank_reduce(head_reduce)
+    op = kind.rank_reduce(attention_reduce)
     layout_shape = ((len(lens), w_s, n_max) if kind.layout == "rows" else (len(lens), n_max))
     total = None
     for rank in range(tp):
@@ -167,7 +167,7 @@ def test_paged_gatherer_split_over_ranks_matches_dense(kind_name, shape, batch, 
             next_positions=torch.tensor(lens),
             key_caches=[c[:, rank * hk:(rank + 1) * hk] for c in caches],
             tables=tables, seq_lens=torch.tensor(lens, dtype=torch.int32),
-            head_reduce=head_reduce, layers_divisor=layers * tp, rotary=rotary), part)
+            attention_reduce=attention_reduce, layers_divisor=layers * tp, rotary=rotary), part)
         if total is None:
             total = part
         else:
@@ -178,12 +178,12 @@ def test_paged_gatherer_split_over_ranks_matches_dense(kind_name, shape, batch, 
         seq = DenseSequence(
             layers=[DenseLayer(queries=queries[li, r, w_s - w:], keys=keys[li][r])
                     for li in range(layers)],
-            block_size=bs, head_reduce=head_reduce,
+            block_size=bs, attention_reduce=attention_reduce,
             query_positions=positions[r, w_s - w:], next_position=t, rotary=rotary)
         want = kind.gather_dense(seq)
         n = -(-t // bs)
         got = total[r, w_s - w:, :n] if kind.layout == "rows" else total[r, :n]
-        got_parts, want_parts = kind.finish(got, head_reduce), kind.finish(want, head_reduce)
+        got_parts, want_parts = kind.finish(got, attention_reduce), kind.finish(want, attention_reduce)
         assert set(got_parts) == set(want_parts)
         for name, value in want_parts.items():
             torch.testing.assert_close(got_parts[name], value, atol=2e-5, rtol=1e-4)

@@ -84,7 +84,7 @@ def test_expected_attention_is_a_registered_kind():
         Evidence(mass, expected_attention=torch.ones(4))
     # Gathered maxima renormalised to a distribution over the blocks.
     ev = Evidence.from_gathered({"expected_attention": torch.tensor([1.0, 2.0, 1.0])},
-                                head_reduce="max")
+                                attention_reduce="max")
     torch.testing.assert_close(ev["expected_attention"], torch.tensor([0.25, 0.5, 0.25]))
 
 

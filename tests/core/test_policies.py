@@ -193,7 +193,7 @@ def test_best_row_reads_the_shares_softmax_gave():
     # one of them reads block 1 at 0.8; row 1's heads agree on block 2 at 0.5.
     maxima = torch.tensor([[0.4, 0.8, 0.2, 0.6],
                            [0.25, 0.0, 0.5, 0.25]])
-    evidence = Evidence.from_gathered({"mass": maxima}, head_reduce="max")
+    evidence = Evidence.from_gathered({"mass": maxima}, attention_reduce="max")
     torch.testing.assert_close(evidence.mass.sum(1), torch.ones(2))
     torch.testing.assert_close(evidence.row_scale, torch.tensor([2.0, 1.0]))
     raw = direct_scores(evidence.mass, "max", evidence.row_scale)
@@ -204,7 +204,7 @@ def test_best_row_reads_the_shares_softmax_gave():
     nexus = get_policy("nexus", direct="max", indirect="none", sampler="topk",
                        sink_blocks=1, recent_blocks=0)
     assert nexus.select(evidence, 3).tolist() == [0, 1, 3]
-    assert Evidence.from_gathered({"mass": evidence.mass}, head_reduce="mean").row_scale is None
+    assert Evidence.from_gathered({"mass": evidence.mass}, attention_reduce="mean").row_scale is None
     with pytest.raises(ValueError, match="row_scale"):
         Evidence(evidence.mass, row_scale=torch.tensor([1.0]))
     with pytest.raises(ValueError, match="row_scale"):
@@ -313,7 +313,7 @@ def test_eviction_config():
     assert ratio.budget_blocks(32 * 100) == 20
     # The defaults: prompt mode end (direct attention and top-K at the prompt-end event,
     # the walk at decode), heads and layers by their maximum, one block of carry.
-    assert (ratio.prompt_mode, ratio.head_reduce, ratio.carry) == ("end", "max", 1)
+    assert (ratio.prompt_mode, ratio.attention_reduce, ratio.carry) == ("end", "max", 1)
     assert ratio.policy(prefill=True).indirect == "none" and ratio.policy().indirect == "walk"
     streaming = ratio.replace(prompt_mode="stream")
     assert streaming.policy(prefill=True).indirect == "walk"
@@ -355,7 +355,7 @@ def test_eviction_config():
         ({"policy_args": ["steps"]}, "policy_args must be a mapping"),
         ({"carry": -1}, "^carry must be >= 0"),
         ({"carry": 5}, "^carry must be <= 4"),
-        ({"head_reduce": "sum"}, "^head_reduce must be one of"),
+        ({"attention_reduce": "sum"}, "^attention_reduce must be one of"),
     ],
 )
 def test_bad_eviction_config(kwargs, match):
@@ -427,7 +427,7 @@ def test_carry_forward_keeps_the_block_after_a_found_one():
     assert torch.equal(get_policy("knorm", carry=1).select(Evidence(key_norms=norms), 8),
                        get_policy("knorm").select(Evidence(key_norms=norms), 8))
     # The config carries it to every policy it builds.
-    cfg = EvictionConfig(method="tova", carry=1, head_reduce="max")
+    cfg = EvictionConfig(method="tova", carry=1, attention_reduce="max")
     assert cfg.policy().carry == 1 and cfg.policy(prefill=True).carry == 1
 
 
@@ -452,3 +452,30 @@ def test_the_forced_set_formula_is_one(sinks: int, recent: int) -> None:
     cfg = EvictionConfig(method="nexus", max_tokens=1024, sink_blocks=sinks,
                          recent_blocks=recent)
     assert cfg.num_forced == cfg.policy().num_forced == forced_count(sinks, recent)
+
+
+# -- renamed config keys -------------------------------------------------------------
+def test_former_key_names_are_accepted_with_a_deprecation_line(caplog):
+    from nexus_vllm.core import config as config_module
+
+    config_module._warned_renamed.clear()
+    with caplog.at_level("WARNING", logger="nexus_vllm.core.config"):
+        old = EvictionConfig.from_dict({"method": "nexus", "max_tokens": 512,
+                                        "head_reduce": "mean", "prefill_window": 8})
+    new = EvictionConfig.from_dict({"method": "nexus", "max_tokens": 512,
+                                    "attention_reduce": "mean", "prompt_window": 8})
+    assert old == new and (old.attention_reduce, old.prompt_window) == ("mean", 8)
+    said = caplog.text
+    assert "'head_reduce' is now 'attention_reduce'" in said
+    assert "'prefill_window' is now 'prompt_window'" in said
+    # Through replace() and from_budget(), the paths eval method specs and presets take.
+    assert new.replace(head_reduce="max").attention_reduce == "max"
+    assert EvictionConfig.from_budget("nexus", 0.2, prefill_window=4).prompt_window == 4
+
+
+def test_a_later_key_wins_whichever_name_it_uses():
+    later_old = EvictionConfig.from_dict({"max_tokens": 512, "attention_reduce": "max",
+                                          "head_reduce": "mean"})
+    later_new = EvictionConfig.from_dict({"max_tokens": 512, "head_reduce": "mean",
+                                          "attention_reduce": "max"})
+    assert (later_old.attention_reduce, later_new.attention_reduce) == ("mean", "max")

@@ -22,7 +22,7 @@ SHAPES = [
 
 
 def naive_mass(q: torch.Tensor, k: torch.Tensor, block_size: int,
-               head_reduce: str = "mean") -> torch.Tensor:
+               attention_reduce: str = "mean") -> torch.Tensor:
     """Loop-per-query/head version of the definition, in float64."""
     w, hq, d = q.shape
     t, hkv, _ = k.shape
@@ -36,7 +36,7 @@ def naive_mass(q: torch.Tensor, k: torch.Tensor, block_size: int,
             p = torch.softmax(logits, dim=0)
             for j in range(n):
                 per_head[h, i, j] = p[j * block_size : (j + 1) * block_size].sum()
-    return per_head.mean(0) if head_reduce == "mean" else per_head.max(0).values
+    return per_head.mean(0) if attention_reduce == "mean" else per_head.max(0).values
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -58,7 +58,7 @@ def test_max_over_heads_matches_definition(shape):
     g = torch.Generator().manual_seed(sum(shape) + 1)
     q = torch.randn(w, hq, d, generator=g)
     k = torch.randn(t, hkv, d, generator=g)
-    got = block_attention_mass(q, k, b, head_reduce="max")
+    got = block_attention_mass(q, k, b, attention_reduce="max")
     torch.testing.assert_close(got.double(), naive_mass(q, k, b, "max"), atol=1e-5, rtol=1e-5)
     mean = block_attention_mass(q, k, b)
     assert bool((got >= mean - 1e-6).all())  # the max of the heads is at least their mean
@@ -86,7 +86,7 @@ def test_combined_layers_mean_sums_to_one_and_max_keeps_one_heads_focus():
     # A query that saw nothing stays all zeros.
     zero = combine_layer_masses([torch.zeros(1, 3)], "max")
     assert torch.equal(zero, torch.zeros(1, 3))
-    with pytest.raises(ValueError, match="head_reduce"):
+    with pytest.raises(ValueError, match="attention_reduce"):
         combine_layer_masses(layers, "sum")
     with pytest.raises(ValueError, match="at least one layer"):
         combine_layer_masses([], "max")
@@ -128,7 +128,7 @@ def test_paged_equals_contiguous(shape, layout):
         ({"keys": torch.randn(10, 3, 8)}, "multiple of KV heads"),
         ({"queries": torch.randn(20, 4, 8)}, "window"),
         ({"keys": torch.randn(10, 2, 4)}, "head size"),
-        ({"head_reduce": "sum"}, "head_reduce"),
+        ({"attention_reduce": "sum"}, "attention_reduce"),
     ],
 )
 def test_mass_rejects_bad_input(kwargs, match):

@@ -105,13 +105,13 @@ def test_sets_pair_against_one_of_their_own() -> None:
         Candidate("a", rows="answer")
 
 
-@pytest.mark.parametrize("head_reduce", ["mean", "max"])
-def test_per_head_mass_reduces_to_the_sessions_evidence(prompt, head_reduce: str) -> None:
+@pytest.mark.parametrize("attention_reduce", ["mean", "max"])
+def test_per_head_mass_reduces_to_the_sessions_evidence(prompt, attention_reduce: str) -> None:
     """What ``union`` reads is the session's evidence before heads and layers combine."""
     session = prompt.dense_states[0][0].with_config(
-        candidate_config(Candidate("a")).replace(head_reduce=head_reduce))
+        candidate_config(Candidate("a")).replace(attention_reduce=attention_reduce))
     per = per_head_mass(session, 32)
-    combined = per.mean(0) if head_reduce == "mean" else per.amax(0)
+    combined = per.mean(0) if attention_reduce == "mean" else per.amax(0)
     torch.testing.assert_close(combined, session.block_mass(32))
     assert per.shape == (2 * 4, 32, 20)  # scored layers 2, 3 x 4 query heads
 
@@ -121,7 +121,7 @@ def test_weights_read_the_rows_asked(prompt) -> None:
     question = Candidate("q", rows="question", heads="max", rows_reduce="max")
     last = Candidate("l", window=40, heads="max", rows_reduce="max")
     view = prompt.dense_states[0][0].with_config(
-        candidate_config(last).replace(head_reduce="max"))
+        candidate_config(last).replace(attention_reduce="max"))
     rows = view.block_mass(40)[:30]  # the prompt's last 40 rows; the question is 600..630
     want = rows.double().amax(0)
     torch.testing.assert_close(candidate_weights(question, session, prompt), want / want.sum())

@@ -16,7 +16,7 @@ from nexus_vllm.hf.testing import tiny_model
 
 torch.set_num_threads(1)
 
-KNOBS = {"block_size": 8, "window": 4, "prefill_window": 8, "skip_layers": 1}
+KNOBS = {"block_size": 8, "window": 4, "prompt_window": 8, "skip_layers": 1}
 
 
 def _ids(seed: int, n: int) -> torch.Tensor:

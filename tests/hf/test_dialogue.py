@@ -28,7 +28,7 @@ CONFIGS = [
     ("tova", 160, {"interval": 12}),
 ]
 # The streaming setting: a conversation's prompt chunks each followed by an event.
-BASE = {"block_size": 8, "recent_blocks": 2, "window": 4, "prefill_window": 8,
+BASE = {"block_size": 8, "recent_blocks": 2, "window": 4, "prompt_window": 8,
         "skip_layers": 1, "chunk_size": 48, "prompt_mode": "stream"}
 
 

@@ -29,7 +29,7 @@ METHODS = [case.name for case in POLICY_CASES]
 # Small blocks and chunks: a 300-token prompt sees many events, and the window (64)
 # spans several chunks and blocks.
 KNOBS = {"block_size": 8, "recent_blocks": 2, "interval": 4, "window": 4,
-         "prefill_window": 8, "skip_layers": 1, "prompt_mode": "stream", "chunk_size": 40}
+         "prompt_window": 8, "skip_layers": 1, "prompt_mode": "stream", "chunk_size": 40}
 PLAIN = "nexus_test_plain_attention"
 
 

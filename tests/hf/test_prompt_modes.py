@@ -21,7 +21,7 @@ CONTEXT = ("The quick brown fox jumps over the lazy dog while the magic number i
 QUESTION = " Question: what is the magic number? Answer:"
 ANSWER = " 4815162"
 KNOBS = {"block_size": 8, "recent_blocks": 2, "interval": 4, "window": 4,
-         "prefill_window": 8, "skip_layers": 1}
+         "prompt_window": 8, "skip_layers": 1}
 METHODS = ["nexus", "snapkv", "tova", "knorm", "h2o"]
 
 
@@ -38,8 +38,8 @@ def test_end_mode_one_event_after_the_question(model, tok, method: str) -> None:
     assert event.blocks_before == num_blocks_for(n_prompt, 8)  # nothing evicted before
     assert event.blocks_after <= event.budget_blocks
     if event.mass is not None and method != "tova":
-        # The window: the prompt's last prefill_window tokens, the question's.
-        assert event.mass.shape[0] == KNOBS["prefill_window"]
+        # The window: the prompt's last prompt_window tokens, the question's.
+        assert event.mass.shape[0] == KNOBS["prompt_window"]
 
 
 def test_end_mode_prefill_budget_caps_the_prompt(model, tok) -> None:

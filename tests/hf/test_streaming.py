@@ -19,7 +19,7 @@ METHODS = [case.name for case in POLICY_CASES]
 # Small blocks and chunks so a ~900-token prompt sees many events.
 # The streaming setting (an event after every prompt chunk): what these tests exercise.
 KNOBS = {"block_size": 8, "recent_blocks": 2, "interval": 4, "window": 4,
-         "prefill_window": 8, "skip_layers": 1, "prompt_mode": "stream"}
+         "prompt_window": 8, "skip_layers": 1, "prompt_mode": "stream"}
 
 
 def test_byte_tokenizer_round_trips(tok) -> None:
@@ -171,7 +171,7 @@ def test_other_llama_family_models(tok, family: str) -> None:
 
 def test_layer_stride_scores_every_other_layer(model, tok) -> None:
     """``layer_stride=2`` combines the mass of layers 0 and 2 of 3 only (by the config's
-    ``head_reduce``)."""
+    ``attention_reduce``)."""
     from nexus_vllm.core import block_attention_mass, combine_layer_masses
 
     cfg = make_config("nexus", 0.3, **{**KNOBS, "skip_layers": 0, "layer_stride": 2})
@@ -184,8 +184,8 @@ def test_layer_stride_scores_every_other_layer(model, tok) -> None:
         assert q is not None
         k = session.cache.layers[li].keys[0].transpose(0, 1)
         want.append(block_attention_mass(q[:, -8:].transpose(0, 1), k, cfg.block_size,
-                                         head_reduce=cfg.head_reduce))
-    torch.testing.assert_close(session.block_mass(8), combine_layer_masses(want, cfg.head_reduce))
+                                         attention_reduce=cfg.attention_reduce))
+    torch.testing.assert_close(session.block_mass(8), combine_layer_masses(want, cfg.attention_reduce))
     every = StreamingSession(model, cfg.replace(layer_stride=1))
     every.forward(torch.tensor(tok(CONTEXT)["input_ids"][:200]))
     assert list(every._scored_layers()) == [0, 1, 2]

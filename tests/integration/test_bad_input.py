@@ -211,7 +211,7 @@ def test_good_request_fields_pass_without_eviction() -> None:
 # -- config files and --additional-config ----------------------------------------------
 # key -> lowest allowed value (EvictionConfig)
 _INT_KEYS = {"max_tokens": FLOOR, "block_size": 1, "sink_blocks": 1, "recent_blocks": 0,
-             "interval": 1, "window": 1, "prefill_window": 1, "chunk_size": 1,
+             "interval": 1, "window": 1, "prompt_window": 1, "chunk_size": 1,
              "skip_layers": 0, "steps": 1, "n": 1}
 _NOT_INTS = ["8", 8.0, 1.5, True, NAN, INF, [8]]
 _CHOICE_KEYS = ("method", "direct", "prefill_direct", "indirect", "prefill_indirect",
@@ -339,8 +339,8 @@ BUILD_CASES = [
      "nexus.block_size 2048"),
     (["--kv-budget", "256", "--additional-config", '{"nexus": {"window": 5000}}'],
      "nexus.window 5000"),
-    (["--kv-budget", "256", "--additional-config", '{"nexus": {"prefill_window": 5000}}'],
-     "nexus.prefill_window 5000"),
+    (["--kv-budget", "256", "--additional-config", '{"nexus": {"prompt_window": 5000}}'],
+     "nexus.prompt_window 5000"),
     (["--kv-budget", "256", "--additional-config", '{"nexus": {"interval": 5000}}'],
      "nexus.interval 5000"),
     (["--kv-budget", "256", "--additional-config", '{"nexus": {"skip_layers": 4}}'],

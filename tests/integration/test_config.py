@@ -201,17 +201,17 @@ def test_prompt_mode_from_every_source(tmp_path) -> None:  # noqa: ANN001
 
 
 def test_evidence_knobs_from_every_source(tmp_path) -> None:  # noqa: ANN001
-    """head_reduce and carry (issue 27) reach the server from a preset or
+    """attention_reduce and carry (issue 27) reach the server from a preset or
     --additional-config, and a bad value fails at startup naming its source and field."""
     f = tmp_path / "mean.yaml"
     f.write_text("method: nexus\nhead_reduce: mean\ncarry: 0\n")
     cfg = resolve_config(file=str(f), flags={"max_tokens": 1024})
-    assert (cfg.head_reduce, cfg.carry) == ("mean", 0)
+    assert (cfg.attention_reduce, cfg.carry) == ("mean", 0)
     default = resolve_config(flags={"max_tokens": 1024})
-    assert (default.prompt_mode, default.head_reduce, default.carry) == ("end", "max", 1)
+    assert (default.prompt_mode, default.attention_reduce, default.carry) == ("end", "max", 1)
     assert config_from_additional({"nexus": cfg.to_dict()}) == cfg  # reaches every process
-    with pytest.raises(ValueError, match="^--additional-config nexus: .*head_reduce"):
-        resolve_config(additional={"head_reduce": "sum"}, flags={"max_tokens": 1024})
+    with pytest.raises(ValueError, match="^--additional-config nexus: .*attention_reduce"):
+        resolve_config(additional={"attention_reduce": "sum"}, flags={"max_tokens": 1024})
     with pytest.raises(ValueError, match="^--additional-config nexus: .*carry"):
         resolve_config(additional={"carry": -1}, flags={"max_tokens": 1024})
     with pytest.raises(ValueError, match="^--kv-eviction-config: .*carry"):
@@ -221,11 +221,11 @@ def test_evidence_knobs_from_every_source(tmp_path) -> None:  # noqa: ANN001
 
 def test_request_question_tokens_set_the_prompt_window() -> None:
     server = resolve_config(flags={"method": "nexus", "max_tokens": 256, "prompt_mode": "end"})
-    assert request_config(server, {"kv_question_tokens": 12}).prefill_window == 12
-    assert request_config(server, {"kv_question_tokens": 12.0}).prefill_window == 12
-    assert request_config(server, {}).prefill_window == server.prefill_window == 32
-    # The workers keep max(window, prefill_window) rows per request: no more can score.
-    wide = server.replace(prefill_window=48)
+    assert request_config(server, {"kv_question_tokens": 12}).prompt_window == 12
+    assert request_config(server, {"kv_question_tokens": 12.0}).prompt_window == 12
+    assert request_config(server, {}).prompt_window == server.prompt_window == 32
+    # The workers keep max(window, prompt_window) rows per request: no more can score.
+    wide = server.replace(prompt_window=48)
     validate_request_args({"kv_question_tokens": 48}, wide)
     with pytest.raises(ValueError, match="^vllm_xargs.kv_question_tokens: 49 is above"):
         validate_request_args({"kv_question_tokens": 49}, wide)
@@ -394,7 +394,7 @@ def test_shape_presets() -> None:
     assert chat == EvictionConfig(method="nexus", max_tokens=2048)
     completion = resolve_config(file=str(configs / "nexus-completion.yaml"),
                                 flags={"max_tokens": 2048})
-    assert completion == chat.replace(prefill_window=8)
+    assert completion == chat.replace(prompt_window=8)
     stream = resolve_config(file=str(configs / "nexus-stream.yaml"), flags={"max_tokens": 2048})
     assert stream == chat.replace(prompt_mode="stream")
     spelled = resolve_config(file=str(configs / "nexus.yaml"), flags={"max_tokens": 2048})
@@ -406,7 +406,7 @@ def test_shape_presets() -> None:
 def test_fast_preset_scores_a_quarter() -> None:
     path = pathlib.Path(__file__).parents[2] / "configs" / "nexus-fast.yaml"
     cfg = resolve_config(file=str(path), flags={"max_tokens": 2048})
-    assert cfg.method == "nexus" and cfg.prefill_window == 16
+    assert cfg.method == "nexus" and cfg.prompt_window == 16
     assert list(cfg.scored_layers(30)) == list(range(2, 30, 2))
 
 
@@ -482,7 +482,7 @@ def test_an_existing_path_wins_over_a_preset(tmp_path, monkeypatch) -> None:  # 
     assert load_config_file("nexus-fast.yaml") == {"method": "h2o"}
     assert load_config_file("nexus-fast")["method"] == "nexus"  # no file "nexus-fast"
     cfg = resolve_config(file="nexus-fast", flags={"max_tokens": 2048})
-    assert (cfg.prefill_window, cfg.layer_stride, cfg.max_tokens) == (16, 2, 2048)
+    assert (cfg.prompt_window, cfg.layer_stride, cfg.max_tokens) == (16, 2, 2048)
 
 
 def test_an_unknown_preset_names_the_flag_and_lists_the_presets(tmp_path,
@@ -511,7 +511,7 @@ def test_vllm_serve_takes_a_preset_by_name(tmp_path, monkeypatch) -> None:  # no
     args = TestServeParser._parser().parse_args(
         ["--model", LOCAL_MODEL, "--kv-eviction-config", "nexus-fast", "--kv-budget", "2048"])
     nexus = AsyncEngineArgs.from_cli_args(args).additional_config["nexus"]
-    assert (nexus["method"], nexus["prefill_window"], nexus["layer_stride"],
+    assert (nexus["method"], nexus["prompt_window"], nexus["layer_stride"],
             nexus["max_tokens"]) == ("nexus", 16, 2, 2048)
     args = TestServeParser._parser().parse_args(
         ["--model", LOCAL_MODEL, "--kv-eviction-config", "nexus-fats", "--kv-budget", "2048"])

@@ -148,7 +148,7 @@ def test_parity_fast_preset_scores_the_same_layers(fast_server, capsys) -> None:
     assert "14 of 30 attention layers scored" in log, fast_server.log_tail(40)
     rc, rows, summary = _parity(fast_server, capsys, "--method", "nexus",
                                 "--budget", str(BUDGET), "--chunk-size", str(CHUNK),
-                                "--knobs", '{"prefill_window": 16, "layer_stride": 2, '
+                                "--knobs", '{"prompt_window": 16, "layer_stride": 2, '
                                 '"prompt_mode": "stream"}')
     assert rc == 0 and all(r["ids_match"] for r in rows), rows
     assert all(r["server_evicted_blocks"] == r["hf_evicted_blocks"] > 0 for r in rows), rows

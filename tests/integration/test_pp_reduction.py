@@ -40,7 +40,7 @@ def _layers_of_stage(pp_rank: int, pp_size: int) -> range:
 
 
 def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: str,
-               head_reduce: str, init_file: str, results: Any,
+               attention_reduce: str, init_file: str, results: Any,
                first_stage_done: Any = None) -> None:
     """One rank: build its share of the model, run two steps, report what it saw. With
     ``first_stage_done`` (an event), the later stages start only once stage 0 has run
@@ -109,7 +109,7 @@ def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: s
     state = WorkerEvictionState(block_size=BS, window=8, max_requests=4,
                                 device=torch.device("cpu"), score_backend="torch",
                                 layout=layout, scored_layers=len(model_scored),
-                                head_reduce=head_reduce, stages=stages,
+                                attention_reduce=attention_reduce, stages=stages,
                                 parts=worker_parts())
     state.scorer._tp_reduce = reduced(tp_groups[layout.pp_rank])
     state.allocate_ring(len(local), hq, D, torch.float32)
@@ -147,7 +147,7 @@ def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: s
 
 
 def _run_ranks(tp_size: int, pp_size: int, *, skip_layers: int = 1, fault: str = "",
-               head_reduce: str = "mean",
+               attention_reduce: str = "mean",
                first_stage_alone: bool = False) -> dict[int, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -155,7 +155,7 @@ def _run_ranks(tp_size: int, pp_size: int, *, skip_layers: int = 1, fault: str =
     with tempfile.TemporaryDirectory() as tmp:
         init_file = str(pathlib.Path(tmp) / "gloo_init")
         procs = [ctx.Process(target=_rank_main, args=(r, tp_size, pp_size, skip_layers,
-                                                      fault, head_reduce, init_file, results,
+                                                      fault, attention_reduce, init_file, results,
                                                       first_stage_done))
                  for r in range(tp_size * pp_size)]
         for p in procs:
@@ -177,7 +177,7 @@ def _run_ranks(tp_size: int, pp_size: int, *, skip_layers: int = 1, fault: str =
     return out
 
 
-def _oracle(skip_layers: int, head_reduce: str = "mean") -> dict[str, torch.Tensor]:
+def _oracle(skip_layers: int, attention_reduce: str = "mean") -> dict[str, torch.Tensor]:
     """What one rank holding every layer and head reports (the ``core`` oracle)."""
     from nexus_vllm.core import block_attention_mass, combine_layer_masses
 
@@ -190,13 +190,13 @@ def _oracle(skip_layers: int, head_reduce: str = "mean") -> dict[str, torch.Tens
     rows = {"a": (queries, T_A - 6, T_A, live_a), "b": (queries, T_A + T_B - 8, T_A + T_B,
                                                           key_b)}
     return {req: combine_layer_masses(
-        [block_attention_mass(q[li][lo:hi], keys, 32, head_reduce=head_reduce)
-         for li in scored], head_reduce) for req, (q, lo, hi, keys) in rows.items()}
+        [block_attention_mass(q[li][lo:hi], keys, 32, attention_reduce=attention_reduce)
+         for li in scored], attention_reduce) for req, (q, lo, hi, keys) in rows.items()}
 
 
 def _check_output_rank_matches_oracle(out: dict[int, dict[str, Any]],
-                                      skip_layers: int, head_reduce: str = "mean") -> None:
-    want = _oracle(skip_layers, head_reduce)
+                                      skip_layers: int, attention_reduce: str = "mean") -> None:
+    want = _oracle(skip_layers, attention_reduce)
     assert sum(seen["output"] for seen in out.values()) == 1
     for rank, seen in out.items():
         # Every rank applied the same plan to its own block table.
@@ -244,11 +244,11 @@ def test_two_stages_of_two_tensor_parallel_ranks() -> None:
 
 
 def test_head_max_over_two_stages_of_two_tensor_parallel_ranks() -> None:
-    """head_reduce max, TP=2 x PP=2: each rank's maximum over its heads and layers,
+    """attention_reduce max, TP=2 x PP=2: each rank's maximum over its heads and layers,
     reduced by max over the ranks (the key norms and the flag still summed), is the
     oracle's maximum over every head and layer, renormalised."""
-    out = _run_ranks(tp_size=2, pp_size=2, head_reduce="max")
-    _check_output_rank_matches_oracle(out, skip_layers=1, head_reduce="max")
+    out = _run_ranks(tp_size=2, pp_size=2, attention_reduce="max")
+    _check_output_rank_matches_oracle(out, skip_layers=1, attention_reduce="max")
 
 
 def test_scoring_failure_on_one_stage_drops_the_event_everywhere() -> None:

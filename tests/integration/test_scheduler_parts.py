@@ -86,7 +86,7 @@ def test_channel_drops_the_nulls_of_a_request_whose_block_list_went() -> None:
     # stream, budget 8 blocks: the chunk ending at 384 (12 blocks) has the first event;
     # a hit may end at its start, 256 (a multiple of lcm(chunk 128, block 32) = 128).
     ({}, 1000, (256, 128)),
-    # ... and early enough that the event's window (the newest prefill_window = 32
+    # ... and early enough that the event's window (the newest prompt_window = 32
     # queries) is computed in this run: a 14-token last chunk (256..270) needs rows of
     # the chunk before it, so the hit ends a chunk earlier.
     ({}, 270, (128, 128)),
@@ -178,7 +178,7 @@ def test_trigger_fires_after_the_chunk_that_goes_over_budget() -> None:
     sreq = st.plan_event(384, 128, live, BS)
     assert sreq is not None and sreq.prefill and sreq.num_logical_blocks == 12
     assert sreq.window == cfg.policy(prefill=True, prompt_tokens=1000).window(
-        int(cfg.prefill_window))
+        int(cfg.prompt_window))
     assert sreq.evictable_below == live[-(int(cfg.recent_blocks) + 1)]
     assert st.tokens == 384 and st.peak_live_blocks == 12
 
@@ -419,14 +419,14 @@ def test_evictor_skips_a_request_whose_evidence_the_worker_dropped() -> None:
 
 
 def test_evictor_reads_rows_of_maxima_as_softmax_gave_them() -> None:
-    """Under head_reduce max the worker sends rows of maxima over heads and layers; the
+    """Under attention_reduce max the worker sends rows of maxima over heads and layers; the
     evictor keeps their totals, so a block's best share is the one softmax gave (blocks
     1-4) and not the share after its row was renormalised (which would keep 5-8)."""
     from nexus_vllm.integration.protocol import WorkerReply
 
     # The window's attention alone (not the stream defaults' mix): this is about the mass.
     mgr, _, plan, reqs = _scored(
-        "nexus", head_reduce="max", carry=0, policy_args={"expected": 0, "knorm_prior": 0},
+        "nexus", attention_reduce="max", carry=0, policy_args={"expected": 0, "knorm_prior": 0},
         prefill_args={"direct": "max", "indirect": "none", "sampler": "topk"})
     rows = torch.zeros(plan.score["r"].window, 16)
     # Row 0's heads disagree (its maxima sum past 3): one reads blocks 1-4 at 0.30 each.

@@ -894,7 +894,7 @@ def test_distributed_and_debug_helpers(src: VllmSource) -> None:
     ps = "distributed/parallel_state.py"
     src.function(ps, "get_tp_group")
     src.function(ps, "get_pp_group")
-    # Scores are summed with the coordinator's all_reduce; a maximum (head_reduce: max)
+    # Scores are summed with the coordinator's all_reduce; a maximum (attention_reduce: max)
     # goes through its device_group (vllm_compat.tp_all_reduce).
     coordinator = src.cls(ps, "GroupCoordinator")
     assert {"rank_in_group", "world_size", "device_group", "ranks", "group_ranks"} <= (

@@ -488,7 +488,7 @@ def test_expected_attention_through_the_worker_equals_the_dense_gatherer() -> No
         rows = queries[start + n - 4:start + n]
         start += n
         seq = DenseSequence(layers=[DenseLayer(queries=rows, keys=keys[req_id])],
-                            block_size=BS, head_reduce="mean",
+                            block_size=BS, attention_reduce="mean",
                             query_positions=torch.arange(n - 4, n), next_position=n,
                             rotary=rotary)
         want = evidence_kind("expected_attention").gather_dense(seq)

@@ -42,11 +42,11 @@ def test_bench_without_gpu_exits_cleanly(capsys):
 @pytest.mark.skipif(torch.cuda.is_available() or not HAS_TRITON, reason="CPU interpreter run")
 def test_bench_smoke_runs_under_interpreter(tmp_path):
     out = tmp_path / "bench.json"
-    # head_reduce="max": the option's path (the mean is every other test's default).
-    assert _load_bench().main(["--smoke", "--head-reduce", "max", "--json", str(out)]) == 0
+    # attention_reduce="max": the option's path (the mean is every other test's default).
+    assert _load_bench().main(["--smoke", "--attention-reduce", "max", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["smoke"] is True
     assert len(data["scoring"]) == 2 and len(data["compaction"]) == 1
     for point in data["scoring"]:
-        assert point["max_abs_diff"] < 1e-5 and point["head_reduce"] == "max"
+        assert point["max_abs_diff"] < 1e-5 and point["attention_reduce"] == "max"
         assert point["triton_us"] > 0 and point["torch_us"] > 0

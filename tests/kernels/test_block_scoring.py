@@ -14,7 +14,7 @@ import torch
 
 from nexus_vllm.core import scoring
 from nexus_vllm.core.scoring import (
-    HEAD_REDUCES,
+    ATTENTION_REDUCES,
     KV_LAYOUTS,
     block_attention_mass,
     gather_paged_keys,
@@ -37,9 +37,9 @@ HEAD_SHAPES = [
 ]
 # Live lengths per request: empty, shorter than W, exactly a block, partial last block.
 SEQ_LEN_SETS = [[0, 2, 16, 77], [1, 33, 64, 150]]
-# (seq_lens, head_reduce) for the cheap reference tests: both reductions on the set with
+# (seq_lens, attention_reduce) for the cheap reference tests: both reductions on the set with
 # an empty request, only the mean on the others (the interpreter's CI time is the budget).
-SEQ_REDUCES = [(SEQ_LEN_SETS[0], hr) for hr in HEAD_REDUCES] + [
+SEQ_REDUCES = [(SEQ_LEN_SETS[0], hr) for hr in ATTENTION_REDUCES] + [
     (s, "mean") for s in SEQ_LEN_SETS[1:]
 ]
 # Absolute floor added to the 2x error-ratio bound, per input dtype.
@@ -78,7 +78,7 @@ def _make_case(
 
 
 def _mass_in_dtype(queries: torch.Tensor, keys: torch.Tensor, block_size: int, dtype: torch.dtype,
-                   head_reduce: str = "mean"):
+                   attention_reduce: str = "mean"):
     """``block_attention_mass`` math run entirely in ``dtype`` (the error yardstick)."""
     w, hq, d = queries.shape
     t, hkv, _ = keys.shape
@@ -91,10 +91,10 @@ def _mass_in_dtype(queries: torch.Tensor, keys: torch.Tensor, block_size: int, d
     n = num_blocks_for(t, block_size)
     padded = torch.nn.functional.pad(probs, (0, n * block_size - t))
     per_head = padded.view(hq, w, n, block_size).sum(dim=-1)
-    return per_head.mean(dim=0) if head_reduce == "mean" else per_head.amax(dim=0)
+    return per_head.mean(dim=0) if attention_reduce == "mean" else per_head.amax(dim=0)
 
 
-def _references(queries, key_cache, block_tables, seq_lens, kv_layout, head_reduce="mean"):
+def _references(queries, key_cache, block_tables, seq_lens, kv_layout, attention_reduce="mean"):
     """Per request: fp64 truth, same math in the input dtype, and core (fp32)."""
     r, w = queries.shape[:2]
     m = block_tables.shape[1]
@@ -111,11 +111,11 @@ def _references(queries, key_cache, block_tables, seq_lens, kv_layout, head_redu
         keys = gather_paged_keys(key_cache, block_tables[i], s, kv_layout=kv_layout)
         q = queries[i, w - wl :]
         exact[i, w - wl :, :n] = _mass_in_dtype(q, keys, block_size, torch.float64,
-                                                head_reduce).cpu()
+                                                attention_reduce).cpu()
         lowp[i, w - wl :, :n] = _mass_in_dtype(q, keys, block_size, queries.dtype,
-                                               head_reduce).double().cpu()
+                                               attention_reduce).double().cpu()
         core[i, w - wl :, :n] = block_attention_mass(q, keys, block_size,
-                                                     head_reduce=head_reduce).cpu()
+                                                     attention_reduce=attention_reduce).cpu()
     return exact, lowp, core
 
 
@@ -137,20 +137,20 @@ def test_reference_helper_matches_core():
 
 
 @pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
-@pytest.mark.parametrize(("seq_lens", "head_reduce"), SEQ_REDUCES)
-def test_torch_backend_equals_core(seq_lens, head_reduce, kv_layout):
+@pytest.mark.parametrize(("seq_lens", "attention_reduce"), SEQ_REDUCES)
+def test_torch_backend_equals_core(seq_lens, attention_reduce, kv_layout):
     q, kc, bt, sl = _make_case(seq_lens, 4, 4, 2, 32, 16, torch.float32, kv_layout)
     got = block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, backend="torch",
-                                     head_reduce=head_reduce)
-    _, _, core = _references(q, kc, bt, sl, kv_layout, head_reduce)
+                                     attention_reduce=attention_reduce)
+    _, _, core = _references(q, kc, bt, sl, kv_layout, attention_reduce)
     assert got.shape == (len(seq_lens), 4, bt.shape[1]) and got.dtype == torch.float32
     torch.testing.assert_close(got, core, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
-@pytest.mark.parametrize(("seq_lens", "head_reduce"), SEQ_REDUCES)
-def test_batched_backend_within_bound(seq_lens, head_reduce, kv_layout, dtype):
+@pytest.mark.parametrize(("seq_lens", "attention_reduce"), SEQ_REDUCES)
+def test_batched_backend_within_bound(seq_lens, attention_reduce, kv_layout, dtype):
     """The vectorised torch path (the plugin's CPU scorer) against fp64, with the same
     2x-the-input-dtype-error bound as the Triton kernel, and garbage past each row's
     blocks (it gathers whole rows)."""
@@ -159,8 +159,8 @@ def test_batched_backend_within_bound(seq_lens, head_reduce, kv_layout, dtype):
     for i, s in enumerate(sl.tolist()):
         bt[i, num_blocks_for(s, 16) :] = kc.shape[0] + 7  # out of range: must not matter
     got = block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, backend="batched",
-                                     head_reduce=head_reduce)
-    exact, lowp, core = _references(q, kc, bt, sl, kv_layout, head_reduce)
+                                     attention_reduce=attention_reduce)
+    exact, lowp, core = _references(q, kc, bt, sl, kv_layout, attention_reduce)
     _assert_within_bound(got, exact, lowp, dtype)
     torch.testing.assert_close(got, core, rtol=0, atol=2e-6)
 
@@ -197,7 +197,7 @@ def test_triton_max_over_heads_matches_reference(dtype, kv_layout, w, hq, hkv):
     seq_lens = [0, 2, 16, 41]
     q, kc, bt, sl = _make_case(seq_lens, w, hq, hkv, 32, 16, dtype, kv_layout)
     got = block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, backend="triton",
-                                     head_reduce="max")
+                                     attention_reduce="max")
     exact, lowp, _ = _references(q, kc, bt, sl, kv_layout, "max")
     _assert_within_bound(got, exact, lowp, dtype)
     # Structure: padding rows and columns past the blocks are 0; a row of maxima over
@@ -215,28 +215,28 @@ def test_max_over_heads_combines_by_max_into_out_and_over_layers(backend):
     grow with the layers), leaving padding rows and columns past the blocks of a non-zero
     ``out`` as they were; it is at least the mean, and equal to it with one head."""
     q, kc, bt, sl = _make_case([3, 50], 4, 4, 2, 32, 16, torch.float32, "NHD")
-    one = block_attention_mass_paged(q, kc, bt, sl, backend=backend, head_reduce="max")
+    one = block_attention_mass_paged(q, kc, bt, sl, backend=backend, attention_reduce="max")
     mean = block_attention_mass_paged(q, kc, bt, sl, backend=backend)
     assert bool((one >= mean - 1e-6).all()) and bool((one > mean + 1e-4).any())
     # A random non-zero out, so that each side of the maximum wins somewhere.
     start = 0.5 * torch.rand(one.shape, generator=torch.Generator().manual_seed(SEED))
     assert bool((one > start).any()) and bool((one < start).any())
     out = start.clone()
-    ret = block_attention_mass_paged(q, kc, bt, sl, backend=backend, out=out, head_reduce="max")
+    ret = block_attention_mass_paged(q, kc, bt, sl, backend=backend, out=out, attention_reduce="max")
     assert ret is out
     torch.testing.assert_close(out, torch.maximum(start, one), rtol=1e-6, atol=1e-6)
     q2, kc2, _, _ = _make_case([3, 50], 4, 4, 2, 32, 16, torch.float32, "NHD", q_scale=3.0)
-    other = block_attention_mass_paged(q2, kc2, bt, sl, backend=backend, head_reduce="max")
+    other = block_attention_mass_paged(q2, kc2, bt, sl, backend=backend, attention_reduce="max")
     layers = block_attention_mass_paged_layers(torch.stack([q, q2]), [kc, kc2], bt, sl,
-                                               backend=backend, head_reduce="max")
+                                               backend=backend, attention_reduce="max")
     torch.testing.assert_close(layers, torch.maximum(one, other), rtol=1e-6, atol=1e-6)
     out = start.clone()
     block_attention_mass_paged_layers(torch.stack([q, q2]), [kc, kc2], bt, sl,
-                                      backend=backend, out=out, head_reduce="max")
+                                      backend=backend, out=out, attention_reduce="max")
     torch.testing.assert_close(out, torch.maximum(start, layers), rtol=1e-6, atol=1e-6)
     q1, kc1, bt1, sl1 = _make_case([30, 50], 4, 1, 1, 32, 16, torch.float32, "NHD")
     torch.testing.assert_close(
-        block_attention_mass_paged(q1, kc1, bt1, sl1, backend=backend, head_reduce="max"),
+        block_attention_mass_paged(q1, kc1, bt1, sl1, backend=backend, attention_reduce="max"),
         block_attention_mass_paged(q1, kc1, bt1, sl1, backend=backend), rtol=1e-6, atol=1e-6)
 
 
@@ -273,16 +273,16 @@ def _random_configs(n: int) -> list[tuple]:
 
 @triton_only
 @pytest.mark.parametrize(
-    ("config", "head_reduce"),
+    ("config", "attention_reduce"),
     # Alternating reductions: the draws stay those of the mean-only test (at no extra cost).
-    [(c, HEAD_REDUCES[i % len(HEAD_REDUCES)]) for i, c in enumerate(_random_configs(8))],
+    [(c, ATTENTION_REDUCES[i % len(ATTENTION_REDUCES)]) for i, c in enumerate(_random_configs(8))],
 )
-def test_triton_random_configs(config, head_reduce):
+def test_triton_random_configs(config, attention_reduce):
     dtype, bs, layout, w, hkv, group, d, seq_lens = config
     q, kc, bt, sl = _make_case(seq_lens, w, hkv * group, hkv, d, bs, dtype, layout)
     got = block_attention_mass_paged(q, kc, bt, sl, kv_layout=layout, backend="triton",
-                                     head_reduce=head_reduce)
-    exact, lowp, _ = _references(q, kc, bt, sl, layout, head_reduce)
+                                     attention_reduce=attention_reduce)
+    exact, lowp, _ = _references(q, kc, bt, sl, layout, attention_reduce)
     _assert_within_bound(got, exact, lowp, dtype)
 
 
@@ -394,7 +394,7 @@ def test_auto_falls_back_to_torch_for_odd_block_size():
         ({"block_tables": torch.zeros(1, 4)}, "block_tables"),
         ({"seq_lens": torch.zeros(1, dtype=torch.float32)}, "seq_lens"),
         ({"out": torch.zeros(1, 2, 5)}, "out"),
-        ({"head_reduce": "sum"}, "head_reduce"),
+        ({"attention_reduce": "sum"}, "attention_reduce"),
     ],
 )
 def test_bad_arguments_raise(change, match):
@@ -432,7 +432,7 @@ def test_under_torch_compile(backend):
         block_attention_mass_paged(q, kc, bt, sl, backend=backend, out=out)
         fresh = block_attention_mass_paged(q, kc, bt, sl, backend=backend)
         peak = torch.full((2, 4, bt.shape[1]), 0.25)
-        block_attention_mass_paged(q, kc, bt, sl, backend=backend, out=peak, head_reduce="max")
+        block_attention_mass_paged(q, kc, bt, sl, backend=backend, out=peak, attention_reduce="max")
         return out + fresh, peak
 
     torch._dynamo.reset()
@@ -440,7 +440,7 @@ def test_under_torch_compile(backend):
     summed, peak = compiled(q, kc, bt, sl)
     want = 2 * block_attention_mass_paged(q, kc, bt, sl, backend="torch")
     torch.testing.assert_close(summed, want, rtol=1e-5, atol=1e-6)
-    want_peak = block_attention_mass_paged(q, kc, bt, sl, backend="torch", head_reduce="max")
+    want_peak = block_attention_mass_paged(q, kc, bt, sl, backend="torch", attention_reduce="max")
     torch.testing.assert_close(peak, want_peak.clamp(min=0.25), rtol=1e-5, atol=1e-6)
 
 
@@ -465,7 +465,7 @@ def test_public_api():
     assert pkg.__all__ == [
         "BACKENDS",
         "HAS_TRITON",
-        "HEAD_REDUCES",
+        "ATTENTION_REDUCES",
         "KV_LAYOUTS",
         "block_attention_mass_paged",
         "block_attention_mass_paged_batched",
@@ -479,7 +479,7 @@ def test_public_api():
     for name in pkg.__all__:
         assert getattr(pkg, name) is getattr(ops, name), name
     # The choices the ops accept are core's, not a copy.
-    assert ops.HEAD_REDUCES is scoring.HEAD_REDUCES and ops.KV_LAYOUTS is scoring.KV_LAYOUTS
+    assert ops.ATTENTION_REDUCES is scoring.ATTENTION_REDUCES and ops.KV_LAYOUTS is scoring.KV_LAYOUTS
 
 
 def test_imports_without_triton():
@@ -541,7 +541,7 @@ def test_gpu_matches_reference(case, dtype, block_size, kv_layout):
     torch.testing.assert_close(out, got + 1, rtol=0, atol=1e-6)
 
 
-# head_reduce="max" (the combine launch's HEAD_MAX build): one case per dtype of note.
+# attention_reduce="max" (the combine launch's HEAD_MAX build): one case per dtype of note.
 GPU_MAX_CASES = [
     (GPU_SHAPES[0], torch.bfloat16, 16, "HND"),
     (GPU_SHAPES[2], torch.float16, 32, "NHD"),
@@ -556,12 +556,12 @@ def test_gpu_head_max_matches_reference(case, dtype, block_size, kv_layout):
     seq_lens, w, hq, hkv, d = case
     q, kc, bt, sl = _make_case(seq_lens, w, hq, hkv, d, block_size, dtype, kv_layout, device="cuda")
     got = block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, backend="auto",
-                                     head_reduce="max")
+                                     attention_reduce="max")
     exact, lowp, _ = _references(q, kc, bt, sl, kv_layout, "max")
     _assert_within_bound(got, exact, lowp, dtype)
     start = torch.rand(got.shape, device="cuda")
     out = start.clone()
-    block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, out=out, head_reduce="max")
+    block_attention_mass_paged(q, kc, bt, sl, kv_layout=kv_layout, out=out, attention_reduce="max")
     torch.testing.assert_close(out, torch.maximum(start, got), rtol=0, atol=0)
 
 

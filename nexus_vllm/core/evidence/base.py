@@ -71,7 +71,7 @@ class DenseSequence:
     layers : list of DenseLayer
         The scored layers.
     block_size : int
-    head_reduce : {"mean", "max"}
+    attention_reduce : {"mean", "max"}
     query_positions : LongTensor[W]
         Logical position of each query row.
     next_position : int
@@ -82,7 +82,7 @@ class DenseSequence:
 
     layers: list[DenseLayer]
     block_size: int
-    head_reduce: str
+    attention_reduce: str
     query_positions: torch.Tensor
     next_position: int
     rotary: Rotary | None = None
@@ -109,7 +109,7 @@ class PagedBatch:
         Block tables as attention reads them (evicted blocks compacted out).
     seq_lens : IntTensor[R]
         Tokens attention reads per request (live ones).
-    head_reduce : {"mean", "max"}
+    attention_reduce : {"mean", "max"}
     layers_divisor : int
         Scored layers of the whole model x TP ranks: a kind whose ranks sum shares divides
         by it, so the sum over every rank of every stage is the mean over the model.
@@ -125,7 +125,7 @@ class PagedBatch:
     key_caches: list[torch.Tensor]
     tables: torch.Tensor
     seq_lens: torch.Tensor
-    head_reduce: str
+    attention_reduce: str
     layers_divisor: int
     backend: str = "torch"
     rotary: Rotary | None = None
@@ -152,7 +152,7 @@ class EvidenceKind:
     reads_queries: ClassVar[bool] = False
     needs_rotary: ClassVar[bool] = False
 
-    def rank_reduce(self, head_reduce: str) -> str:
+    def rank_reduce(self, attention_reduce: str) -> str:
         """``"sum"`` (each rank's share of a mean) or ``"max"`` over TP ranks and stages."""
         return "sum"
 
@@ -166,7 +166,7 @@ class EvidenceKind:
         :meth:`rank_reduce` over every rank gives the dense value."""
         raise NotImplementedError
 
-    def finish(self, raw: torch.Tensor, head_reduce: str) -> dict[str, torch.Tensor]:
+    def finish(self, raw: torch.Tensor, attention_reduce: str) -> dict[str, torch.Tensor]:
         """What a policy reads from the reduced values: ``{name: tensor}`` plus any
         companion (the mass's ``row_scale``)."""
         return {self.name: raw.float()}
@@ -218,7 +218,7 @@ class Evidence(Mapping[str, torch.Tensor]):
         Mean key norm per live block.
     row_scale : Tensor[W], optional
         Each mass row's total as scored, before it was renormalised into ``mass``: under
-        ``head_reduce: max`` a row of maxima over heads and layers sums to 1 or more, and
+        ``attention_reduce: max`` a row of maxima over heads and layers sums to 1 or more, and
         ``mass * row_scale[:, None]`` gives back each block's largest softmax share
         (:meth:`from_gathered`). None: the rows were distributions as scored.
     num_blocks : int, optional
@@ -265,13 +265,13 @@ class Evidence(Mapping[str, torch.Tensor]):
         self.row_scale = row_scale
 
     @classmethod
-    def from_gathered(cls, gathered: Mapping[str, torch.Tensor], *, head_reduce: str,
+    def from_gathered(cls, gathered: Mapping[str, torch.Tensor], *, attention_reduce: str,
                       num_blocks: int | None = None) -> Evidence:
         """Evidence from gathered and reduced values by kind (each kind's
         :meth:`EvidenceKind.finish`: the mass rows renormalised under ``max``)."""
         parts: dict[str, torch.Tensor] = {}
         for name, raw in gathered.items():
-            parts.update(evidence_kind(name).finish(raw, head_reduce))
+            parts.update(evidence_kind(name).finish(raw, attention_reduce))
         return cls(num_blocks=num_blocks, **parts)
 
     # -- the mapping ----------------------------------------------------------------------

@@ -87,13 +87,13 @@ def _token_logits(keys: torch.Tensor, mean: torch.Tensor, centred: torch.Tensor
     return (linear + proj.square().sum(dim=-1) / (2 * d)).reshape(r, hq, t)
 
 
-def _reduce_heads(per_head: torch.Tensor, head_reduce: str) -> torch.Tensor:
-    return per_head.mean(dim=1) if head_reduce == "mean" else per_head.amax(dim=1)
+def _reduce_heads(per_head: torch.Tensor, attention_reduce: str) -> torch.Tensor:
+    return per_head.mean(dim=1) if attention_reduce == "mean" else per_head.amax(dim=1)
 
 
 def expected_attention(queries: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
                        next_position: int, rotary: Rotary, block_size: int, *,
-                       head_reduce: str = "mean") -> torch.Tensor:
+                       attention_reduce: str = "mean") -> torch.Tensor:
     """Expected attention of one layer of one sequence on its blocks (the reference).
 
     Parameters
@@ -106,7 +106,7 @@ def expected_attention(queries: torch.Tensor, positions: torch.Tensor, keys: tor
     next_position : int
     rotary : Rotary
     block_size : int
-    head_reduce : {"mean", "max"}
+    attention_reduce : {"mean", "max"}
 
     Returns
     -------
@@ -122,7 +122,7 @@ def expected_attention(queries: torch.Tensor, positions: torch.Tensor, keys: tor
     n = num_blocks_for(t, block_size)
     padded = torch.nn.functional.pad(probs, (0, n * block_size - t))
     per_head = padded.view(1, -1, n, block_size).sum(dim=-1)  # [1, Hq, N]
-    return _reduce_heads(per_head, head_reduce)[0]
+    return _reduce_heads(per_head, attention_reduce)[0]
 
 
 class ExpectedAttention(EvidenceKind):
@@ -131,18 +131,18 @@ class ExpectedAttention(EvidenceKind):
     needs_rotary: ClassVar[bool] = True
     reads_queries: ClassVar[bool] = True
 
-    def rank_reduce(self, head_reduce: str) -> str:
-        return "max" if head_reduce == "max" else "sum"
+    def rank_reduce(self, attention_reduce: str) -> str:
+        return "max" if attention_reduce == "max" else "sum"
 
     def gather_dense(self, seq: DenseSequence) -> torch.Tensor:
         if seq.rotary is None:
             raise ValueError("expected_attention needs the model's rotary table")
         per_layer = [expected_attention(layer.queries, seq.query_positions, layer.keys,
                                         seq.next_position, seq.rotary, seq.block_size,
-                                        head_reduce=seq.head_reduce)
+                                        attention_reduce=seq.attention_reduce)
                      for layer in seq.layers]
         stacked = torch.stack(per_layer)
-        return stacked.mean(dim=0) if seq.head_reduce == "mean" else stacked.amax(dim=0)
+        return stacked.mean(dim=0) if seq.attention_reduce == "mean" else stacked.amax(dim=0)
 
     def gather_paged(self, batch: PagedBatch, out: torch.Tensor) -> None:
         if batch.rotary is None:
@@ -166,12 +166,12 @@ class ExpectedAttention(EvidenceKind):
             logits = _token_logits(keys, means[li], centred[li]).masked_fill_(
                 beyond, float("-inf"))  # [R, Hq, T]
             probs = torch.softmax(logits, dim=-1).view(r, -1, n_max, bs).sum(dim=-1)
-            if batch.head_reduce == "mean":
+            if batch.attention_reduce == "mean":
                 out.add_(probs.mean(dim=1) / batch.layers_divisor)
             else:
                 torch.maximum(out, probs.amax(dim=1), out=out)
 
-    def finish(self, raw: torch.Tensor, head_reduce: str) -> dict[str, torch.Tensor]:
+    def finish(self, raw: torch.Tensor, attention_reduce: str) -> dict[str, torch.Tensor]:
         # A distribution over blocks (under max, the maxima renormalised).
         return {self.name: normalize_rows(raw.float().view(1, -1)).view(-1)}
 

@@ -24,13 +24,13 @@ class Mass(EvidenceKind):
     layout: ClassVar[str] = "rows"
     reads_queries: ClassVar[bool] = True
 
-    def rank_reduce(self, head_reduce: str) -> str:
-        return "max" if head_reduce == "max" else "sum"
+    def rank_reduce(self, attention_reduce: str) -> str:
+        return "max" if attention_reduce == "max" else "sum"
 
     def gather_dense(self, seq: DenseSequence) -> torch.Tensor:
         masses = [block_attention_mass(layer.queries, layer.keys, seq.block_size,
-                                       head_reduce=seq.head_reduce) for layer in seq.layers]
-        return combine_layer_masses(masses, seq.head_reduce)
+                                       attention_reduce=seq.attention_reduce) for layer in seq.layers]
+        return combine_layer_masses(masses, seq.attention_reduce)
 
     def gather_paged(self, batch: PagedBatch, out: torch.Tensor) -> None:
         from nexus_vllm.kernels import block_attention_mass_paged_layers
@@ -38,13 +38,13 @@ class Mass(EvidenceKind):
         r, w, n_max = out.shape
         block_attention_mass_paged_layers(
             batch.queries, batch.key_caches, batch.tables[:, :n_max], batch.seq_lens,
-            kv_layout="HND", backend=batch.backend, out=out, head_reduce=batch.head_reduce)
-        if batch.head_reduce == "mean":
+            kv_layout="HND", backend=batch.backend, out=out, attention_reduce=batch.attention_reduce)
+        if batch.attention_reduce == "mean":
             out.div_(batch.layers_divisor)
 
-    def finish(self, raw: torch.Tensor, head_reduce: str) -> dict[str, torch.Tensor]:
+    def finish(self, raw: torch.Tensor, attention_reduce: str) -> dict[str, torch.Tensor]:
         raw = raw.float()
-        if head_reduce == "mean":
+        if attention_reduce == "mean":
             return {"mass": raw}
         return {"mass": normalize_rows(raw), "row_scale": raw.sum(dim=-1)}
 

@@ -348,7 +348,7 @@ def check_max_model_len(cfg: EvictionConfig, max_model_len: int,
             f"--kv-chunk-size {describe_value(cfg.chunk_size)} is above --max-model-len "
             f"{max_model_len}; allowed: 1..{max_model_len} tokens")
     for key, meaning in (("window", "decode queries scored"),
-                         ("prefill_window", "prefill queries scored"),
+                         ("prompt_window", "prefill queries scored"),
                          ("interval", "decode tokens between events")):
         value = getattr(cfg, key)
         if value > max_model_len:

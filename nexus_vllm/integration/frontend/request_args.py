@@ -108,13 +108,13 @@ def _check_budget_fits(extra_args: dict[str, Any], server_cfg: EvictionConfig,
 
 
 def _check_question_fits(rows: int, server_cfg: EvictionConfig) -> None:
-    """The workers keep the newest ``max(window, prefill_window)`` queries of each request
+    """The workers keep the newest ``max(window, prompt_window)`` queries of each request
     (the server's, fixed at start-up): a question longer than that cannot be scored."""
-    most = max(server_cfg.window, server_cfg.prefill_window)
+    most = max(server_cfg.window, server_cfg.prompt_window)
     if rows > most:
         raise RequestArgError(
             "kv_question_tokens", f"{rows} is above the {most} query rows this server keeps "
-            f"per request (its prefill_window; start it with a larger one in "
+            f"per request (its prompt_window; start it with a larger one in "
             f"--kv-eviction-config to score longer questions); allowed: 1..{most}")
 
 

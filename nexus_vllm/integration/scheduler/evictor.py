@@ -95,7 +95,7 @@ class Evictor:
         gathered : mapping of evidence kind to Tensor
             What the worker gathered for ``sreq.kinds`` over the live blocks among the
             first ``sreq.num_logical_blocks`` (``mass``: ``[rows, live blocks]``,
-            combined over heads and layers by the config's ``head_reduce``; a blocks kind:
+            combined over heads and layers by the config's ``attention_reduce``; a blocks kind:
             ``[live blocks]``); empty for a policy that reads nothing.
         """
         live = self.blocks.live_indices(st, sreq.num_logical_blocks)
@@ -103,7 +103,7 @@ class Evictor:
             self._fault("stale_scores", "scores do not match the request's live blocks; "
                         "skipping this event")
             return
-        evidence = Evidence.from_gathered(gathered, head_reduce=st.cfg.head_reduce,
+        evidence = Evidence.from_gathered(gathered, attention_reduce=st.cfg.attention_reduce,
                                           num_blocks=len(live))
         tokens = int(sreq.tokens_after)
         budget = int(st.cfg.target_blocks(tokens, st.prompt_tokens))

@@ -29,7 +29,7 @@ def prefix_hit_cap(cfg: EvictionConfig, prompt_tokens: int,
 
     The hit must leave the request's first prompt event as it would be with prefix
     caching off (:func:`~nexus_vllm.core.first_prompt_event`, the trigger's rule): that
-    event's window, the newest ``prefill_window`` queries, must be computed in this run
+    event's window, the newest ``prompt_window`` queries, must be computed in this run
     (a short last chunk takes rows of the chunk before it). Where events fire during the
     prompt (:attr:`EvictionConfig.evicts_mid_prompt`), each follows a ``chunk_size``
     chunk, so the hit must also end on a chunk boundary before the event's chunk; where
@@ -47,7 +47,7 @@ def prefix_hit_cap(cfg: EvictionConfig, prompt_tokens: int,
     if event is None:
         return None  # no event during the prompt: any hit is safe
     start, end = event
-    limit = end - int(cfg.prefill_window)
+    limit = end - int(cfg.prompt_window)
     step = bs
     if cfg.evicts_mid_prompt:
         limit, step = min(start, limit), math.lcm(int(cfg.chunk_size), bs)

@@ -189,7 +189,7 @@ class RequestEvictionState:
         # The newest rows, across chunks: the worker's query ring keeps each request's
         # queries continuous over steps (a short last prompt chunk is scored with rows of
         # the chunk before it, as on the transformers path).
-        window = policy.window(int(cfg.prefill_window if prefill else cfg.window))
+        window = policy.window(int(cfg.prompt_window if prefill else cfg.window))
         tail = forced_tail(cfg.recent_blocks)
         evictable_below = (min(live[-tail], tokens_after // block_size)
                            if len(live) > tail else 0)

@@ -122,8 +122,8 @@ class BlockScorer:
         Scored layers of the whole model (all stages): each stage's sum is divided by it,
         so the sum over stages is the mean over every scored layer. 0: as many as this
         worker's ring holds (one stage).
-    head_reduce : {"mean", "max"}
-        How heads and layers combine (``EvictionConfig.head_reduce``): a mean (summed over
+    attention_reduce : {"mean", "max"}
+        How heads and layers combine (``EvictionConfig.attention_reduce``): a mean (summed over
         ranks), or a maximum (reduced by max over ranks; the scheduler renormalises each
         row, ``Evidence.from_gathered``).
     fault : callable
@@ -145,13 +145,13 @@ class BlockScorer:
     def __init__(self, ring: QueryRing, *, block_size: int, max_requests: int,
                  device: torch.device, backend: str, layout: RankLayout,
                  fault: Callable[..., None], self_check: bool, scored_layers: int = 0,
-                 head_reduce: str = "mean", tp_reduce: Reduce = tp_all_reduce,
+                 attention_reduce: str = "mean", tp_reduce: Reduce = tp_all_reduce,
                  stages: StageLinks | None = None, rotary: Rotary | None = None) -> None:
         if layout.pp_size > 1 and stages is None:
             raise ValueError("pipeline parallelism needs links to the last stage")
         self.ring = ring
         self.rotary = rotary
-        self.head_reduce = head_reduce
+        self.attention_reduce = attention_reduce
         self.block_size = int(block_size)
         self.device = device
         self.backend = backend
@@ -190,7 +190,7 @@ class BlockScorer:
         due = self._due(plan, batch)
         if not due:
             return None
-        segments, max_prefix = wire_layout(due, self.head_reduce)
+        segments, max_prefix = wire_layout(due, self.attention_reduce)
         size = sum(seg.size for seg in segments)
         flat = torch.zeros(size + 1, dtype=torch.float32, device=self.device)
         timer = _Timer(self.device)
@@ -266,7 +266,7 @@ class BlockScorer:
             key_caches=[layer.key_cache for layer in self.ring.layer_keys],
             tables=batch.tables.index_select(0, rows_dev)[:, :seg.cols],
             seq_lens=batch.seq_lens.index_select(0, rows_dev),
-            head_reduce=self.head_reduce, layers_divisor=self._layers_divisor(),
+            attention_reduce=self.attention_reduce, layers_divisor=self._layers_divisor(),
             backend=self.backend, rotary=self.rotary)
 
     def _self_check_mass(self, paged: PagedBatch, out: torch.Tensor) -> None:
@@ -353,7 +353,7 @@ class BlockScorer:
                     per_req = evidence.setdefault(seg.kind, {})
                     for r, d in enumerate(seg.due):
                         # A rows kind keeps the request's own newest rows (rows of maxima
-                        # under head_reduce max: the scheduler's Evidence renormalises).
+                        # under attention_reduce max: the scheduler's Evidence renormalises).
                         per_req[d.req_id] = (
                             part[r, seg.rows - d.window:, :d.live].copy() if part.ndim == 3
                             else part[r, :d.live].copy())

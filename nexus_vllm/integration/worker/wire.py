@@ -83,7 +83,7 @@ def reduce_over_tp(flat: torch.Tensor, tp_size: int, tp_reduce: Reduce, *,
 
     Every TP rank must call this for the same steps with the same shape, failed or not.
     Each rank holds some heads, so a sum of each rank's share is the mean over the
-    stage's heads, and a maximum of each rank's maximum its maximum (``head_reduce:
+    stage's heads, and a maximum of each rank's maximum its maximum (``attention_reduce:
     max``).
 
     Parameters
@@ -94,7 +94,7 @@ def reduce_over_tp(flat: torch.Tensor, tp_size: int, tp_reduce: Reduce, *,
     tp_reduce : callable
         ``(tensor, op)``: reduce over the TP group (vLLM's in a server).
     max_prefix : int
-        Leading values reduced by ``max`` (the masses under ``head_reduce: max``); the
+        Leading values reduced by ``max`` (the masses under ``attention_reduce: max``); the
         rest (key norms, the flag) are summed.
     """
     if tp_size == 1:
@@ -152,13 +152,13 @@ class Segment:
         return part.view(len(self.due), self.cols)
 
 
-def wire_layout(due: list[Due], head_reduce: str) -> tuple[list[Segment], int]:
+def wire_layout(due: list[Due], attention_reduce: str) -> tuple[list[Segment], int]:
     """The segments of one step's wire vector, and where its maximum-reduced prefix ends:
     one per evidence kind any due request reads, in registry order, those reduced by
     their maximum over ranks first (``EvidenceKind.rank_reduce``)."""
     n_max = max((d.live for d in due), default=0)
     kinds = [k for k in EVIDENCE_KINDS if any(k in d.kinds for d in due)]
-    kinds.sort(key=lambda k: evidence_kind(k).rank_reduce(head_reduce) != "max")
+    kinds.sort(key=lambda k: evidence_kind(k).rank_reduce(attention_reduce) != "max")
     segments: list[Segment] = []
     offset = max_prefix = 0
     for name in kinds:
@@ -167,6 +167,6 @@ def wire_layout(due: list[Due], head_reduce: str) -> tuple[list[Segment], int]:
         seg = Segment(name, kind_due, rows, n_max, offset)
         segments.append(seg)
         offset += seg.size
-        if evidence_kind(name).rank_reduce(head_reduce) == "max":
+        if evidence_kind(name).rank_reduce(attention_reduce) == "max":
             max_prefix = offset
     return segments, max_prefix

@@ -188,11 +188,11 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
                                "un-rotate the captured queries")
         state = WorkerEvictionState(
             block_size=int(self.cache_config.block_size),
-            window=max(int(cfg.window), int(cfg.prefill_window)),
+            window=max(int(cfg.window), int(cfg.prompt_window)),
             max_requests=int(self.vllm_config.scheduler_config.max_num_seqs),
             device=torch.device(self.model_runner.device),
             score_backend="batched" if current_platform.is_cpu() else "auto",
-            layout=layout, scored_layers=len(model_scored), head_reduce=cfg.head_reduce,
+            layout=layout, scored_layers=len(model_scored), attention_reduce=cfg.attention_reduce,
             steps_in_flight=k, stages=stages, rotary=rotary, parts=worker_parts())
         dtype = self.model_runner.dtype
         assert isinstance(dtype, torch.dtype), dtype

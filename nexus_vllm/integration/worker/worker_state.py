@@ -183,8 +183,8 @@ class WorkerEvictionState:
         is vLLM's output rank.
     scored_layers : int
         Scored layers of the whole model, over every stage (0: those this worker holds).
-    head_reduce : {"mean", "max"}
-        How the scored heads and layers combine (``EvictionConfig.head_reduce``).
+    attention_reduce : {"mean", "max"}
+        How the scored heads and layers combine (``EvictionConfig.attention_reduce``).
     steps_in_flight : int
         k, the steps vLLM schedules before the first reply (``max_concurrent_batches``):
         how many applied plans a missed plan's masking covers.
@@ -199,7 +199,7 @@ class WorkerEvictionState:
     def __init__(self, *, block_size: int, window: int, max_requests: int,
                  device: torch.device, score_backend: str,
                  layout: RankLayout | None = None, scored_layers: int = 0,
-                 head_reduce: str = "mean", steps_in_flight: int = 1,
+                 attention_reduce: str = "mean", steps_in_flight: int = 1,
                  stages: StageLinks | None = None, rotary: Rotary | None = None,
                  parts: WorkerParts | None = None) -> None:
         parts = parts or WorkerParts()
@@ -217,7 +217,7 @@ class WorkerEvictionState:
         self.scorer = parts.scorer(self.ring, block_size=block_size,
                                    max_requests=max_requests, device=device,
                                    backend=score_backend, layout=layout or RankLayout(),
-                                   scored_layers=scored_layers, head_reduce=head_reduce,
+                                   scored_layers=scored_layers, attention_reduce=attention_reduce,
                                    fault=self.fault, self_check=self.self_check,
                                    stages=stages, rotary=rotary)
         self.last_step = 0
