@@ -20,10 +20,9 @@ merge_report() {  # name, parts...: one records.jsonl from the runs ${name}_<par
   run "$name" --report-only
 }
 what=${1:-all}
-# The default before the chat shape's second round (four recent blocks, the rows' mean at
-# the prompt-end event), as the reports label its committed records. (The second round's
-# default, direct: max_normalized since removed, is reproduced at the commit
-# docs/algorithm.md names.)
+# An earlier default of the prompt-end event (four recent blocks, the rows' mean), as the
+# reports label its committed records; docs/algorithm.md ("the chat shape") says which
+# default each label was and which commit reproduces the ones no longer a mode.
 BEFORE_ROUND_2="nexus:recent_blocks=4,prefill_direct=mean"
 seed_defaults() {  # report, out: the earlier default's records from the committed report
   local report=$1 out=$2
@@ -161,7 +160,7 @@ if want completion_report; then
   wait
   merge_report completion_report a b
 fi
-# The streaming regime (issue 35): the tuning sets (one process each), then the report
+# The streaming regime: the tuning sets (one process each), then the report
 # sets (one process per family; about an hour on 2 cores).
 for name in stream_tuning_multiturn stream_tuning_longdoc; do
   if want stream_tuning || want "$name"; then run "$name" & fi
@@ -171,7 +170,7 @@ for name in stream_multiturn stream_longdoc stream_longgen; do
   if want stream_report || want "$name"; then run "$name" & fi
 done
 wait
-# The second real model (issue 36): Gemma 3 270M, hybrid sliding-window layers.
+# The second real model: Gemma 3 270M, hybrid sliding-window layers.
 want gemma3_report && run gemma3_report
 if want docs; then
   # Ours and kvpress's presses side by side: headline records + the peer's records.

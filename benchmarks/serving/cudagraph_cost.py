@@ -4,7 +4,7 @@ by side.
 Evicting servers run PIECEWISE CUDA graphs (attention eager, so the query hook runs on
 every step) where stock vLLM replays FULL graphs for decode batches. They keep vLLM's
 scheduling: async scheduling (vLLM's default on GPU) overlaps scheduling with the forward
-pass, with two steps in flight (issue 29). This starts, one after another on the same
+pass, with two steps in flight. This starts, one after another on the same
 model and GPU:
 
 =====================  ===============================================================

@@ -19,8 +19,8 @@ Kinds:
 * ``install``: a fix made by ``scripts/setup_env.sh`` to the environment, not to code.
 
 KV-connector decision (vLLM's ``KVConnectorBase_V1``: ``KVConnectorMetadata`` to the
-workers, worker metadata with ``aggregate`` over TP ranks, ``build_prom_metrics``), re-read
-for issue 29 against the two routes vLLM 0.34 adds, HiSparse (``vllm/v1/hisparse`` with
+workers, worker metadata with ``aggregate`` over TP ranks, ``build_prom_metrics``), read
+again against the two routes vLLM 0.34 adds, HiSparse (``vllm/v1/hisparse`` with
 ``HiSparseConnector``, whose scheduler metadata goes out and whose worker metadata comes
 back, ``aggregate``-d, under async scheduling) and ``MultiConnector`` (several connectors
 in the one slot). The plan and reply stay grafted on ``SchedulerOutput`` /
