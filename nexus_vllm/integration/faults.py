@@ -21,13 +21,19 @@ Example: ``NEXUS_VLLM_FAULTS=score_error@1`` makes rank 1 fail every scoring ste
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 import threading
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-__all__ = ["ENV", "KINDS", "FaultLog", "FaultSpec", "fires", "parse"]
+__all__ = ["ENV", "KINDS", "FaultLog", "FaultSpec", "fires", "parse", "with_doubles"]
+
+Parts = TypeVar("Parts")
 
 ENV = "NEXUS_VLLM_FAULTS"
 KINDS = ("score_error", "policy_error", "plan_lost", "plan_duplicate")
@@ -72,6 +78,19 @@ def fires(kind: str, *, rank: int | None = None) -> bool:
         return False
     _SEEN[kind] += 1
     return _SEEN[kind] % spec.every == 0
+
+
+def with_doubles(parts: Parts, doubles: Mapping[str, tuple[str, Callable[..., Any]]]) -> Parts:
+    """``parts`` (a frozen dataclass of part factories) with, for each fault kind
+    ``NEXUS_VLLM_FAULTS`` names, its part replaced by the double: ``doubles[kind]`` is
+    ``(field, double)``, and the double is built with ``fires`` bound to that kind
+    (``fires(rank=...)`` for a per-rank fault)."""
+    specs = parse(os.environ.get(ENV, ""))
+    for kind, (name, double) in doubles.items():
+        if kind in specs:
+            parts = dataclasses.replace(  # type: ignore[type-var]
+                parts, **{name: functools.partial(double, fires=functools.partial(fires, kind))})
+    return parts
 
 
 class FaultLog:

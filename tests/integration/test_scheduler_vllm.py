@@ -105,11 +105,12 @@ def test_faults_swap_in_the_doubles(tiny_model, monkeypatch) -> None:  # noqa: A
     assert type(sched._nexus_sender) is DuplicatingSender
 
 
-def test_production_scheduler_parts_ask_no_fault() -> None:
-    """Only the doubles call ``faults.fires``."""
+def test_production_parts_ask_no_fault() -> None:
+    """No production module of the scheduler or the worker asks whether a fault fires:
+    only the doubles do, through ``faults.with_doubles``."""
     callers = set()
-    for path in SCHEDULER_DIR.glob("*.py"):
+    for path in [*SCHEDULER_DIR.glob("*.py"), *(SCHEDULER_DIR.parent / "worker").glob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Attribute) and node.attr == "fires":
-                callers.add(path.name)
-    assert callers == {"fault_doubles.py"}
+            if isinstance(node, ast.Attribute) and node.attr in ("fires", "with_doubles"):
+                callers.add(f"{path.parent.name}/{path.name}")
+    assert callers == {"scheduler/fault_doubles.py", "worker/fault_doubles.py"}

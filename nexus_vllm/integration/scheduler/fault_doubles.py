@@ -15,9 +15,6 @@ instead, which fails the way the real part may and is absorbed by the same code:
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -77,24 +74,9 @@ class DuplicatingSender(PlanSender):
             super().send(scheduler_output, plan)
 
 
-def _policy_error() -> bool:
-    return faults.fires("policy_error")
-
-
-def _plan_duplicate() -> bool:
-    return faults.fires("plan_duplicate")
-
-
 def scheduler_parts() -> SchedulerParts:
     """The scheduler's parts: the real ones, with a double for each scheduler fault
     ``NEXUS_VLLM_FAULTS`` names; the doubles fire as
     :func:`~nexus_vllm.integration.faults.fires` says."""
-    specs = faults.parse(os.environ.get(faults.ENV, ""))
-    parts = SchedulerParts()
-    if "policy_error" in specs:
-        parts = dataclasses.replace(
-            parts, evictor=functools.partial(FailingEvictor, fires=_policy_error))
-    if "plan_duplicate" in specs:
-        parts = dataclasses.replace(
-            parts, sender=functools.partial(DuplicatingSender, fires=_plan_duplicate))
-    return parts
+    return faults.with_doubles(SchedulerParts(), {"policy_error": ("evictor", FailingEvictor),
+                                                  "plan_duplicate": ("sender", DuplicatingSender)})

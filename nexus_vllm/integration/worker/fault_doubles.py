@@ -14,9 +14,6 @@ the same code:
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +30,7 @@ __all__ = ["FailingScorer", "LosingPlanCheck", "worker_parts"]
 
 
 class FailingScorer(BlockScorer):
-    """A scorer whose gathering raises when ``fires(rank)`` says so.
+    """A scorer whose gathering raises when ``fires(rank=...)`` says so.
 
     Parameters
     ----------
@@ -43,12 +40,12 @@ class FailingScorer(BlockScorer):
         ``(rank) -> bool``: whether this scoring step fails on this rank.
     """
 
-    def __init__(self, *args: Any, fires: Callable[[int], bool], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fires: Callable[..., bool], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._fires = fires
 
     def _gather(self, batch: Batch, segments: list[Segment], flat: torch.Tensor) -> None:
-        if self._fires(self.layout.rank):
+        if self._fires(rank=self.layout.rank):
             raise RuntimeError("injected scoring failure")
         super()._gather(batch, segments, flat)
 
@@ -76,24 +73,9 @@ class LosingPlanCheck(PlanCheck):
         return super().usable(plan, own, last_applied)
 
 
-def _score_error(rank: int) -> bool:
-    return faults.fires("score_error", rank=rank)
-
-
-def _plan_lost() -> bool:
-    return faults.fires("plan_lost")
-
-
 def worker_parts() -> WorkerParts:
     """The worker's parts: the real ones, with a double for each worker fault
     ``NEXUS_VLLM_FAULTS`` names; the doubles fire as
     :func:`~nexus_vllm.integration.faults.fires` says."""
-    specs = faults.parse(os.environ.get(faults.ENV, ""))
-    parts = WorkerParts()
-    if "score_error" in specs:
-        parts = dataclasses.replace(
-            parts, scorer=functools.partial(FailingScorer, fires=_score_error))
-    if "plan_lost" in specs:
-        parts = dataclasses.replace(
-            parts, plan_check=functools.partial(LosingPlanCheck, fires=_plan_lost))
-    return parts
+    return faults.with_doubles(WorkerParts(), {"score_error": ("scorer", FailingScorer),
+                                               "plan_lost": ("plan_check", LosingPlanCheck)})
