@@ -14,6 +14,7 @@ scheduler and the worker never import the API server's modules. It imports no vL
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,11 +22,22 @@ from nexus_vllm.core import EvictionConfig
 
 __all__ = [
     "ADDITIONAL_CONFIG_KEY",
+    "SELF_CHECK_ENV",
     "CONFIG_FIELD_OF",
     "REQUEST_FIELDS",
     "config_from_additional",
     "request_config",
+    "self_check_enabled",
 ]
+
+# Extra checks on a live server, in the scheduler and in every worker (each a host read):
+# debug only. Read in each process from the environment, which vLLM's workers inherit.
+SELF_CHECK_ENV = "NEXUS_VLLM_SELF_CHECK"
+
+
+def self_check_enabled() -> bool:
+    """Whether ``NEXUS_VLLM_SELF_CHECK=1`` is set in this process."""
+    return os.environ.get(SELF_CHECK_ENV, "0") == "1"
 
 ADDITIONAL_CONFIG_KEY = "nexus"
 # The per-request fields of ``vllm_xargs`` -> the EvictionConfig field each sets.

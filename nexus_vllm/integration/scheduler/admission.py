@@ -15,23 +15,20 @@ request's blocks, counted in vLLM's own block lists, never above its bound.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 from vllm.logger import init_logger
 
 from nexus_vllm.core.admission import admits
 from nexus_vllm.integration.compat.vllm_types import EngineRequest
+from nexus_vllm.integration.config import self_check_enabled
 from nexus_vllm.integration.metrics import SchedulerCounters
 from nexus_vllm.integration.scheduler.live_blocks import LiveBlocks, PoolPeaks, WindowBlocks
 from nexus_vllm.integration.scheduler.request_state import RequestEvictionState, RequestStates
 
 logger = init_logger(__name__)
 
-__all__ = ["SELF_CHECK_ENV", "AdmissionGate"]
-
-# The worker's self-check switch too (``worker_state.SELF_CHECK_ENV``).
-SELF_CHECK_ENV = "NEXUS_VLLM_SELF_CHECK"
+__all__ = ["AdmissionGate"]
 
 
 class AdmissionGate:
@@ -61,11 +58,9 @@ class AdmissionGate:
         self.counters = counters
         self.max_model_len = max_model_len
         if pool_check is None:
-            pool_check = os.environ.get(SELF_CHECK_ENV, "0") == "1"
+            pool_check = self_check_enabled()
         self.pool = PoolPeaks(blocks) if pool_check else None
         self._reported: set[str] = set()
-        # Requests resumed after preemption -> the tokens they recompute before decoding.
-        self._recompute: dict[str, int] = {}
 
     def total_tokens(self, st: RequestEvictionState, request: EngineRequest) -> int:
         """The request's longest sequence: ``max_tokens`` past its prompt, within
@@ -83,7 +78,8 @@ class AdmissionGate:
         if int(request.num_computed_tokens) == 0:
             # Not a field of every stand-in for vLLM's Request: none there is a new one.
             return int(getattr(request, "num_tokens", 0))
-        return self._recompute.get(request.request_id, 0)
+        st = self.states.get(request.request_id)
+        return 0 if st is None else st.recompute_tokens
 
     def bound_blocks(self, request: EngineRequest) -> int | None:
         """Most blocks an evicting request ever holds in the evicted group (None: it
@@ -95,12 +91,12 @@ class AdmissionGate:
         return int(st.cfg.bound_blocks(st.prompt_tokens, self.total_tokens(st, request),
                                        recompute_tokens=self.recompute_tokens(request)))
 
-    def _reserve(self, req_id: str, st: RequestEvictionState) -> int:
+    def _reserve(self, st: RequestEvictionState) -> int:
         """What an admitted request may still come to hold (:meth:`EvictionConfig.peak_from`
         its progress; a resumed one its recompute's peak until it is done)."""
         assert st.admitted_total is not None
         peak = st.cfg.peak_from(st.tokens, st.prompt_tokens, st.admitted_total)
-        recompute = self._recompute.get(req_id, 0)
+        recompute = st.recompute_tokens
         if st.tokens < recompute:
             peak = max(peak, st.cfg.bound_blocks(st.prompt_tokens, st.admitted_total,
                                                  recompute_tokens=recompute))
@@ -118,7 +114,7 @@ class AdmissionGate:
         st_new = self.states.get(request.request_id)
         assert st_new is not None  # bound_blocks resolved it
         need += windows.allowance(self.total_tokens(st_new, request))
-        reserved = ((self._reserve(req_id, st) + windows.allowance(st.admitted_total),
+        reserved = ((self._reserve(st) + windows.allowance(st.admitted_total),
                      self.blocks.live_count(st) + windows.held(req_id))
                     for req_id, st in self.states.items()
                     if st.admitted_total is not None and req_id != request.request_id
@@ -131,12 +127,7 @@ class AdmissionGate:
         admitted.admitted_total = self.total_tokens(admitted, request)
         admitted.tokens = 0  # (re)starts: its whole bound is outstanding until scheduled
         recompute = self.recompute_tokens(request)
-        for req_id in [r for r in self._recompute if self.states.get(r) is None]:
-            del self._recompute[req_id]  # finished
-        if recompute > admitted.prompt_tokens:
-            self._recompute[request.request_id] = recompute
-        else:
-            self._recompute.pop(request.request_id, None)
+        admitted.recompute_tokens = recompute if recompute > admitted.prompt_tokens else 0
         return True
 
     def check_pool(self, requests: Mapping[str, EngineRequest]) -> None:
@@ -161,7 +152,7 @@ class AdmissionGate:
             seen.add(req_id)
             bound = int(st.cfg.bound_blocks(
                 st.prompt_tokens, self.total_tokens(st, request),
-                recompute_tokens=self._recompute.get(req_id, 0)))
+                recompute_tokens=st.recompute_tokens))
             held = pool.observe(req_id, bound)
             indexed = self.blocks.live_count(st)
             if (held > bound or held != indexed) and req_id not in self._reported:

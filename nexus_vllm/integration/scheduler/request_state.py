@@ -102,6 +102,9 @@ class RequestEvictionState:
     admitted_total : int or None
         Its longest sequence in tokens, from its admission on (None: not admitted).
         Kept by ``admission``; it survives a restart (the request stays admitted).
+    recompute_tokens : int
+        Tokens it recomputes before it decodes when resumed after a preemption, where
+        that is more than its prompt (else 0). Kept by ``admission``.
     peak_live_blocks : int
         The most live blocks it held over its whole life (survives a restart); taken
         once when it finishes, for the metrics.
@@ -122,6 +125,7 @@ class RequestEvictionState:
     clean_watermark: int | None = field(init=False)
     live: LiveIndex = field(init=False)
     admitted_total: int | None = None
+    recompute_tokens: int = 0
     peak_live_blocks: int = 0
     event_in_flight: InFlightEvent | None = field(init=False)
 

@@ -48,7 +48,6 @@ compared with the kernel. A mismatch raises: it means scores would be garbage.
 
 from __future__ import annotations
 
-import os
 import re
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -61,6 +60,7 @@ from vllm.logger import init_logger
 from nexus_vllm.integration import faults
 from nexus_vllm.integration.compat.runners import RunnerAdapter
 from nexus_vllm.integration.compat.vllm_compat import NULL_BLOCK_ID, reset_request_ids
+from nexus_vllm.integration.config import SELF_CHECK_ENV, self_check_enabled
 from nexus_vllm.integration.protocol import StepPlan, WorkerReply, read_step
 from nexus_vllm.integration.worker.block_scorer import BlockScorer, PendingScores
 from nexus_vllm.integration.worker.compaction import Compactor
@@ -80,7 +80,6 @@ __all__ = ["SELF_CHECK_ENV", "LayerKeys", "PlanCheck", "ReplyToken", "SelfCheckE
            "WorkerEvictionState", "WorkerParts", "layer_index"]
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
-SELF_CHECK_ENV = "NEXUS_VLLM_SELF_CHECK"
 
 
 def layer_index(layer_name: str) -> int:
@@ -206,7 +205,7 @@ class WorkerEvictionState:
         self.max_requests = int(max_requests)
         self.runner: RunnerAdapter | None = None
         self.fault = faults.FaultLog(logger)
-        self.self_check = os.environ.get(SELF_CHECK_ENV, "0") == "1"
+        self.self_check = self_check_enabled()
         self.requests = RequestTable(self.max_requests)
         self.plans = parts.plan_check(self.fault)
         self.compactor = Compactor(block_size=block_size, max_requests=max_requests,
