@@ -20,7 +20,7 @@ import pytest
 from tests.integration.tiny_model import build_tiny_llama
 
 pytestmark = [
-    pytest.mark.slow, pytest.mark.e2e,
+    pytest.mark.slow, pytest.mark.e2e, pytest.mark.long,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                        reason="vllm is not installed"),
 ]

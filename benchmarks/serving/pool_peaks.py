@@ -94,59 +94,6 @@ def token_prompts(lens: list[int], vocab: int, seed: int) -> list[dict[str, list
     return [{"prompt_token_ids": rng.integers(10, vocab, size=n).tolist()} for n in lens]
 
 
-class PoolWatch:
-    """Reads vLLM's block lists after every ``schedule()`` of ``scheduler``."""
-
-    def __init__(self, scheduler: Any) -> None:
-        self.scheduler = scheduler
-        kvm = scheduler.kv_cache_manager
-        self.managers = kvm.coordinator.single_type_managers
-        self.pool = kvm.block_pool
-        self.rows: dict[str, dict[str, int]] = {}
-        self.pool_mismatches = 0
-        self.steps = 0
-        original = scheduler.schedule
-
-        def schedule(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            self.read()
-            return out
-
-        scheduler.schedule = schedule
-
-    def held(self, req_id: str) -> int:
-        return sum(1 for m in self.managers for b in m.req_to_blocks.get(req_id, ())
-                   if not b.is_null)
-
-    def read(self) -> None:
-        self.steps += 1
-        mgr = self.scheduler.nexus_manager
-        ids = sorted({r for m in self.managers for r in m.req_to_blocks})
-        total = 0
-        for req_id in ids:
-            held = self.held(req_id)
-            total += held
-            row = self.rows.get(req_id)
-            request = self.scheduler.requests.get(req_id)
-            if request is None:
-                continue
-            if row is None:
-                row = self.rows[req_id] = {
-                    "arrival": float(request.arrival_time),
-                    "prompt": int(request.num_prompt_tokens), "pool_peak": 0,
-                    "bound": -1, "plugin_peak": 0}
-            bound = mgr.bound_blocks(request)  # what admission reserved (None: no eviction)
-            if bound is not None:
-                row["bound"] = max(row["bound"], int(bound))
-            row["pool_peak"] = max(row["pool_peak"], held)
-            st = mgr.states.get(req_id)
-            if st is not None:
-                row["plugin_peak"] = max(row["plugin_peak"], int(st.peak_live_blocks))
-        used = int(self.pool.num_gpu_blocks) - 1 - int(self.pool.get_num_free_blocks())
-        if used != total:
-            self.pool_mismatches += 1
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core here
@@ -155,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoConfig
     from vllm import LLM, SamplingParams
+
+    from nexus_vllm.integration.scheduler.pool_watch import PoolWatch
 
     model = args.model
     if model is None:
@@ -187,26 +136,28 @@ def main(argv: list[str] | None = None) -> int:
         engine["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(**engine)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    watch = PoolWatch(scheduler)
+    watch = PoolWatch(scheduler).wrap()
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    rows = sorted(watch.rows.values(), key=lambda r: r["arrival"])  # the prompts' order
+    rows = sorted(watch.rows.values(), key=lambda r: r.arrival)  # the prompts' order
     sched_cfg = scheduler.scheduler_config
     print(f"{type(scheduler).__name__}, {scheduler.nexus_manager.steps_in_flight} step(s) in "
           f"flight, block {bs}, budget {args.budget}, prompt_mode {args.prompt_mode}, "
           f"prefill cap {sched_cfg.long_prefill_token_threshold or 'none'}, step budget "
-          f"{sched_cfg.max_num_batched_tokens}, {watch.steps} steps, pool used != sum of "
-          f"request blocks after {watch.pool_mismatches} of them")
+          f"{sched_cfg.max_num_batched_tokens}, {watch.reads} steps, pool used != sum of "
+          f"request blocks after {len(watch.mismatches)} of them")
     print("| prompt tokens | output tokens | prompt blocks | pool peak | bound | plugin peak |")
     print("|---:|---:|---:|---:|---:|---:|")
+    table = []
     for row, out in zip(rows, outs):
-        row["output"] = len(out.outputs[0].token_ids)
-        print(f"| {row['prompt']} | {row['output']} | {-(-row['prompt'] // bs)} | "
-              f"{row['pool_peak']} | {row['bound']} | {row['plugin_peak']} |")
+        output = len(out.outputs[0].token_ids)
+        print(f"| {row.prompt} | {output} | {-(-row.prompt // bs)} | {row.peak} | "
+              f"{row.bound} | {row.plugin_peak} |")
+        table.append({"prompt": row.prompt, "output": output, "pool_peak": row.peak,
+                      "bound": row.bound, "plugin_peak": row.plugin_peak})
     if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=1))
-    over = [r for r in rows if r["pool_peak"] > r["bound"] >= 0]
-    return 1 if over or watch.pool_mismatches else 0
+        args.json.write_text(json.dumps(table, indent=1))
+    return 1 if watch.over_bound() or watch.mismatches else 0
 
 
 if __name__ == "__main__":

@@ -108,14 +108,13 @@ class PoolLoop:
     def __init__(self, scheduler: Any) -> None:
         self.sched = scheduler
         self.k = int(scheduler.nexus_manager.steps_in_flight)
-        kvm = scheduler.kv_cache_manager
-        (self.single,) = kvm.coordinator.single_type_managers
-        self.pool = kvm.block_pool
+        from nexus_vllm.integration.scheduler.pool_watch import PoolWatch
+
+        # vLLM's pool read after every schedule(), and the plugin's self-check (PoolPeaks).
+        self.watch = PoolWatch(scheduler, check=True).wrap()
+        self.pool = self.watch.pool
         self.queue: deque[tuple[Any, Any]] = deque()
-        self.peaks: dict[str, int] = {}  # vLLM's pool, read here
-        self.bounds: dict[str, int] = {}
         self.prompts: dict[str, int] = {}
-        self.check_peaks: dict[str, int] = {}  # the plugin's self-check (PoolPeaks)
         self.rng = np.random.default_rng(0)
         self.steps = 0
 
@@ -137,7 +136,8 @@ class PoolLoop:
             assert self.steps < max_steps, "the engine made no progress"
             if self.sched.has_requests() and len(self.queue) < self.k:
                 out = self.sched.schedule()
-                self.read_pool()
+                # Prefix caching is off: every block in use is some request's.
+                assert not self.watch.mismatches, self.watch.mismatches
                 self.queue.appendleft((out, self.runner_output(out)))
                 if out.total_num_scheduled_tokens > 0 and len(self.queue) < self.k:
                     continue
@@ -152,25 +152,19 @@ class PoolLoop:
             self.sched.running.remove(request)
             self.sched._preempt_request(request, 0.0)
 
-    def read_pool(self) -> None:
-        mgr = self.sched.nexus_manager
-        total = 0
-        for req_id, blocks in self.single.req_to_blocks.items():
-            held = sum(1 for b in blocks if not b.is_null)
-            total += held
-            request = self.sched.requests.get(req_id)
-            if request is None:
-                continue
-            # The bound admission reserved (a resumed request's covers its recompute).
-            self.bounds[req_id] = max(self.bounds.get(req_id, 0),
-                                      int(mgr.bound_blocks(request)))
-            self.peaks[req_id] = max(self.peaks.get(req_id, 0), held)
-        # Prefix caching is off: every block in use is some request's.
-        assert self.pool.num_gpu_blocks - 1 - self.pool.get_num_free_blocks() == total
-        gate = mgr.admission
-        gate.check_pool(self.sched.requests)
-        for req_id, (peak, _) in gate.pool.peaks.items():
-            self.check_peaks[req_id] = max(self.check_peaks.get(req_id, 0), peak)
+    @property
+    def peaks(self) -> dict[str, int]:
+        """The most blocks each request held in vLLM's pool."""
+        return {r: row.peak for r, row in self.watch.rows.items()}
+
+    @property
+    def bounds(self) -> dict[str, int]:
+        """The bound admission reserved for each request (its largest)."""
+        return {r: row.bound for r, row in self.watch.rows.items()}
+
+    @property
+    def check_peaks(self) -> dict[str, int]:
+        return self.watch.check_peaks
 
     def runner_output(self, out: Any) -> Any:
         """A token for every request whose step ends its prompt (vLLM's runner samples

@@ -43,57 +43,11 @@ NEXUS = {"method": "nexus", "max_tokens": BUDGET, "chunk_size": CHUNK, "block_si
          "prompt_mode": "stream", "seed": 7}
 
 
-class PoolWatch:
-    """vLLM's block lists, read after every ``schedule()`` of the engine's scheduler."""
-
-    def __init__(self, scheduler: Any) -> None:
-        self.scheduler = scheduler
-        kvm = scheduler.kv_cache_manager
-        (self.single,) = kvm.coordinator.single_type_managers
-        self.pool = kvm.block_pool
-        self.rows: dict[str, dict[str, Any]] = {}
-        self.check_peaks: dict[str, int] = {}
-        self.mismatches: list[tuple[int, int]] = []
-        original = scheduler.schedule
-
-        def schedule(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            self.read()
-            return out
-
-        scheduler.schedule = schedule
-
-    def read(self) -> None:
-        mgr = self.scheduler.nexus_manager
-        total = 0
-        for req_id, blocks in self.single.req_to_blocks.items():
-            held = sum(1 for b in blocks if not b.is_null)
-            total += held
-            request = self.scheduler.requests.get(req_id)
-            if request is None:
-                continue
-            row = self.rows.get(req_id)
-            if row is None:
-                row = self.rows[req_id] = {
-                    "prompt": int(request.num_prompt_tokens),
-                    "answer": int(request.max_tokens),
-                    "xargs": dict(request.sampling_params.extra_args or {}),
-                    "bound": 0, "peak": 0}
-            # The bound admission reserved (a resumed request's covers its recompute).
-            row["bound"] = max(row["bound"], int(mgr.bound_blocks(request)))
-            row["peak"] = max(row["peak"], held)
-        used = self.pool.num_gpu_blocks - 1 - self.pool.get_num_free_blocks()
-        if used != total:  # prefix caching is off: every block in use is a request's
-            self.mismatches.append((used, total))
-        gate = mgr.admission
-        gate.check_pool(self.scheduler.requests)  # what NexusScheduler.schedule may call
-        for req_id, (peak, _) in gate.pool.peaks.items():
-            self.check_peaks[req_id] = max(self.check_peaks.get(req_id, 0), peak)
-
-
 def test_pool_peak_within_bound_for_every_residue(tiny_model: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm import LLM, SamplingParams
+
+    from nexus_vllm.integration.scheduler.pool_watch import PoolWatch
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in-process
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -104,7 +58,7 @@ def test_pool_peak_within_bound_for_every_residue(tiny_model: str,
               enable_prefix_caching=False)
     try:
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-        watch = PoolWatch(scheduler)
+        watch = PoolWatch(scheduler, check=True).wrap()
         prompts, params = [], []
         for mode, xargs in MODES.items():
             for base, answers in WORKLOAD.items():
@@ -126,11 +80,11 @@ def test_pool_peak_within_bound_for_every_residue(tiny_model: str,
     assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
     rows = watch.rows
     assert len(rows) == len(prompts)
-    over = [r for r in rows.values() if r["peak"] > r["bound"]]
-    assert not over, over
+    assert all(r.bound >= 0 for r in rows.values())
+    assert not watch.over_bound(), watch.over_bound()
     assert not watch.mismatches
     # The plugin's self-check read the same lists and found every bound held.
-    assert watch.check_peaks == {r: row["peak"] for r, row in rows.items()}
+    assert watch.check_peaks == {r: row.peak for r, row in rows.items()}
     assert pool_check is not None and pool_check.over_bound is not None
     assert pool_check.over_bound <= 0
     assert dict(counters.faults) == {} and counters.evicted_blocks > 0
@@ -139,12 +93,12 @@ def test_pool_peak_within_bound_for_every_residue(tiny_model: str,
     # block (after a prompt that fills its last block) comes once the prompt-end event
     # has freed the prompt.
     end_long = [r for r in rows.values()
-                if r["xargs"] == MODES["end"] and r["prompt"] >= LONG]
+                if r.xargs == MODES["end"] and r.prompt >= LONG]
     assert len(end_long) == BLOCK * len(WORKLOAD[LONG])
     for r in end_long:
-        assert r["peak"] == r["bound"] == -(-r["prompt"] // BLOCK), r
+        assert r.peak == r.bound == -(-r.prompt // BLOCK), r
     # Every mode ran, and each mode's bound was reached by some request (tight).
     for mode, xargs in MODES.items():
-        mine = [r for r in rows.values() if r["xargs"] == xargs]
+        mine = [r for r in rows.values() if r.xargs == xargs]
         assert len(mine) == BLOCK * sum(map(len, WORKLOAD.values())), mode
-        assert any(r["peak"] == r["bound"] for r in mine), mode
+        assert any(r.peak == r.bound for r in mine), mode

@@ -172,6 +172,7 @@ def server(tiny_model, serve_tmp):  # noqa: ANN001, ANN201
 
 
 # -- 3. the short soak (first: it runs its own server) ------------------------------------
+@pytest.mark.long
 def test_short_soak(tiny_model, tmp_path) -> None:  # noqa: ANN001
     """``scripts/soak.py`` on the tiny model with a small pool (preemption, admission
     waits and cancellation together): exit status 0, no errors, no leaked blocks, no
