@@ -422,24 +422,27 @@ def test_hybrid_blocks_per_request_by_hand(tmp_path, capsys):
     # 16-token decode interval (1 block) = 9 decoding.
     assert (full["stock_admission_blocks"], full["stock_blocks"]) == (32, 36)
     assert (full["evicting_bound_blocks"], full["evicting_decode_hard_limit_blocks"]) == (12, 9)
-    # Each sliding group: the window less one plus a 128-token step, on block boundaries,
-    # plus the block the window starts in: ceil((64 - 1 + 128) / 16) + 1 = 13, stock and
-    # with eviction alike. Stock admission caps the prompt's 32 blocks at the window plus
-    # two steps in flight: ceil((63 + 256) / 16) + 1 = 21.
+    # Each sliding group while the prompt is computed: the window less one plus the two
+    # 128-token steps in flight, on block boundaries, plus the block the window starts in:
+    # ceil((64 - 1 + 256) / 16) + 1 = 21, stock and with eviction alike (and what stock
+    # admission caps the prompt's 32 blocks at). Decoding, one token a step: the window
+    # plus 2 tokens in flight, ceil((63 + 2) / 16) + 1 = 6.
     for g in sliding:
         assert (g["stock_blocks"], g["evicting_bound_blocks"],
-                g["evicting_decode_hard_limit_blocks"]) == (13, 13, 13)
+                g["evicting_decode_hard_limit_blocks"]) == (21, 21, 6)
         assert g["stock_admission_blocks"] == 21
     # Per request over the groups: stock admits on 32 + 2 x 21 = 74 free blocks and holds
-    # at most 36 + 2 x 13 = 62; eviction reserves 12 + 26 = 38, then 9 + 26 = 35.
-    assert (out["stock"]["admission_blocks"], out["stock"]["bound_blocks"]) == (74, 62)
+    # at most 36 + 2 x 21 = 78; eviction reserves 12 + 42 = 54, then 9 + 12 = 21.
+    assert (out["stock"]["admission_blocks"], out["stock"]["bound_blocks"]) == (74, 78)
     assert (out["evicting"]["bound_blocks"], out["evicting"]["decode_hard_limit_blocks"]) == (
-        38, 35)
-    # 199 usable blocks: 199 // 38 = 5 guaranteed, 199 // 35 = 5 at the ceiling; stock:
-    # 199 // 62 = 3 whole, and the burst runs 3 (a third finds 199 - 2 x 46 >= 74 free).
-    assert (out["evicting"]["guaranteed"], out["evicting"]["ceiling"]) == (5, 5)
-    assert out["evicting"]["concurrent"] == 5
-    assert (out["stock"]["guaranteed"], out["stock"]["concurrent"]) == (3, 3)
+        54, 21)
+    # 199 usable blocks: 199 // 54 = 3 guaranteed, 199 // 21 = 9 at the ceiling; the burst,
+    # admitted step by step as the plugin's gate admits (a burst through the gate itself:
+    # tests/integration/test_manager.py), runs 7. Stock: 199 // 78 = 2 whole, and the
+    # burst runs 3 (a third finds 199 - 2 x 46 >= 74 free).
+    assert (out["evicting"]["guaranteed"], out["evicting"]["ceiling"]) == (3, 9)
+    assert out["evicting"]["concurrent"] == 7
+    assert (out["stock"]["guaranteed"], out["stock"]["concurrent"]) == (2, 3)
     assert not out["stock"]["preempts"]
 
 
@@ -449,7 +452,9 @@ def test_hybrid_text_names_the_groups(tmp_path, capsys):
     assert "KV cache groups (vLLM's hybrid KV cache manager): 3" in text
     assert "1 full attention (2 layers, evicted)" in text
     assert "2 sliding window 64 tokens (2, 2 layers, left to vLLM)" in text
-    assert "each sliding group: 13" in text and "stock admission reserves 21" in text
+    assert "each sliding group: 21 while the prompt is computed" in text
+    assert "with eviction 6 reserved once decoding (its window plus 2 decode tokens)" in text
+    assert "stock admission reserves 21" in text
 
 
 def test_hybrid_without_a_step_budget_takes_vllms(tmp_path, capsys):
@@ -469,6 +474,45 @@ def test_hybrid_startup_check_counts_every_group(tmp_path, capsys):
     flags[flags.index("--pool-blocks") + 1] = "100"
     out = _size(capsys, "--model", _write_config(tmp_path, SMALL_GEMMA3), *flags)
     assert any("needs 106 blocks, the pool has 99" in n for n in out["notes"])
+
+
+def test_window_allowance_follows_the_phase_and_the_steps_in_flight():
+    # Window 64, 16-token blocks, 128-token steps, 512 + 64 tokens.
+    def allowance(k, tokens=0, prefill_end=None, total=576, windows=(64,)):
+        return window_allowance(total, 16, list(windows), 128, k, tokens=tokens,
+                                prefill_end=prefill_end)
+    # One step in flight: ceil((63 + 128) / 16) + 1 = 13 until one decode step follows the
+    # prompt, then ceil((63 + 1) / 16) + 1 = 5 (the rule before: 13 throughout).
+    assert allowance(1) == allowance(1, 300, 512) == allowance(1, 512, 512) == 13
+    assert allowance(1, 513, 512) == allowance(1, 576, 512) == 5
+    # Async scheduling, two steps in flight: ceil((63 + 256) / 16) + 1 = 21 until two
+    # decode steps follow it (the last prompt step may be in flight at the first), then
+    # ceil((63 + 2) / 16) + 1 = 6.
+    assert allowance(2) == allowance(2, 513, 512) == 21
+    assert allowance(2, 514, 512) == 6
+    # A resumed request recomputing 540 tokens decodes from there; groups add up.
+    assert allowance(2, 530, 540) == 21 and allowance(2, 542, 540) == 6
+    assert allowance(2, 514, 512, windows=(64, 64, 128)) == 6 + 6 + 10
+    # Never more than the sequence's blocks: 40 tokens hold 3 in every phase.
+    assert allowance(2, total=40) == allowance(2, 40, 30, total=40) == 3
+
+
+def test_the_sizer_reserves_the_window_groups_as_admission():
+    pytest.importorskip("vllm")
+    from nexus_vllm.integration.compat.vllm_compat import WindowGroup
+    from nexus_vllm.integration.scheduler.live_blocks import WindowBlocks
+
+    groups = [WindowGroup(0, None, 64, 16), WindowGroup(2, None, 64, 16),
+              WindowGroup(3, None, 1024, 16)]
+    for k in (1, 2, 3):
+        blocks = WindowBlocks(groups, 128, k)
+        for total, prefill_end in ((40, 30), (576, 512), (4096, 3000)):
+            assert blocks.allowance(total) == window_allowance(
+                total, 16, [64, 64, 1024], 128, k), (k, total)
+            for tokens in range(prefill_end - 130, total + 1, 7):
+                assert blocks.allowance(total, tokens, prefill_end) == window_allowance(
+                    total, 16, [64, 64, 1024], 128, k, tokens=tokens,
+                    prefill_end=prefill_end), (k, total, tokens)
 
 
 def test_stock_sliding_group_frees_what_leaves_the_window():
@@ -586,6 +630,8 @@ def test_window_blocks_match_vllms_sliding_window_manager(vllm_kv):
     cap = spec.max_admission_blocks_per_request(max_in_flight_tokens=2 * step,
                                                 max_model_len=4096)
     assert cap == window_max_blocks(window, bs, 2 * step, 4096)
+    # While the prompt is computed, the plugin reserves vLLM's own cap (two steps in flight).
+    assert window_allowance(4096, bs, [window], step, 2) == cap
     manager = vllm_kv["SlidingWindowManager"](
         spec, block_pool=vllm_kv["BlockPool"](1000, False, bs), enable_caching=False,
         kv_cache_group_id=0, scheduler_block_size=bs, max_admission_blocks_per_request=cap)

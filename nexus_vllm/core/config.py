@@ -20,7 +20,8 @@ from ._validate import ConfigError, check_choice, check_float, check_int
 from .policies import METHODS, POLICIES, EvictionPolicy, forced_count
 from .scoring import ATTENTION_REDUCES, cdiv
 
-__all__ = ["METHODS", "PROMPT_MODES", "RENAMED_FIELDS", "EvictionConfig"]
+__all__ = ["METHODS", "PROMPT_MODES", "RENAMED_FIELDS", "EvictionConfig", "window_blocks",
+           "window_in_flight_tokens"]
 
 logger = logging.getLogger(__name__)
 
@@ -507,6 +508,40 @@ class EvictionConfig:
         request draws the same evictions."""
         digest = hashlib.blake2b(f"{self.seed}:{request_seed}".encode(), digest_size=8).digest()
         return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+
+def window_in_flight_tokens(step_tokens: int, steps_in_flight: int = 1, *, tokens: int = 0,
+                            prefill_end: int | None = None) -> int:
+    """Tokens a request may have scheduled and not yet processed at its next allocation,
+    which each sliding-window group holds beyond its window (:func:`window_blocks`).
+
+    ``tokens``: computed as of its last scheduled step; ``prefill_end``: its prompt, or
+    what a resumed request recomputes (None: it has not started).
+
+    vLLM 0.32 frees a sliding group's blocks on the processed tokens (computed less in
+    flight, ``vllm/v1/core/kv_cache_manager.py:555``) and counts ``max_concurrent_batches``
+    full steps in flight in every phase (``max_in_flight_tokens``,
+    ``vllm/config/vllm.py:577-598``: the pipeline stages, one more with async
+    scheduling). While the prompt is computed this counts the same. A decoding request
+    adds one token a step (speculative decoding is refused): once ``steps_in_flight``
+    decode steps follow its last prompt step, that step is processed, so from then on
+    ``steps_in_flight`` tokens.
+    """
+    k = max(1, int(steps_in_flight))
+    decoding = prefill_end is not None and int(tokens) >= int(prefill_end) + k
+    return k * (1 if decoding else int(step_tokens))
+
+
+def window_blocks(window: int, block_size: int, total_tokens: int,
+                  in_flight_tokens: int) -> int:
+    """Most blocks a request of ``total_tokens`` holds in a sliding-window group of
+    ``window`` tokens with ``in_flight_tokens`` scheduled and not yet processed: the
+    window less one plus those tokens, plus the block the window starts in (vLLM's
+    ``SlidingWindowSpec.max_admission_blocks_per_request``,
+    ``vllm/v1/kv_cache_interface.py:859``, which ``max_memory_usage_bytes`` at :887 sizes
+    the pool by), never more than its sequence's blocks."""
+    return min(cdiv(int(total_tokens), block_size),
+               cdiv(int(window) - 1 + int(in_flight_tokens), block_size) + 1)
 
 
 def _owners(knob: str) -> list[str]:

@@ -18,11 +18,13 @@ adds one token a step.
 
 A hybrid sliding-window model (:mod:`.groups`) has more KV cache groups drawing on the one
 pool: ``full_groups`` full-attention groups hold what a one-group model holds, and each
-sliding group holds the blocks still in its window. The plugin's admission adds each
-sliding group's window plus one step (:func:`window_allowance`) to every bound and
-reserve; stock vLLM's admission counts the prompt in every group, capped in a sliding
-group at its window plus the tokens in flight (:func:`stock_admission_blocks`), and a
-running stock request's sliding groups free what leaves the window before it allocates.
+sliding group holds the blocks still in its window and the tokens in flight. The plugin's
+admission adds each sliding group's window plus the tokens in flight for the request's
+phase (:func:`window_allowance`: ``steps_in_flight`` steps while the prompt is computed,
+``steps_in_flight`` tokens once it decodes) to every bound and reserve; stock vLLM's
+admission counts the prompt in every group, capped in a sliding group at its window plus
+``steps_in_flight`` whole steps (:func:`stock_admission_blocks`), and a running stock
+request's sliding groups free what leaves the window before it allocates.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 from nexus_vllm.core import EvictionConfig, cdiv
 from nexus_vllm.core.admission import admission_room
+from nexus_vllm.core.config import window_blocks, window_in_flight_tokens
 
 from .groups import window_held_blocks, window_max_blocks
 
@@ -58,21 +61,29 @@ def stock_admission_blocks(prompt_tokens: int, block_size: int, *, full_groups: 
 
 
 def stock_bound_blocks(total_tokens: int, block_size: int, *, full_groups: int = 1,
-                       windows: Sequence[int] = (), step_tokens: int = 0) -> int:
+                       windows: Sequence[int] = (), step_tokens: int = 0,
+                       steps_in_flight: int = 1) -> int:
     """Most blocks a stock vLLM request holds: its whole sequence in each full-attention
-    group, and in each sliding group its window plus one step of ``step_tokens``."""
+    group, and in each sliding group its window plus ``steps_in_flight`` steps of
+    ``step_tokens`` (:func:`window_allowance` of a request yet to start)."""
     return full_groups * cdiv(total_tokens, block_size) + window_allowance(
-        total_tokens, block_size, windows, step_tokens)
+        total_tokens, block_size, windows, step_tokens, steps_in_flight)
 
 
 def window_allowance(total_tokens: int, block_size: int, windows: Sequence[int],
-                     step_tokens: int) -> int:
-    """Blocks a request of ``total_tokens`` holds at most across sliding groups of windows
-    ``windows``, computing up to ``step_tokens`` a step: in each, the window plus one step
-    on block boundaries, never more than its sequence (what the plugin's admission
-    reserves, ``WindowBlocks.allowance``)."""
-    blocks = cdiv(total_tokens, block_size)
-    return sum(min(blocks, window_max_blocks(w, block_size, step_tokens)) for w in windows)
+                     step_tokens: int, steps_in_flight: int = 1, *, tokens: int = 0,
+                     prefill_end: int | None = None) -> int:
+    """Blocks a request of ``total_tokens`` may still hold across sliding groups of windows
+    ``windows`` once ``tokens`` are computed, ``prefill_end`` being its prompt (None: it
+    has not started): in each, the window plus the tokens in flight, ``steps_in_flight``
+    steps of ``step_tokens`` while it computes its prompt and ``steps_in_flight`` tokens
+    once it decodes, never more than its sequence. The plugin's admission reserves the
+    same (``WindowBlocks.allowance``: both are
+    :func:`nexus_vllm.core.config.window_blocks` of
+    :func:`nexus_vllm.core.config.window_in_flight_tokens`)."""
+    in_flight = window_in_flight_tokens(step_tokens, steps_in_flight, tokens=tokens,
+                                        prefill_end=prefill_end)
+    return sum(window_blocks(w, block_size, total_tokens, in_flight) for w in windows)
 
 
 def split_context(context: int, block_size: int) -> tuple[int, int]:
@@ -115,7 +126,8 @@ class SimResult:
 def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size: int,
                    prompt_tokens: int, output_tokens: int, requests: int, max_num_seqs: int,
                    max_num_batched_tokens: int | None = None, full_groups: int = 1,
-                   windows: Sequence[int] = (), in_flight_tokens: int | None = None,
+                   windows: Sequence[int] = (), steps_in_flight: int = 1,
+                   in_flight_tokens: int | None = None,
                    max_model_len: int | None = None) -> SimResult:
     """``requests`` identical requests arrive at once; run the scheduler's admission until
     no request waits (stock vLLM: until all finish, since it may preempt later).
@@ -132,11 +144,13 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
 
     A hybrid model has ``full_groups`` full-attention groups and one sliding group per
     entry of ``windows`` (each its window in tokens). Evicting: each bound and reserve adds
-    :func:`window_allowance` (one step: ``max_num_batched_tokens``, or the prompt without
-    a budget). Stock: admission needs :func:`stock_admission_blocks` with
-    ``in_flight_tokens`` (vLLM's ``max_in_flight_tokens``; None: one step) and
-    ``max_model_len``; a running request first frees what left its windows
-    (:func:`.groups.window_held_blocks`).
+    :func:`window_allowance` for the request's progress (``steps_in_flight`` steps of
+    ``max_num_batched_tokens``, or of the prompt without a budget, until
+    ``steps_in_flight`` decode steps follow its prompt; then ``steps_in_flight`` tokens),
+    as the plugin's admission does. Stock: admission needs
+    :func:`stock_admission_blocks` with ``in_flight_tokens`` (vLLM's
+    ``max_in_flight_tokens``; None: ``steps_in_flight`` steps) and ``max_model_len``; a
+    running request first frees what left its windows (:func:`.groups.window_held_blocks`).
     """
     total = prompt_tokens + output_tokens
     bs = block_size
@@ -144,11 +158,16 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
     # The plugin caps a request's prompt chunk where events fire mid-prompt; otherwise
     # vLLM's step budget alone does (engine_policy.forced_engine_args).
     chunk = cfg.chunk_size if cfg is not None and cfg.evicts_mid_prompt else prompt_tokens
-    allowance = window_allowance(total, bs, windows, step_tokens)
-    bound = (cfg.bound_blocks(prompt_tokens, total) + allowance if cfg is not None
+    k = max(1, steps_in_flight)
+
+    def allowance(tokens_seen: int | None = None) -> int:
+        """The window groups' reserve (:func:`window_allowance`; None: a new request)."""
+        return window_allowance(total, bs, windows, step_tokens, k, tokens=tokens_seen or 0,
+                                prefill_end=None if tokens_seen is None else prompt_tokens)
+    bound = (cfg.bound_blocks(prompt_tokens, total) + allowance() if cfg is not None
              else stock_admission_blocks(
                  prompt_tokens, bs, full_groups=full_groups, windows=windows,
-                 in_flight_tokens=step_tokens if in_flight_tokens is None
+                 in_flight_tokens=k * step_tokens if in_flight_tokens is None
                  else in_flight_tokens, max_model_len=max_model_len))
     window_counts = Counter(windows)
 
@@ -164,7 +183,7 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
 
     def reserve(r: _Request) -> int:
         assert cfg is not None
-        return cfg.peak_from(r.tokens_seen, prompt_tokens, total) + allowance
+        return cfg.peak_from(r.tokens_seen, prompt_tokens, total) + allowance(r.tokens_seen)
 
     while waiting or running:
         if cfg is not None and not waiting:
@@ -219,6 +238,11 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
             # request finishes, so jump there (stock: its growth is checked on the way,
             # and a sliding group's freed blocks may let a waiting request in sooner).
             skip = min(output_tokens - r.outputs for r in running) - 1
+            if windows and cfg is not None:
+                # Nor past a window reserve's drop to the decode tokens in flight (at
+                # prompt + k tokens: none if it dropped this step).
+                skip = min([skip, *(prompt_tokens + k - r.tokens_seen for r in running
+                                    if r.tokens_seen <= prompt_tokens + k)])
             if skip > 0 and cfg is None:
                 may_admit = bool(waiting) and len(running) < max_num_seqs and len(running) \
                     < (max_num_batched_tokens or requests * prompt_tokens)

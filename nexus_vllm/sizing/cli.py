@@ -74,13 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "alone sets the concurrency; vLLM's on H100/H200 is 8192, and with "
                         "short answers prefill throughput can bind before the pool; a model "
                         "with sliding-window layers takes "
-                        f"{HYBRID_STEP_TOKENS}, as its sliding groups hold one step's tokens "
-                        "beyond their window)")
+                        f"{HYBRID_STEP_TOKENS}, as its sliding groups hold the steps in "
+                        "flight beyond their window while a prompt is computed)")
     p.add_argument("--steps-in-flight", type=int_at_least(1), default=None,
                    help="steps vLLM schedules before the first one's output is back (its "
                         "max_concurrent_batches; default pp + 1, vLLM 0.32's on GPU with "
-                        "async scheduling): stock vLLM's admission reserves their tokens in "
-                        "each sliding-window group")
+                        "async scheduling): each sliding-window group holds their tokens "
+                        "beyond its window, whole steps while a prompt is computed and one "
+                        "token each once it decodes")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 

@@ -20,8 +20,8 @@ from .shape import DTYPE_BYTES, ModelShape
 
 __all__ = ["HYBRID_STEP_TOKENS", "Sizing", "format_sizing", "size_replica"]
 
-# vLLM 0.32's --max-num-batched-tokens for its API server on H100/H200: the step a
-# sliding-window group holds beyond its window when the flag is not given.
+# vLLM 0.32's --max-num-batched-tokens for its API server on H100/H200: a step in flight
+# that a sliding-window group holds beyond its window, when the flag is not given.
 HYBRID_STEP_TOKENS = 8192
 
 
@@ -57,9 +57,10 @@ def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | N
 
     ``pool_blocks`` (vLLM's ``--num-gpu-blocks-override``) skips the memory arithmetic;
     otherwise ``gpu_memory_gib`` is needed. A model with sliding-window groups computes
-    ``max_num_batched_tokens`` (None: :data:`HYBRID_STEP_TOKENS`) tokens a step, and stock
-    vLLM keeps ``steps_in_flight`` (None: ``pp + 1``, vLLM 0.32's on GPU: async
-    scheduling with model runner V2) steps in flight.
+    ``max_num_batched_tokens`` (None: :data:`HYBRID_STEP_TOKENS`) tokens a step, and vLLM
+    keeps ``steps_in_flight`` (None: ``pp + 1``, vLLM 0.32's on GPU: async scheduling
+    with model runner V2) steps in flight, whose tokens a sliding-window group holds
+    beyond its window, stock and with eviction.
 
     Raises
     ------
@@ -79,10 +80,12 @@ def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | N
     if windows and max_num_batched_tokens is None:
         max_num_batched_tokens = HYBRID_STEP_TOKENS
         notes.append(f"--max-num-batched-tokens {HYBRID_STEP_TOKENS} (vLLM's on H100/H200), as "
-                     "a sliding-window group holds one step's tokens beyond its window; the "
-                     "budget also paces the burst's prefills")
+                     "a sliding-window group holds the steps in flight beyond its window "
+                     "while the prompt is computed; the budget also paces the burst's "
+                     "prefills")
     step = max_num_batched_tokens or prompt_tokens
-    in_flight = (pp + 1 if steps_in_flight is None else steps_in_flight) * step
+    k = pp + 1 if steps_in_flight is None else steps_in_flight
+    in_flight = k * step
     memory = None
     if pool_blocks is None:
         if gpu_memory_gib is None:
@@ -103,10 +106,10 @@ def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | N
         "usable_blocks": usable, "block_size": bs, "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens, "requests": max_num_seqs,
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-        "full_groups": full_groups, "windows": windows, "in_flight_tokens": in_flight,
-        "max_model_len": context}
+        "full_groups": full_groups, "windows": windows, "steps_in_flight": k,
+        "in_flight_tokens": in_flight, "max_model_len": context}
     stock_bound = stock_bound_blocks(total, bs, full_groups=full_groups, windows=windows,
-                                     step_tokens=step)
+                                     step_tokens=step, steps_in_flight=k)
     stock_run = simulate_burst(None, **sim)
     stock_guaranteed = min(usable // stock_bound, max_num_seqs)
     stock = {"admission_blocks": stock_admission_blocks(
@@ -116,9 +119,14 @@ def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | N
              "preempts": stock_run.preempted, "guaranteed": stock_guaranteed,
              # Preemption-free: the burst's peak, or if it preempts, what fits whole.
              "concurrent": stock_guaranteed if stock_run.preempted else stock_run.peak_running}
-    allowance = window_allowance(total, bs, windows, step)
-    bound = cfg.bound_blocks(prompt_tokens, total) + allowance
-    decode_peak = cfg.decode_peak_blocks(prompt_tokens, total) + allowance
+    # The window groups as the plugin's admission reserves them: k steps in flight while
+    # the prompt is computed, k decode tokens once it decodes (window_allowance).
+    def allowance(of: list[int], tokens: int | None = None) -> int:
+        return window_allowance(total, bs, of, step, k, tokens=tokens or 0,
+                                prefill_end=None if tokens is None else prompt_tokens)
+    decoding = prompt_tokens + k  # tokens from which a request's reserve is its decode's
+    bound = cfg.bound_blocks(prompt_tokens, total) + allowance(windows)
+    decode_peak = cfg.decode_peak_blocks(prompt_tokens, total) + allowance(windows, decoding)
     evict_run = simulate_burst(cfg, **sim)
     evicting = {"bound_blocks": bound, "decode_hard_limit_blocks": decode_peak,
                 "concurrent": evict_run.peak_running,
@@ -140,13 +148,13 @@ def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | N
                       "evicting_decode_hard_limit_blocks":
                           cfg.decode_peak_blocks(prompt_tokens, total)}
         else:
-            held = window_allowance(total, bs, [g.window], step)
+            held = allowance([g.window])
             blocks = {"stock_admission_blocks": stock_admission_blocks(
                           prompt_tokens, bs, full_groups=0, windows=[g.window],
                           in_flight_tokens=in_flight, max_model_len=context),
                       "stock_blocks": held, "evicting_bound_blocks": held,
-                      "evicting_decode_hard_limit_blocks": held, "step_tokens": step,
-                      "in_flight_tokens": in_flight}
+                      "evicting_decode_hard_limit_blocks": allowance([g.window], decoding),
+                      "step_tokens": step, "steps_in_flight": k, "in_flight_tokens": in_flight}
         group_rows.append({"kind": "full_attention" if g.window is None
                            else "sliding_window", "window": g.window,
                            "layers": list(g.layers), "evicted": g.window is None, **blocks})
@@ -225,8 +233,10 @@ def _group_lines(sizing: Sizing) -> list[str]:
         f"at admission, {f['stock_blocks']} at the end; with eviction bound "
         f"{f['evicting_bound_blocks']}, decode hard limit "
         f"{f['evicting_decode_hard_limit_blocks']}",
-        f"                    each sliding group: {w['stock_blocks']} (its window plus one "
-        f"{w['step_tokens']}-token step, stock and with eviction); stock admission "
-        f"reserves {w['stock_admission_blocks']} (its window plus the "
-        f"{w['in_flight_tokens']} tokens in flight)",
+        f"                    each sliding group: {w['stock_blocks']} while the prompt is "
+        f"computed (its window plus the {w['in_flight_tokens']} tokens in flight: "
+        f"{w['steps_in_flight']} steps of {w['step_tokens']}), stock and with eviction; with "
+        f"eviction {w['evicting_decode_hard_limit_blocks']} reserved once decoding (its "
+        f"window plus {w['steps_in_flight']} decode tokens); stock admission reserves "
+        f"{w['stock_admission_blocks']}",
     ]

@@ -91,8 +91,9 @@ def test_big_budget_and_short_prompts_equal_stock(hybrid_server, stock_outputs) 
 
 def test_full_group_evicts_within_its_bound(hybrid_server) -> None:  # noqa: ANN001
     """Long prompts, four at a time: blocks are evicted from the full-attention group,
-    no request ever holds more than budget + one chunk there, and every block of every
-    group comes back (vLLM's own usage returns to 0)."""
+    no request ever holds more than budget + one chunk there nor more than its allowance
+    in the sliding group (the self-check reads both after every step), and every block
+    of every group comes back (vLLM's own usage returns to 0)."""
     before = hybrid_server.metrics()
     with cf.ThreadPoolExecutor(4) as pool:
         outs = list(pool.map(
@@ -106,6 +107,9 @@ def test_full_group_evicts_within_its_bound(hybrid_server) -> None:  # noqa: ANN
     # Per request and step: live full-group blocks - (budget + one chunk), from vLLM's
     # own block lists (the peak gauge also counts the big-budget requests above).
     assert after["vllm:nexus_live_blocks_over_budget"] <= 0
+    assert after["vllm:nexus_pool_over_bound"] <= 0
+    log = hybrid_server.log_path.read_text(errors="replace")
+    assert "in its sliding-window groups against an allowance" not in log
     assert after.get("vllm:nexus_faults_total", 0.0) == before.get("vllm:nexus_faults_total", 0.0)
     assert after["vllm:nexus_free_blocks"] == after["vllm:nexus_total_blocks"]
     assert after["vllm:kv_cache_usage_perc"] == 0.0

@@ -555,6 +555,217 @@ def test_hybrid_admission_reserves_the_window_groups() -> None:
     assert mgr.counters.admission_waits == 1
 
 
+def test_window_allowance_follows_the_phase() -> None:
+    """A sliding group holds its window plus the tokens in flight: k whole steps while the
+    prompt (or a recompute) is computed, k tokens once k decode steps follow it (one
+    token a step); never more than the sequence's blocks."""
+    mgr, _, _ = _hybrid(chunk=128)  # 128-token steps, 32-token blocks, window 64
+    w = mgr.windows
+    assert w.steps_in_flight == 1
+    # A new request, and one whose last prompt step may still be in flight: 63 + 128.
+    assert w.allowance(1500) == w.allowance(1500, 1500, 1500) == 7
+    assert w.allowance(1500, 1501, 1500) == 3  # decoding: cdiv(63 + 1, 32) + 1
+    assert w.allowance(2000, 1600, 1700) == 7 and w.allowance(2000, 1701, 1700) == 3
+    assert w.allowance(40) == w.allowance(40, 41, 40) == 2  # its sequence's 2 blocks
+    w.steps_in_flight = 2  # async scheduling: two steps in flight
+    assert w.allowance(1500) == w.allowance(1500, 1501, 1500) == 11  # cdiv(63 + 256, 32) + 1
+    assert w.allowance(1500, 1502, 1500) == 4  # cdiv(63 + 2, 32) + 1
+    assert w.allowance(40) == w.allowance(40, 42, 40) == 2
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_window_group_holds_within_the_phases_allowance(k: int) -> None:
+    """vLLM's sliding manager with k steps in flight (it frees on the processed tokens:
+    the computed ones less those in flight): what a request holds after each step is
+    within the allowance admission kept for it before the step, and with k > 1 the
+    prompt steps in flight take more than one step's allowance (the rule before)."""
+    mgr, _, _ = _hybrid(num_blocks=200)
+    mgr.windows.steps_in_flight = k
+    sliding = mgr.windows.groups[0].manager
+    prompt, total = 1500, 1540
+    in_flight: list[int] = []
+    done, reserve = 0, mgr.windows.allowance(total)  # a new request's
+    most = {"prompt": 0, "decode": 0}
+    for n in [128] * 11 + [92] + [1] * 40:
+        sliding.remove_skipped_blocks("r", done - sum(in_flight[len(in_flight) - k + 1:]))
+        sliding.allocate_new_blocks("r", done + n, done + n)
+        done += n
+        in_flight.append(n)
+        held = mgr.windows.held("r")
+        assert held <= reserve, done
+        reserve = mgr.windows.allowance(total, done, prompt)  # for the next step on
+        assert held <= reserve or done < prompt + k, done  # decoding: held at once
+        most["decode" if done >= prompt + k else "prompt"] = max(
+            held, most["decode" if done >= prompt + k else "prompt"])
+    old = 7  # cdiv(64 - 1 + 128, 32) + 1: one step, whatever the phase and k
+    assert most["decode"] <= mgr.windows.allowance(total, done, prompt) < old
+    assert (most["prompt"] > old) == (k > 1)
+
+
+def test_a_decoding_request_frees_admission_room_in_the_window_group() -> None:
+    """Once a request decodes, its window reserve drops from k steps to k tokens: a
+    request refused while the other's prompt steps may be in flight is admitted then."""
+    from vllm.v1.request import RequestStatus
+
+    mgr, single, _ = _hybrid(num_blocks=40)  # 39 usable
+    mgr.windows.steps_in_flight = 2
+    reqs = {}
+    for rid in ("a", "b"):
+        r = _request(rid, prompt=1000)
+        r.max_tokens, r.status = 64, RequestStatus.WAITING
+        reqs[rid] = r
+    # Full group: 256 tokens of budget (8 blocks) + one 128-token chunk (4); window:
+    # cdiv(63 + 2 x 128, 32) + 1 = 11 while the prompt is computed, 4 decoding.
+    assert mgr.bound_blocks(reqs["a"]) + mgr.windows.allowance(1064) == 12 + 11
+    assert mgr.may_admit(reqs["a"])
+    running = {"a": reqs["a"]}
+    for i, n in enumerate([128] * 7 + [104, 1, 1]):
+        plan = _step_hybrid(mgr, single, running, {"a": n}, new=("a",) if i == 0 else ())
+        mgr.apply_reply(plan, _reply(plan, mgr), running)
+        if i < 9:  # 39 - a's 12 + 11 (past its prompt: 9 + 11) < 23
+            assert not mgr.may_admit(reqs["b"]), i
+    st = mgr.states.get("a")
+    assert st.tokens == 1002  # two decode steps: its last prompt step is processed
+    assert mgr.windows.allowance(st.admitted_total, st.tokens, st.prompt_tokens) == 4
+    assert mgr.windows.held("a") <= 4
+    assert mgr.may_admit(reqs["b"])  # 39 - (9 + 4) >= 23
+    assert mgr.counters.admission_waits == 9
+
+
+def test_the_self_check_reads_the_window_groups(monkeypatch) -> None:  # noqa: ANN001
+    """With the self-check on, what a request holds in its sliding groups is read against
+    its allowance after each step: within it while vLLM frees what leaves the window,
+    reported once when it holds more."""
+    from nexus_vllm.integration.scheduler import admission
+
+    monkeypatch.setenv("NEXUS_VLLM_SELF_CHECK", "1")
+    warnings: list[str] = []
+    monkeypatch.setattr(admission.logger, "warning",
+                        lambda msg, *args: warnings.append(msg % args))
+    mgr, single, _ = _hybrid(num_blocks=200)
+    sliding = mgr.windows.groups[0].manager
+    reqs = {"r": _request("r", prompt=1500)}
+    for i, n in enumerate([128] * 11 + [92, 1, 1]):
+        plan = _step_hybrid(mgr, single, reqs, {"r": n}, new=("r",) if i == 0 else ())
+        mgr.admission.check_pool(reqs)
+        mgr.apply_reply(plan, _reply(plan, mgr), reqs)
+    assert warnings == [] and mgr.windows.held("r") <= 3  # decoding: cdiv(63 + 1, 32) + 1
+    sliding.allocate_new_blocks("r", 1502 + 96, 1502 + 96)  # held past the window
+    mgr.admission.check_pool(reqs)
+    mgr.admission.check_pool(reqs)
+    assert len(warnings) == 1 and "sliding-window groups against an allowance of 3" in \
+        warnings[0]
+
+
+def _burst_through_the_gate(k: int, mode: str, usable: int, gate_k: int | None = None,
+                            requests: int = 8, prompt: int = 600, output: int = 40,
+                            chunk: int = 64, step: int | None = None) -> int:
+    """Most requests running at once when a burst of identical ones goes through the
+    plugin's admission over vLLM's real pool and managers, scheduled as the sizer's
+    :func:`~nexus_vllm.sizing.simulate_burst` schedules them, each step allocated the
+    way vLLM allocates it (the sliding group freed on the processed tokens, with k steps
+    in flight), the reply applied before the next step. ``gate_k``: the steps in flight
+    admission counts (default k). A step that finds no free block raises ValueError."""
+    from collections import deque
+
+    from vllm.v1.request import RequestStatus
+
+    step = step or (128 if mode == "stream" else 256)  # --max-num-batched-tokens
+    mgr, single, _ = scheduler_side(usable + 1, window=WINDOW, step_tokens=step,
+                                    max_tokens=256, chunk_size=chunk, prompt_mode=mode)
+    mgr.windows.steps_in_flight = k if gate_k is None else gate_k
+    sliding = mgr.windows.groups[0].manager
+    per_step = chunk if mgr.server_cfg.evicts_mid_prompt else prompt
+    waiting = deque(_request(f"r{i}", prompt, max_tokens=output) for i in range(requests))
+    for r in waiting:
+        r.status, r.outputs = RequestStatus.WAITING, 0
+    reqs: dict = {}
+    running: list = []
+    in_flight: dict[str, list[int]] = {}
+    peak, finished = 0, []
+
+    def allocate(r, n: int) -> None:  # noqa: ANN001 - vLLM's allocate_slots, both groups
+        rid, done = r.request_id, r.num_computed_tokens
+        sliding.remove_skipped_blocks(rid, done - sum(in_flight[rid][len(in_flight[rid]) - k + 1:]))
+        sliding.allocate_new_blocks(rid, done + n, done + n)
+        single.allocate_new_blocks(rid, done + n, done + n)
+
+    while waiting:
+        budget, sched, new = step, {}, []
+        for r in running:  # running first, then the waiting ones in order
+            if budget <= 0:
+                break
+            done = r.num_computed_tokens
+            n = min(prompt - done, per_step, budget) if done < prompt else 1
+            allocate(r, n)
+            budget -= n
+            sched[r.request_id] = n
+        while waiting and budget > 0 and mgr.may_admit(waiting[0]):
+            r = waiting.popleft()
+            reqs[r.request_id], in_flight[r.request_id] = r, []
+            n = min(prompt, per_step, budget)
+            allocate(r, n)
+            running.append(r)
+            budget -= n
+            sched[r.request_id] = n
+            new.append(r.request_id)
+        peak = max(peak, len(running))
+        if not sched:
+            break  # the first waiting request never fits
+        for rid, n in sched.items():
+            reqs[rid].num_computed_tokens += n
+            in_flight[rid].append(n)
+        plan = mgr.plan_step(_output(sched, new=tuple(new), finished=tuple(finished)), reqs)
+        mgr.apply_reply(plan, _reply(plan, mgr), reqs)
+        finished = []
+        for rid in sched:
+            r = reqs[rid]
+            r.outputs += r.num_computed_tokens >= prompt
+            if r.outputs >= output:
+                single.free(rid)
+                sliding.free(rid)
+                finished.append(rid)
+        running = [r for r in running if r.request_id not in finished]
+    assert mgr.counters.over_budget_peak <= 0
+    return peak
+
+
+# (k, prompt_mode, usable blocks, prompt, output, --max-num-batched-tokens): 8 requests of
+# 600 + 40 tokens, and 10 shorter ones whose first decode step may be a step where nobody
+# else is admitted (the sizer must not jump past the window reserve's drop there).
+BURSTS = [(k, mode, usable, 600, 40, None) for k in (1, 2, 3) for mode in ("stream", "end")
+          for usable in (40, 80)] + [(1, "stream", 72, 200, 40, 256),
+                                     (1, "end", 75, 200, 20, 512)]
+
+
+@pytest.mark.parametrize("k, mode, usable, prompt, output, step", BURSTS)
+def test_the_sizer_predicts_the_admission_of_a_hybrid_burst(
+        k: int, mode: str, usable: int, prompt: int, output: int, step: int | None) -> None:
+    """``nexus-vllm size``'s burst (:func:`~nexus_vllm.sizing.simulate_burst`, the window
+    groups' allowance by phase and steps in flight) runs as many requests at once as the
+    plugin's admission over vLLM's pool, and no step runs out of blocks."""
+    from nexus_vllm.core import EvictionConfig
+    from nexus_vllm.sizing import simulate_burst
+
+    cfg = EvictionConfig(method="nexus", max_tokens=256, chunk_size=64, prompt_mode=mode,
+                         block_size=32)
+    requests = 8 if prompt == 600 else 10
+    step = step or (128 if mode == "stream" else 256)
+    sim = simulate_burst(cfg, usable_blocks=usable, block_size=32, prompt_tokens=prompt,
+                         output_tokens=output, requests=requests, max_num_seqs=requests,
+                         max_num_batched_tokens=step, windows=[WINDOW], steps_in_flight=k)
+    assert _burst_through_the_gate(k, mode, usable, requests=requests, prompt=prompt,
+                                   output=output, step=step) == sim.peak_running
+
+
+def test_a_gate_blind_to_the_steps_in_flight_runs_out_of_blocks() -> None:
+    """With two steps in flight, an allowance of one step (the rule before) admits a
+    request whose blocks the pool then lacks; counting both, two run and none lacks any."""
+    with pytest.raises(ValueError, match="Cannot get .* free blocks"):
+        _burst_through_the_gate(2, "end", 54, gate_k=1)
+    assert _burst_through_the_gate(2, "end", 54) == 2
+
+
 @pytest.mark.parametrize("windows, want", [(False, 512), (True, 0)])
 def test_a_cut_prefix_hit_is_dropped_whole_with_window_groups(windows, want) -> None:  # noqa: ANN001
     """vLLM 0.32 caps a hit after its lookup: a sliding group's hit holds nulls below

@@ -44,7 +44,7 @@ class AdmissionGate:
         The longest sequence vLLM allows (None: ``max_tokens`` alone bounds it).
     windows : WindowBlocks, optional
         The sliding-window groups' blocks, reserved on top of the evicted group's bound
-        (a full-attention model has none).
+        and reserve, by the request's phase (a full-attention model has none).
     pool_check : bool, optional
         Run :meth:`check_pool` (default: ``NEXUS_VLLM_SELF_CHECK=1`` in the environment).
     """
@@ -114,7 +114,11 @@ class AdmissionGate:
         st_new = self.states.get(request.request_id)
         assert st_new is not None  # bound_blocks resolved it
         need += windows.allowance(self.total_tokens(st_new, request))
-        reserved = ((self._reserve(st) + windows.allowance(st.admitted_total),
+        # The window groups' reserve follows the phase: k steps while the prompt (or a
+        # recompute) is computed, k decode tokens after (WindowBlocks.allowance).
+        reserved = ((self._reserve(st) + windows.allowance(
+                         st.admitted_total, st.tokens,
+                         max(st.prompt_tokens, st.recompute_tokens)),
                      self.blocks.live_count(st) + windows.held(req_id))
                     for req_id, st in self.states.items()
                     if st.admitted_total is not None and req_id != request.request_id
@@ -136,7 +140,8 @@ class AdmissionGate:
         vLLM's own block list (:class:`PoolPeaks`), against its :meth:`bound_blocks`.
 
         Call it once vLLM has allocated a step's blocks (after ``schedule()``). A request
-        above its bound, or whose live index disagrees with vLLM's list, is logged once;
+        above its bound, or whose live index disagrees with vLLM's list, or holding more
+        in the sliding-window groups than :meth:`WindowBlocks.allowance`, is logged once;
         the high-water marks ride with the stats as ``pool_blocks_peak`` (the most blocks
         one request held) and ``pool_over_bound`` (the most one held above its bound:
         <= 0 while every bound holds).
@@ -162,6 +167,19 @@ class AdmissionGate:
                     "(its live index: %d) against a bound of %d (prompt %d tokens, "
                     "longest sequence %d, prompt_mode %s)", req_id, held, indexed, bound,
                     st.prompt_tokens, self.total_tokens(st, request), st.cfg.prompt_mode)
+            if self.windows.groups and req_id not in self._reported:
+                # What admission keeps reserved for it from this step on.
+                held = self.windows.held(req_id)
+                allowance = self.windows.allowance(
+                    self.total_tokens(st, request), st.tokens,
+                    max(st.prompt_tokens, st.recompute_tokens))
+                if held > allowance:
+                    self._reported.add(req_id)
+                    logger.warning(
+                        "nexus-vllm self-check: request %s holds %d blocks in its "
+                        "sliding-window groups against an allowance of %d (%d tokens "
+                        "computed, prompt %d tokens)", req_id, held, allowance, st.tokens,
+                        st.prompt_tokens)
         gone = [r for r in pool.peaks if r not in seen]
         pool.forget(gone)
         self._reported.difference_update(gone)

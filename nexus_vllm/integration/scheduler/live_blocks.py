@@ -19,7 +19,7 @@ from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from nexus_vllm.core import cdiv
+from nexus_vllm.core.config import window_blocks, window_in_flight_tokens
 from nexus_vllm.integration.compat.vllm_compat import BlockPoolView, WindowGroup, request_blocks
 from nexus_vllm.integration.compat.vllm_types import KVBlock
 from nexus_vllm.integration.scheduler.request_state import LiveIndex, RequestEvictionState
@@ -105,20 +105,30 @@ class WindowBlocks:
     groups : sequence of WindowGroup
         The model's sliding-window groups (none for a full-attention model).
     step_tokens : int
-        Most tokens one request computes in a step (a prefill chunk).
+        Most tokens one request computes in a step (vLLM's token budget per step).
+    steps_in_flight : int
+        k, the steps vLLM schedules before the first one's output is processed
+        (``max_concurrent_batches``).
     """
 
-    def __init__(self, groups: Sequence[WindowGroup], step_tokens: int) -> None:
+    def __init__(self, groups: Sequence[WindowGroup], step_tokens: int,
+                 steps_in_flight: int = 1) -> None:
         self.groups = tuple(groups)
         self.step_tokens = int(step_tokens)
+        self.steps_in_flight = max(1, int(steps_in_flight))
 
-    def allowance(self, total_tokens: int) -> int:
-        """Most blocks a request of ``total_tokens`` holds across the window groups:
-        the tokens still in its window plus one step's, on block boundaries (vLLM's own
-        cap, ``SlidingWindowSpec.max_memory_usage_bytes``), and never more than its
-        sequence."""
-        return sum(min(cdiv(int(total_tokens), g.block_size),
-                       cdiv(g.window - 1 + self.step_tokens, g.block_size) + 1)
+    def allowance(self, total_tokens: int, tokens: int = 0,
+                  prefill_end: int | None = None) -> int:
+        """Most blocks a request of ``total_tokens`` may still hold across the window
+        groups once ``tokens`` are computed (as of its last scheduled step), with
+        ``prefill_end`` its prompt or what it recomputes (None: a request yet to start):
+        in each group the window plus the tokens in flight, k steps while it computes
+        its prompt and k tokens once it decodes, never more than its sequence
+        (:func:`~nexus_vllm.core.config.window_in_flight_tokens`,
+        :func:`~nexus_vllm.core.config.window_blocks`)."""
+        in_flight = window_in_flight_tokens(self.step_tokens, self.steps_in_flight,
+                                            tokens=tokens, prefill_end=prefill_end)
+        return sum(window_blocks(g.window, g.block_size, total_tokens, in_flight)
                    for g in self.groups)
 
     def held(self, req_id: str) -> int:

@@ -40,7 +40,8 @@ to ``apply_reply``. A request whose event is planned is held out of vLLM's sched
 that event's reply is applied (``vllm_compat.hold_request``, vLLM's own "not before this
 step" field), so its next step sees the event's nulls, as with one step in flight: the
 same events, the same evictions and the same bounds for every ``k``. Other requests keep
-the pipeline busy meanwhile.
+the pipeline busy meanwhile. Only the sliding-window groups' allowance counts ``k``
+(vLLM frees their blocks once a step is processed: ``WindowBlocks``).
 """
 
 from __future__ import annotations
@@ -116,13 +117,13 @@ class EvictionManager:
     max_model_len : int, optional
         Bounds each request's longest sequence at admission.
     steps_in_flight : int
-        k, the steps vLLM schedules before the first reply comes back (for the log and
-        the plans-in-flight gauge; the bounds do not depend on it, see the module
-        docstring).
+        k, the steps vLLM schedules before the first reply comes back. The full-attention
+        group's bounds do not depend on it (see the module docstring); a sliding-window
+        group holds the tokens of the k steps in flight beyond its window.
     step_tokens : int, optional
-        Most tokens one request computes in a step (vLLM's token budget per step):
-        what a sliding-window group holds beyond its window. Needed only for models
-        with sliding-window groups.
+        Most tokens one request computes in a step (vLLM's token budget per step): a
+        prompt step in flight in a sliding-window group. Needed only for models with
+        sliding-window groups.
     evictor : callable, optional
         Builds the :class:`Evictor` (keyword arguments as its own).
     """
@@ -148,7 +149,8 @@ class EvictionManager:
         self.blocks = LiveBlocks(groups.evicted, self.pool, self.block_size)
         if groups.windows and step_tokens is None:
             raise ValueError("a model with sliding-window groups needs step_tokens")
-        self.windows = WindowBlocks(groups.windows, int(step_tokens or 0))
+        self.windows = WindowBlocks(groups.windows, int(step_tokens or 0),
+                                    self.steps_in_flight)
         self.states = RequestStates(server_cfg)
         self.channel = PlanChannel(self.states, self.fault)
         self.admission = AdmissionGate(self.states, self.blocks, self.counters,

@@ -86,7 +86,7 @@ class NexusSchedulerMixin(_SchedulerBase):
         self._nexus_lone_cap = chunk if cfg.evicts_mid_prompt else 0
         k = steps_in_flight(self.vllm_config)
         parts = scheduler_parts()
-        # Sliding-window groups hold up to one step's tokens beyond their window.
+        # Sliding-window groups hold their window plus the tokens of k steps in flight.
         self.nexus_manager = EvictionManager(
             cfg, self.kv_cache_manager, self.block_size, max_model_len=self.max_model_len,
             steps_in_flight=k,
