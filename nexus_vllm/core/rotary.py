@@ -33,19 +33,25 @@ class Rotary:
         False: ``(2i, 2i + 1)`` (GPT-J).
     head_size : int
         Channels per head; channels past ``rot_dim`` are not rotated.
+    offset : int
+        First rotated channel (default 0): the rotated channels are ``offset ..
+        offset + rot_dim - 1``, the others are not rotated. A multi-head latent attention
+        query ``[q_nope @ W_UK_T (kv_lora_rank) | q_pe (qk_rope_head_dim)]`` rotates
+        only its last ``qk_rope_head_dim`` channels (``offset = kv_lora_rank``).
     """
 
     cos_sin: torch.Tensor
     neox: bool
     head_size: int
+    offset: int = 0
 
     def __post_init__(self) -> None:
         if self.cos_sin.dim() != 2 or self.cos_sin.shape[1] % 2 or self.cos_sin.shape[0] < 1:
             raise ValueError(f"cos_sin must be [P, rot_dim] with an even rot_dim, got "
                              f"{tuple(self.cos_sin.shape)}")
-        if self.cos_sin.shape[1] > self.head_size:
-            raise ValueError(f"rot_dim {self.cos_sin.shape[1]} exceeds head_size "
-                             f"{self.head_size}")
+        if self.offset < 0 or self.offset + self.cos_sin.shape[1] > self.head_size:
+            raise ValueError(f"rot_dim {self.cos_sin.shape[1]} from offset {self.offset} "
+                             f"exceeds head_size {self.head_size}")
 
     @property
     def rot_dim(self) -> int:
@@ -61,8 +67,8 @@ class Rotary:
         half = self.rot_dim // 2
         idx = torch.arange(half)
         if self.neox:
-            return idx, idx + half
-        return 2 * idx, 2 * idx + 1
+            return idx + self.offset, idx + half + self.offset
+        return 2 * idx + self.offset, 2 * idx + 1 + self.offset
 
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x [..., W, H, D]`` rotated at ``positions [..., W]`` brought back to position
@@ -93,7 +99,7 @@ class Rotary:
         -------
         Tensor[R, D, D] (float32): ``mean_p R(p)`` (not a rotation: each pair's 2x2
         block is ``[[c, -s], [s, c]]`` with the mean cosine and sine), identity on the
-        channels past ``rot_dim``.
+        channels not rotated.
         """
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")

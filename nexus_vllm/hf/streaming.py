@@ -50,6 +50,7 @@ from nexus_vllm.core import (
     num_blocks_for,
 )
 from nexus_vllm.core.evidence import DenseLayer, DenseSequence
+from nexus_vllm.hf.mla import is_mla_attention, latent_keys, latent_query, latent_rotary
 
 __all__ = ["CAPTURE_ATTENTION", "EvictionEvent", "StreamingSession", "make_config",
            "rotary_of", "use_capture_attention"]
@@ -74,7 +75,9 @@ def _capture_attention(module: Any, query: torch.Tensor, key: torch.Tensor, valu
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if nexus_capture is not None:
-        nexus_capture(int(module.layer_idx), query)
+        # MLA (DeepSeek): the query absorbed into the latent the cache holds (hf/mla.py).
+        nexus_capture(int(module.layer_idx),
+                      latent_query(module, query) if is_mla_attention(module) else query)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -225,6 +228,9 @@ class StreamingSession:
         self._query_keep = max(keep, int(capture_rows))
         self._queries: list[torch.Tensor | None] = [None] * self.num_layers
         self._rotary: Rotary | None = None
+        # Multi-head latent attention: the cache holds latent rows, scored with latent
+        # queries (hf/mla.py).
+        self._latent = any(is_mla_attention(m) for m in model.modules())
 
     # ------------------------------------------------------------------ forward
     def _record_queries(self, layer_idx: int, query: torch.Tensor) -> None:
@@ -286,8 +292,11 @@ class StreamingSession:
             q = self._queries[li]
             if q is None:
                 raise RuntimeError("no queries recorded yet: feed tokens before evicting")
+            cached = self.cache.layers[li]
+            keys = (latent_keys(cached) if self._latent  # MLA: [c_kv | k_pe] rows
+                    else cached.keys[0].transpose(0, 1))
             layers.append(DenseLayer(queries=q[:, -window:].transpose(0, 1),  # [W, Hq, D]
-                                     keys=self.cache.layers[li].keys[0].transpose(0, 1)))
+                                     keys=keys))
         w = int(layers[0].queries.shape[0]) if layers else 0
         rotary = (self.rotary() if any(evidence_kind(k).needs_rotary for k in kinds)
                   else None)
@@ -319,6 +328,8 @@ class StreamingSession:
         if self._rotary is None:
             rows = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
             self._rotary = rotary_of(self.model, rows or _ROTARY_ROWS)
+            if self._latent:  # latent queries rotate in their last channels (hf/mla.py)
+                self._rotary = latent_rotary(self.model.config, self._rotary)
         return self._rotary
 
     @property

@@ -142,15 +142,15 @@ def test_every_attention_trait_has_a_refusal() -> None:
     texts = [unsupported_attention(AttentionTraits(**{name: True})) for name in names]
     assert all(len(t) == 1 for t in texts), texts
     assert len({t[0] for t in texts}) == len(names)  # each named its own way
-    both = unsupported_attention(AttentionTraits(alibi=True, mla=True))
+    both = unsupported_attention(AttentionTraits(alibi=True, encoder_decoder=True))
     assert both == [*unsupported_attention(AttentionTraits(alibi=True)),
-                    *unsupported_attention(AttentionTraits(mla=True))]
+                    *unsupported_attention(AttentionTraits(encoder_decoder=True))]
 
 
 def test_check_model_names_the_model_then_the_limits() -> None:
     with pytest.raises(ValueError, match="^--kv-eviction nexus: model m uses ALiBi position "
-                                         "biases .* and multi-head latent attention \\(MLA\\);"):
-        check_model(CFG, "m", AttentionTraits(alibi=True, mla=True), 4096, 4)
+                                         "biases .* and an encoder-decoder architecture;"):
+        check_model(CFG, "m", AttentionTraits(alibi=True, encoder_decoder=True), 4096, 4)
     check_model(CFG, "m", AttentionTraits(), 4096, 4)
     with pytest.raises(ValueError, match="^--kv-eviction nexus: --kv-budget 1024 is above "
                                          "--max-model-len 512"):
@@ -289,7 +289,6 @@ def test_kv_connector_is_refused(cuda) -> None:  # noqa: ANN001
 @pytest.mark.parametrize("attr, value, match", [
     ("sliding", 4096, "sliding-window attention in every layer"),
     ("uses_alibi", True, "ALiBi"),
-    ("use_mla", True, "MLA"),
     ("is_hybrid", True, "hybrid"),
     ("is_encoder_decoder", True, "encoder-decoder"),
     ("is_mm_prefix_lm", True, "multimodal prefixes"),

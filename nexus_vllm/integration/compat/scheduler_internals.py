@@ -38,16 +38,24 @@ def group_role(spec: KVCacheSpec) -> str:
     Raises
     ------
     UnsupportedKVCacheGroup
-        For any other spec: MLA, chunked-local, cross-attention, Mamba state, or a
-        full-attention group holding sliding-window layers (the hybrid KV cache manager
-        is off, so compaction would shift their window).
+        For any other spec: sliding-window MLA, chunked-local, cross-attention, Mamba
+        state, or a full-attention group holding sliding-window layers (the hybrid KV
+        cache manager is off, so compaction would shift their window).
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     name = type(spec).__name__
     if isinstance(spec, SlidingWindowSpec) and "MLA" not in name:
         return "window"
-    if type(spec) is FullAttentionSpec:
+    if type(spec) is MLAAttentionSpec and not _plain_latent_cache(spec):
+        raise UnsupportedKVCacheGroup(
+            f"a KV cache group of kind {name} whose latent rows eviction cannot read as "
+            f"plain values (cache dtype {getattr(spec, 'cache_dtype_str', None)!r}; a "
+            "sparse-attention index or DeepSeek-V4 layout): only 'auto', 'float16', "
+            "'bfloat16' or 'float32' latent caches of dense MLA are evicted")
+    # MLA's latent cache (one row per token, read by every head) is a full-attention
+    # group too.
+    if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
         if getattr(spec, "sliding_window", None) is not None:
             raise UnsupportedKVCacheGroup(
                 "sliding-window layers share the full-attention KV cache group (vLLM's "
@@ -61,6 +69,17 @@ def group_role(spec: KVCacheSpec) -> str:
     raise UnsupportedKVCacheGroup(f"a KV cache group of kind {name}, which eviction "
                                   "does not support (full attention and sliding window "
                                   "only)")
+
+
+def _plain_latent_cache(spec: KVCacheSpec) -> bool:
+    """An ``MLAAttentionSpec`` of a dense MLA layer whose cache holds the latent rows as
+    model-dtype values (what scoring reads); None fields are a spec vLLM did not build
+    from a layer (``MLAAttention.get_kv_cache_spec`` always declares its dtype)."""
+    return (getattr(spec, "cache_dtype_str", None) in ("auto", "float16", "bfloat16",
+                                                       "float32")
+            and getattr(spec, "model_version", None) is None
+            and not getattr(spec, "is_index_group_leader", False)
+            and getattr(spec, "state_content_bytes", None) is None)
 
 
 @dataclass(frozen=True)

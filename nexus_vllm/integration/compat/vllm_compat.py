@@ -55,10 +55,22 @@ accessor                      vLLM internal                         why
 ``attention_layers``          ``compilation_config.                 per-layer impl, KV cache,
                               static_forward_context``              window / ALiBi / sharing
 ``model_attention_traits``    ``ModelConfig.get_sliding_window /    models eviction refuses at
-                              uses_alibi / use_mla / is_hybrid /    startup (the same check as
+                              uses_alibi / is_hybrid /              startup (the same check as
                               is_encoder_decoder / is_mm_prefix_lm  each layer's,
                               / rswa_window``, ``hf_text_config.    ``engine_policy``)
                               layer_types``
+``AttentionLayerView.is_mla`` ``MLAAttention`` (not an ``Attention``: MLA layers scored
+(``worker/mla.py``)           listed too); ``.forward_impl`` calls  from latent queries against
+                              ``impl.forward_mha`` (prompt, un-     the latent cache; the
+                              absorbed) then ``forward_mqa``        latent spec is the evicted
+                              (decode, absorbed), ``.W_UK_T``,      group; the CPU platform's
+                              ``.kv_cache`` ``[blocks, block,       forced block size and
+                              latent]``, ``impl.do_kv_cache_        chunked prefill (off) are
+                              update``; ``MLAAttentionSpec.cache_   read after vLLM builds its
+                              dtype_str / model_version``;          config
+                              ``ModelConfig.use_mla``,
+                              ``SchedulerConfig.enable_chunked_
+                              prefill``, ``CacheConfig.block_size``
 ``attention_groups``          ``GPUModelRunner.attn_groups``        bind our metadata builders
 ``CommonAttentionMetadata``   ``v1/attention/backend.py`` fields    what compaction rewrites
 ``tp_all_reduce``             ``get_tp_group().all_reduce``         sum block masses over ranks

@@ -17,6 +17,7 @@ from nexus_vllm.integration.compat.attention_traits import AttentionTraits, unsu
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, SchedulerConfig, VllmConfig
     from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
     from vllm.v1.attention.backend import AttentionImpl, AttentionMetadataBuilder
     from vllm.v1.worker.utils import AttentionGroup
 
@@ -37,7 +38,15 @@ class AttentionLayerView:
     """One decoder attention layer of the loaded model."""
 
     name: str
-    layer: Attention
+    layer: Attention | MLAAttention
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention: one cached latent row per token, shared by the
+        heads (``integration/worker/mla.py``)."""
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+        return isinstance(self.layer, MLAAttention)
 
     @property
     def impl(self) -> AttentionImpl[Any]:
@@ -87,7 +96,6 @@ def model_attention_traits(model_config: ModelConfig,
         sliding_window_only=sliding and not has_full,
         sliding_window_one_group=sliding and has_full and not hybrid_kv_cache_manager,
         alibi=bool(model_config.uses_alibi),
-        mla=bool(model_config.use_mla),
         hybrid=bool(model_config.is_hybrid),
         encoder_decoder=bool(model_config.is_encoder_decoder),
         mm_prefix=bool(model_config.is_mm_prefix_lm),
@@ -95,12 +103,14 @@ def model_attention_traits(model_config: ModelConfig,
 
 
 def attention_layers(vllm_config: VllmConfig) -> list[AttentionLayerView]:
-    """Every ``Attention`` layer of the model, in model order."""
+    """Every ``Attention`` and ``MLAAttention`` layer of the model, in model order
+    (``MLAAttention`` is not an ``Attention``: an ``AttentionLayerBase`` of its own)."""
     from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
     ctx = vllm_config.compilation_config.static_forward_context
     return [AttentionLayerView(name, layer) for name, layer in ctx.items()
-            if isinstance(layer, Attention)]
+            if isinstance(layer, (Attention, MLAAttention))]
 
 
 class _AttentionGroupsOwner(Protocol):

@@ -33,8 +33,10 @@ __all__ = [
     "SCHEDULER_CLS",
     "WORKER_CLS",
     "EngineSettings",
+    "LatentAttention",
     "check_engine_settings",
     "check_executor",
+    "check_latent_attention",
     "check_max_model_len",
     "check_model",
     "forced_cudagraph_mode",
@@ -318,6 +320,53 @@ def check_model(cfg: EvictionConfig, model: str, traits: AttentionTraits, max_mo
         check_max_model_len(cfg, max_model_len, num_layers)
     except ValueError as exc:
         raise ValueError(f"--kv-eviction {cfg.method}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """A multi-head latent attention (MLA) model as eviction sees it where it is served.
+
+    Parameters
+    ----------
+    chunked_prefill : bool
+        Whether vLLM computes prompts in chunks. Its CPU platform turns chunked prefill
+        (and prefix caching) off for MLA unless the AMX MLA backend is used
+        (``CpuPlatform.check_and_update_config``, vllm/platforms/cpu.py:516-530 in 0.32):
+        each prompt is then computed in one step.
+    """
+
+    chunked_prefill: bool = True
+
+    def refusal(self, cfg: EvictionConfig) -> tuple[str, str] | None:
+        """``(what, why)`` when ``cfg`` cannot run on this MLA model (None: it can).
+        ``what`` is ``"prompt_mode"`` or ``"prefill_budget"``."""
+        if cfg.evicts_mid_prompt and not self.chunked_prefill:
+            what = "prompt_mode" if cfg.prompt_mode == "stream" else "prefill_budget"
+            return what, (
+                "evicts while the prompt is computed, chunk by chunk; with multi-head "
+                "latent attention (MLA) vLLM's CPU platform turns chunked prefill off "
+                "(vllm/platforms/cpu.py, CpuPlatform.check_and_update_config: MLA "
+                "without the AMX backend), so each prompt is computed whole; use prompt "
+                "mode 'end' (evict once the prompt is in) or 'keep'")
+        return None
+
+
+def check_latent_attention(cfg: EvictionConfig, latent: LatentAttention) -> None:
+    """Refuse a server eviction config that the MLA model cannot run with
+    (:meth:`LatentAttention.refusal`).
+
+    Raises
+    ------
+    ValueError
+        Prefixed ``--kv-eviction <method>:``, naming the flag and what to use instead.
+    """
+    refusal = latent.refusal(cfg)
+    if refusal is None:
+        return
+    what, why = refusal
+    flag = {"prompt_mode": f"--kv-prompt-mode {cfg.prompt_mode}",
+            "prefill_budget": "nexus.prefill_budget"}[what]
+    raise ValueError(f"--kv-eviction {cfg.method}: {flag} {why}")
 
 
 def check_max_model_len(cfg: EvictionConfig, max_model_len: int,

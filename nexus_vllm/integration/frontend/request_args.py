@@ -24,6 +24,7 @@ from nexus_vllm.argtypes import describe_value
 from nexus_vllm.core import EvictionConfig
 from nexus_vllm.core.config import PROMPT_MODES
 from nexus_vllm.integration.config import CONFIG_FIELD_OF, REQUEST_FIELDS, request_config
+from nexus_vllm.integration.frontend.engine_policy import LatentAttention
 from nexus_vllm.integration.frontend.server_config import METHODS, SERVER_FLAGS
 
 __all__ = ["REQUEST_FIELD_OF", "RequestArgError", "validate_request_args"]
@@ -170,7 +171,8 @@ def _blame(error: ValueError, extra_args: dict[str, Any], server_cfg: EvictionCo
 
 def validate_request_args(extra_args: dict[str, Any] | None,
                           server_cfg: EvictionConfig | None,
-                          *, max_model_len: int | None = None) -> None:
+                          *, max_model_len: int | None = None,
+                          latent: LatentAttention | None = None) -> None:
     """Check the ``vllm_xargs`` eviction fields of one request.
 
     Each field is checked on its own first (its type and values, and that the server
@@ -189,6 +191,9 @@ def validate_request_args(extra_args: dict[str, Any] | None,
     max_model_len : int, optional
         The server's ``--max-model-len``: a budget above it could never evict (a
         prefill budget above it is allowed: it never binds).
+    latent : LatentAttention, optional
+        The served model uses multi-head latent attention (MLA): the request's config
+        must be one it can run (``LatentAttention.refusal``).
 
     Raises
     ------
@@ -230,6 +235,15 @@ def validate_request_args(extra_args: dict[str, Any] | None,
         return
     assert server_cfg is not None
     try:
-        request_config(server_cfg, extra_args)
+        req_cfg = request_config(server_cfg, extra_args)
     except ValueError as exc:
         raise _blame(exc, extra_args, server_cfg, max_model_len) from None
+    refusal = None if latent is None or req_cfg is None else latent.refusal(req_cfg)
+    if refusal is not None:
+        what, why = refusal
+        key = REQUEST_FIELD_OF.get(what, "kv_eviction")
+        if key not in extra_args:  # the server's value: blame the field the request set
+            key = next((k for k in REQUEST_FIELDS if k in extra_args), "kv_eviction")
+        assert req_cfg is not None
+        raise RequestArgError(str(key), f"{why} (request config: method "
+                              f"{req_cfg.method!r}, prompt mode {req_cfg.prompt_mode!r})")

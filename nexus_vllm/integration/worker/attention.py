@@ -46,7 +46,8 @@ __all__ = [
     "wrapped_backend_name",
 ]
 
-CPU_BACKENDS = ("CPU_ATTN",)
+# CPU_MLA: multi-head latent attention (``integration/worker/mla.py``).
+CPU_BACKENDS = ("CPU_ATTN", "CPU_MLA")
 CUDA_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
 _PREFIX = "Nexus_"
 # The class attribute of a nexus backend naming the vLLM backend it wraps.
@@ -100,6 +101,10 @@ def key_view(backend_name: str, kv_cache: torch.Tensor, head_size: int,
     as ``block_size`` rows followed by the values, transposed inside the block for its
     vectorised ISAs; :func:`_cpu_key_view` finds out which with vLLM's own writer.
     """
+    from nexus_vllm.integration.worker.mla import MLA_BACKENDS, latent_key_view
+
+    if backend_name in MLA_BACKENDS:
+        return latent_key_view(kv_cache)
     if backend_name in CUDA_BACKENDS:
         return kv_cache[..., :head_size]
     if backend_name in CPU_BACKENDS:
@@ -159,12 +164,16 @@ def nexus_backend(inner_name: str) -> type:
     from vllm.utils.import_utils import resolve_obj_by_qualname
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+    from nexus_vllm.integration.worker.mla import MLA_BACKENDS, NexusMLAImplMixin
+
     inner = resolve_obj_by_qualname(AttentionBackendEnum[inner_name].value)
     inner_builder = inner.get_builder_cls()
     inner_impl = inner.get_impl_cls()
     builder = _named(f"NexusBuilder_{inner_name}",
                      (NexusMetadataBuilderMixin, inner_builder), {})
-    impl = _named(f"NexusImpl_{inner_name}", (NexusAttentionImplMixin, inner_impl), {})
+    # An MLA impl is driven by its layer's forward_impl (forward_mha / forward_mqa).
+    impl_mixin = NexusMLAImplMixin if inner_name in MLA_BACKENDS else NexusAttentionImplMixin
+    impl = _named(f"NexusImpl_{inner_name}", (impl_mixin, inner_impl), {})
     backend = _named(_PREFIX + inner_name, (inner,), {
         "get_builder_cls": staticmethod(lambda: builder),
         "get_impl_cls": staticmethod(lambda: impl),

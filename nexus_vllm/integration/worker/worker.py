@@ -60,6 +60,7 @@ from nexus_vllm.integration.worker.attention import (
 )
 from nexus_vllm.integration.worker.block_scorer import PendingScores
 from nexus_vllm.integration.worker.fault_doubles import worker_parts
+from nexus_vllm.integration.worker.mla import MLA_BACKENDS, NexusMLAImplMixin, latent_rotary
 from nexus_vllm.integration.worker.wire import RankLayout
 from nexus_vllm.integration.worker.worker_state import (
     LayerKeys,
@@ -148,6 +149,13 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
             reason = view.unsupported_reason()
             if reason is not None:
                 raise RuntimeError(f"nexus-vllm cannot evict from this model: {reason}")
+            if view.is_mla and not isinstance(view.impl, NexusMLAImplMixin):
+                raise RuntimeError(
+                    f"nexus-vllm: layer {view.name} runs the MLA backend "
+                    f"{type(view.impl).__name__}; eviction on multi-head latent attention "
+                    f"is built for vLLM's CPU_MLA backend only ({', '.join(MLA_BACKENDS)}; "
+                    "the CUDA MLA backends and CPU's AMX_MLA are not wrapped yet): serve "
+                    "this model with --kv-eviction none")
             if not isinstance(view.impl, NexusAttentionImplMixin):
                 raise RuntimeError(
                     f"nexus-vllm: layer {view.name} runs attention backend "
@@ -179,9 +187,12 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
         k = steps_in_flight(self.vllm_config)
         # The scored (full-attention) layers' table: a hybrid model's sliding layers may
         # rotate with another base.
-        rotary = rotary_table(self.model_runner.model, scored[0].name if scored else None)
         rotary_kinds = sorted(kind for kind in cfg.evidence_kinds()
                               if evidence_kind(kind).needs_rotary)
+        rotary = rotary_table(self.model_runner.model, scored[0].name if scored else None)
+        if rotary is not None and any(v.is_mla for v in layers):
+            # A latent query [q_nope @ W_UK_T | q_pe] rotates in its last channels only.
+            rotary = latent_rotary(rotary, int(layers[0].impl.head_size))
         if rotary is None and rotary_kinds:
             raise RuntimeError(f"nexus-vllm: this model has no rotary embedding, and the "
                                f"eviction config ({cfg.method}) reads {rotary_kinds}, which "
@@ -268,6 +279,8 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
             impl.nexus_ring = state.ring
             impl.nexus_layer = idx
             impl.nexus_self_check = state.self_check
+            if isinstance(impl, NexusMLAImplMixin):
+                impl.nexus_mla_layer = view.layer  # its W_UK_T absorbs prompt queries
             if idx in self._nexus_scored:
                 backend = wrapped_backend_name(view.layer.attn_backend)
                 keys = key_view(backend, view.kv_cache, int(view.impl.head_size),

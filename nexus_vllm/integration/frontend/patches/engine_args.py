@@ -25,9 +25,12 @@ How
       the worker's methods (vLLM 0.32's compiled-graph Ray executor), refuse models whose
       attention eviction cannot run on (``vllm_compat.model_attention_traits``, the same
       check the worker makes per layer) and settings that cannot work within its
-      ``max_model_len``; vLLM's own refusal of the chunk size is restated naming
-      ``--kv-chunk-size``. The policy itself is ``integration/frontend/engine_policy.py``. Also
-      covers the Python ``LLM(..., additional_config={"nexus": {...}})`` path.
+      ``max_model_len`` or, for an MLA model, with the chunked prefill the platform left
+      (``engine_policy.check_latent_attention``); an MLA model's eviction config takes
+      the block size the platform forced (16 on CPU: ``adopt_platform_block_size``);
+      vLLM's own refusal of the chunk size is restated naming ``--kv-chunk-size``. The
+      policy itself is ``integration/frontend/engine_policy.py``. Also covers the Python
+      ``LLM(..., additional_config={"nexus": {...}})`` path.
 vLLM version
     0.32 to 0.34 (``vllm/engine/arg_utils.py``).
 Plan
@@ -47,8 +50,10 @@ from nexus_vllm.integration.compat.vllm_compat import executor_skipping_worker
 from nexus_vllm.integration.config import ADDITIONAL_CONFIG_KEY, config_from_additional
 from nexus_vllm.integration.frontend.engine_policy import (
     EngineSettings,
+    LatentAttention,
     check_engine_settings,
     check_executor,
+    check_latent_attention,
     check_model,
     forced_cudagraph_mode,
     forced_engine_args,
@@ -69,8 +74,8 @@ if TYPE_CHECKING:
 
     from nexus_vllm.core import EvictionConfig
 
-__all__ = ["apply", "check_model_config", "engine_settings", "match_scheduler",
-           "translate_engine_args"]
+__all__ = ["adopt_platform_block_size", "apply", "check_model_config", "engine_settings",
+           "latent_attention", "match_scheduler", "translate_engine_args"]
 
 logger = init_logger(__name__)
 
@@ -166,6 +171,38 @@ def check_model_config(vllm_config: VllmConfig, cfg: EvictionConfig) -> None:
     hybrid = not bool(vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)
     check_model(cfg, str(model.model), model_attention_traits(model, hybrid),
                 int(model.max_model_len), layers if isinstance(layers, int) else None)
+    latent = latent_attention(vllm_config)
+    if latent is not None:
+        check_latent_attention(cfg, latent)
+
+
+def latent_attention(vllm_config: VllmConfig) -> LatentAttention | None:
+    """What eviction must know of an MLA model where it is served (None: not MLA): read
+    after vLLM built its config, as the platform may have turned chunked prefill off."""
+    if not getattr(vllm_config.model_config, "use_mla", False):
+        return None
+    return LatentAttention(chunked_prefill=bool(getattr(
+        vllm_config.scheduler_config, "enable_chunked_prefill", True)))
+
+
+def adopt_platform_block_size(vllm_config: VllmConfig, cfg: EvictionConfig) -> EvictionConfig:
+    """``cfg`` in the block size the platform settled on, written back to
+    ``additional_config``: vLLM's CPU platform forces 16-token blocks for its MLA backend
+    (``CpuPlatform.check_and_update_config``, vllm/platforms/cpu.py:273-280 in 0.32), after
+    the engine arguments (and our block size) were read. MLA models only: elsewhere the
+    block size we force is the one vLLM keeps."""
+    block = getattr(vllm_config.cache_config, "block_size", None)
+    if not getattr(vllm_config.model_config, "use_mla", False) or block is None \
+            or int(block) == cfg.block_size:
+        return cfg
+    logger.info("nexus-vllm: the platform runs this MLA model with %d-token KV blocks; "
+                "eviction uses them (nexus.block_size %d -> %d)", block, cfg.block_size,
+                block)
+    cfg = with_engine_block_size(cfg, int(block))
+    additional: dict[str, Any] = dict(vllm_config.additional_config)  # type: ignore[arg-type]
+    additional[ADDITIONAL_CONFIG_KEY] = cfg.to_dict()
+    vllm_config.additional_config = additional
+    return cfg
 
 
 def apply() -> None:
@@ -210,6 +247,7 @@ def apply() -> None:
                     raise
                 raise ValueError(ours) from exc
             if cfg is not None:
+                cfg = adopt_platform_block_size(vllm_config, cfg)
                 match_scheduler(vllm_config)
                 check_executor(cfg.method, executor_skipping_worker(vllm_config))
                 check_model_config(vllm_config, cfg)

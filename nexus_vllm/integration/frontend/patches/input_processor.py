@@ -11,7 +11,8 @@ How
     ``ValueError``/``VLLMValidationError`` become HTTP 400): after vLLM's own checks, run
     :func:`nexus_vllm.integration.frontend.request_args.validate_request_args` against the
     server's config and ``max_model_len``, read once from ``vllm_config``
-    (:func:`server_limits`).
+    (:func:`server_limits`), and, for an MLA model, what it cannot run with
+    (:func:`server_latent`).
 vLLM version
     0.32 to 0.34 (``vllm/v1/engine/input_processor.py``).
 Plan
@@ -35,8 +36,9 @@ if TYPE_CHECKING:
     from vllm.v1.engine.input_processor import InputProcessor
 
     from nexus_vllm.core import EvictionConfig
+    from nexus_vllm.integration.frontend.engine_policy import LatentAttention
 
-__all__ = ["apply", "server_limits"]
+__all__ = ["apply", "server_latent", "server_limits"]
 
 # The server's eviction config (None: it does not evict) and its max model length.
 Limits = tuple["EvictionConfig | None", "int | None"]
@@ -55,6 +57,19 @@ def server_limits(input_processor: InputProcessor) -> Limits:
     return limits
 
 
+def server_latent(input_processor: InputProcessor) -> LatentAttention | None:
+    """The served model's multi-head latent attention as eviction sees it (None: not
+    MLA; ``engine_args.latent_attention``); computed once and kept on it."""
+    cached: tuple[LatentAttention | None] | None = getattr(
+        input_processor, "_nexus_latent", None)
+    if cached is None:
+        from nexus_vllm.integration.frontend.patches.engine_args import latent_attention
+
+        cached = (latent_attention(input_processor.vllm_config),)
+        input_processor._nexus_latent = cached  # type: ignore[attr-defined]
+    return cached[0]
+
+
 Validate = Callable[..., "bool | None"]
 
 
@@ -69,7 +84,8 @@ def _wrap(orig: Validate) -> Validate:
         if isinstance(params, SamplingParams) and params.extra_args:
             server_cfg, max_len = server_limits(self)
             try:
-                validate_request_args(params.extra_args, server_cfg, max_model_len=max_len)
+                validate_request_args(params.extra_args, server_cfg, max_model_len=max_len,
+                                      latent=server_latent(self))
             except RequestArgError as exc:
                 raise VLLMValidationError(str(exc), parameter=exc.field) from None
         return result

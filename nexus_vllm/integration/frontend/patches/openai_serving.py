@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from nexus_vllm.integration.compat.catalogue import swap
-from nexus_vllm.integration.frontend.patches.input_processor import server_limits
+from nexus_vllm.integration.frontend.patches.input_processor import server_latent, server_limits
 from nexus_vllm.integration.frontend.request_args import RequestArgError, validate_request_args
 
 if TYPE_CHECKING:
@@ -60,7 +60,8 @@ def check_xargs(serving: BaseServing, request: object) -> ErrorResponse | None:
         return None
     server_cfg, max_len = server_limits(input_processor)
     try:
-        validate_request_args(xargs, server_cfg, max_model_len=max_len)
+        validate_request_args(xargs, server_cfg, max_model_len=max_len,
+                              latent=server_latent(input_processor))
     except RequestArgError as exc:
         return serving.create_error_response(str(exc), param=exc.field)
     return None
