@@ -127,9 +127,18 @@ def tiny_model(family: str = "llama", vocab_size: int = 260, *, layers: int = 3,
     if family != "gemma3" and hasattr(cfg, "sliding_window"):
         cfg.sliding_window = None  # full attention, like the released checkpoints we serve
     cfg._attn_implementation = "sdpa"
-    model = model_cls(cfg).eval()
-    # Redraw every matrix explicitly rather than trusting each family's _init_weights (and
-    # its version-to-version changes): the same seed gives the same weights everywhere.
+    return finish_tiny_model(model_cls(cfg), eos_token_id)
+
+
+def finish_tiny_model(model: Any, eos_token_id: int | None) -> Any:
+    """``model`` in eval mode with every matrix redrawn from ``N(0, INIT_STD)`` (the torch
+    seed set by the caller) and its generation config's eos and pad set.
+
+    Redrawn explicitly rather than trusting each family's ``_init_weights`` (and its
+    version-to-version changes): the same seed gives the same weights everywhere."""
+    import torch
+
+    model = model.eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:

@@ -46,7 +46,7 @@ def tiny_deepseek_v2(vocab_size: int, *, layers: int = 4, heads: int = 2,
     import torch
     import transformers
 
-    from nexus_vllm.hf.testing import INIT_STD
+    from nexus_vllm.hf.testing import INIT_STD, finish_tiny_model
 
     torch.manual_seed(seed)
     cfg = transformers.DeepseekV2Config(
@@ -62,14 +62,7 @@ def tiny_deepseek_v2(vocab_size: int, *, layers: int = 4, heads: int = 2,
         tie_word_embeddings=False,
     )
     cfg._attn_implementation = "sdpa"
-    model = transformers.DeepseekV2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, INIT_STD)
-    model.generation_config.eos_token_id = eos_token_id
-    model.generation_config.pad_token_id = eos_token_id
-    return model
+    return finish_tiny_model(transformers.DeepseekV2ForCausalLM(cfg), eos_token_id)
 
 
 def save_tiny_deepseek_v2(out_dir: str | pathlib.Path, *, layers: int = 4,
