@@ -3,6 +3,7 @@ and hybrid sliding-window models group by group (against vLLM's own functions wh
 installed)."""
 
 import importlib.util
+import itertools
 import json
 import pathlib
 import subprocess
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-from nexus_vllm.core import EvictionConfig
+from nexus_vllm.core import ConfigError, EvictionConfig
 from nexus_vllm.sizing import (
     BUILTIN_CONFIGS,
     BUILTIN_MODELS,
@@ -20,7 +21,9 @@ from nexus_vllm.sizing import (
     kv_cache_groups,
     kv_pool_blocks,
     main,
+    mla_param_count,
     model_shape,
+    page_bytes_per_layer,
     param_count,
     pp_stages,
     simulate_burst,
@@ -423,25 +426,28 @@ def test_hybrid_blocks_per_request_by_hand(tmp_path, capsys):
     assert (full["stock_admission_blocks"], full["stock_blocks"]) == (32, 36)
     assert (full["evicting_bound_blocks"], full["evicting_decode_hard_limit_blocks"]) == (12, 9)
     # Each sliding group while the prompt is computed: the window less one plus the two
-    # 128-token steps in flight, on block boundaries, plus the block the window starts in:
-    # ceil((64 - 1 + 256) / 16) + 1 = 21, stock and with eviction alike (and what stock
-    # admission caps the prompt's 32 blocks at). Decoding, one token a step: the window
-    # plus 2 tokens in flight, ceil((63 + 2) / 16) + 1 = 6.
+    # steps in flight, on block boundaries, plus the block the window starts in. Stock,
+    # 128-token steps: ceil((64 - 1 + 256) / 16) + 1 = 21 (what stock admission caps the
+    # prompt's 32 blocks at). With eviction in stream mode each request's prompt step is
+    # capped at its 64-token chunk: ceil((63 + 128) / 16) + 1 = 13 (the rule before: 21).
+    # Decoding, one token a step: the window plus 2 tokens in flight,
+    # ceil((63 + 2) / 16) + 1 = 6.
     for g in sliding:
         assert (g["stock_blocks"], g["evicting_bound_blocks"],
-                g["evicting_decode_hard_limit_blocks"]) == (21, 21, 6)
+                g["evicting_decode_hard_limit_blocks"]) == (21, 13, 6)
         assert g["stock_admission_blocks"] == 21
+        assert (g["evicting_prompt_step_tokens"], g["evicting_in_flight_tokens"]) == (64, 128)
     # Per request over the groups: stock admits on 32 + 2 x 21 = 74 free blocks and holds
-    # at most 36 + 2 x 21 = 78; eviction reserves 12 + 42 = 54, then 9 + 12 = 21.
+    # at most 36 + 2 x 21 = 78; eviction reserves 12 + 26 = 38, then 9 + 12 = 21.
     assert (out["stock"]["admission_blocks"], out["stock"]["bound_blocks"]) == (74, 78)
     assert (out["evicting"]["bound_blocks"], out["evicting"]["decode_hard_limit_blocks"]) == (
-        54, 21)
-    # 199 usable blocks: 199 // 54 = 3 guaranteed, 199 // 21 = 9 at the ceiling; the burst,
+        38, 21)
+    # 199 usable blocks: 199 // 38 = 5 guaranteed, 199 // 21 = 9 at the ceiling; the burst,
     # admitted step by step as the plugin's gate admits (a burst through the gate itself:
-    # tests/integration/test_manager.py), runs 7. Stock: 199 // 78 = 2 whole, and the
-    # burst runs 3 (a third finds 199 - 2 x 46 >= 74 free).
-    assert (out["evicting"]["guaranteed"], out["evicting"]["ceiling"]) == (3, 9)
-    assert out["evicting"]["concurrent"] == 7
+    # tests/integration/test_manager.py), runs 8 (7 under the rule before). Stock:
+    # 199 // 78 = 2 whole, and the burst runs 3 (a third finds 199 - 2 x 46 >= 74 free).
+    assert (out["evicting"]["guaranteed"], out["evicting"]["ceiling"]) == (5, 9)
+    assert out["evicting"]["concurrent"] == 8
     assert (out["stock"]["guaranteed"], out["stock"]["concurrent"]) == (2, 3)
     assert not out["stock"]["preempts"]
 
@@ -452,9 +458,10 @@ def test_hybrid_text_names_the_groups(tmp_path, capsys):
     assert "KV cache groups (vLLM's hybrid KV cache manager): 3" in text
     assert "1 full attention (2 layers, evicted)" in text
     assert "2 sliding window 64 tokens (2, 2 layers, left to vLLM)" in text
-    assert "each sliding group: 21 while the prompt is computed" in text
-    assert "with eviction 6 reserved once decoding (its window plus 2 decode tokens)" in text
-    assert "stock admission reserves 21" in text
+    assert "each sliding group: stock 21 while the prompt is computed" in text
+    assert "admission reserves 21; with eviction 13 while the prompt is computed (its " \
+        "window plus 2 steps of 64, the chunk each request's prompt step is capped at)" in text
+    assert "6 reserved once decoding (its window plus 2 decode tokens)" in text
 
 
 def test_hybrid_without_a_step_budget_takes_vllms(tmp_path, capsys):
@@ -497,6 +504,24 @@ def test_window_allowance_follows_the_phase_and_the_steps_in_flight():
     assert allowance(2, total=40) == allowance(2, 40, 30, total=40) == 3
 
 
+def test_window_allowance_counts_chunks_where_the_server_caps_prompt_steps():
+    # Window 64, 16-token blocks, 128-token steps, two in flight, 512 + 64 tokens. Where
+    # the server's config evicts mid-prompt (stream, or end under a prefill budget) the
+    # plugin caps each request's prompt step at its 48-token chunk: two chunks in flight,
+    # ceil((63 + 96) / 16) + 1 = 11 (the rule before: two whole steps, 21). Decoding: 6.
+    def allowance(cfg, tokens=0, prefill_end=None):
+        return window_allowance(576, 16, [64], 128, 2, tokens=tokens,
+                                prefill_end=prefill_end, cfg=cfg)
+    stream = EvictionConfig(max_tokens=128, block_size=16, chunk_size=48, prompt_mode="stream")
+    assert allowance(stream) == allowance(stream, 513, 512) == 11
+    assert allowance(stream, 514, 512) == 6
+    assert allowance(stream.replace(prompt_mode="end", prefill_budget=256)) == 11
+    # No cap (end, keep; stock): whole steps; a chunk above the step: the step.
+    for cfg in (stream.replace(prompt_mode="end"), stream.replace(prompt_mode="keep"),
+                stream.replace(chunk_size=512), None):
+        assert allowance(cfg) == 21, cfg
+
+
 def test_the_sizer_reserves_the_window_groups_as_admission():
     pytest.importorskip("vllm")
     from nexus_vllm.integration.compat.vllm_compat import WindowGroup
@@ -504,15 +529,17 @@ def test_the_sizer_reserves_the_window_groups_as_admission():
 
     groups = [WindowGroup(0, None, 64, 16), WindowGroup(2, None, 64, 16),
               WindowGroup(3, None, 1024, 16)]
-    for k in (1, 2, 3):
-        blocks = WindowBlocks(groups, 128, k)
+    stream = EvictionConfig(max_tokens=128, block_size=16, chunk_size=48, prompt_mode="stream")
+    for k, cfg in itertools.product((1, 2, 3), (None, stream, stream.replace(
+            prompt_mode="end"))):
+        blocks = WindowBlocks(groups, 128, k, server_cfg=cfg)
         for total, prefill_end in ((40, 30), (576, 512), (4096, 3000)):
             assert blocks.allowance(total) == window_allowance(
-                total, 16, [64, 64, 1024], 128, k), (k, total)
+                total, 16, [64, 64, 1024], 128, k, cfg=cfg), (k, total)
             for tokens in range(prefill_end - 130, total + 1, 7):
                 assert blocks.allowance(total, tokens, prefill_end) == window_allowance(
                     total, 16, [64, 64, 1024], 128, k, tokens=tokens,
-                    prefill_end=prefill_end), (k, total, tokens)
+                    prefill_end=prefill_end, cfg=cfg), (k, total, tokens)
 
 
 def test_stock_sliding_group_frees_what_leaves_the_window():
@@ -571,6 +598,67 @@ def test_sizing_imports_no_vllm():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
+# -- multi-head latent attention (DeepSeek-V2/V3) ------------------------------------------
+@pytest.mark.parametrize(("name", "params", "layers", "heads"), [
+    ("deepseek-v2-lite", 15_706_484_224, 27, 16), ("deepseek-v3", 671_026_419_200, 61, 128)])
+def test_mla_builtins_count_the_published_parameters(name, params, layers, heads):
+    # 15.7e9 (DeepSeek-V2-Lite) and 671e9 (DeepSeek-V3, without its MTP layer).
+    assert mla_param_count(BUILTIN_CONFIGS[name]) == params
+    m = BUILTIN_MODELS[name]
+    # One latent row per token per layer: kv_lora_rank 512 + qk_rope_head_dim 64.
+    assert (m.mla, m.layers, m.attention_heads, m.kv_heads, m.head_size) == (
+        True, layers, heads, 1, 576)
+    assert m.sliding_window is None and len(kv_cache_groups(m)) == 1
+
+
+def test_mla_weights_bf16_and_fp8():
+    assert BUILTIN_MODELS["deepseek-v2-lite"].weight_bytes == 2 * 15_706_484_224
+    # DeepSeek-V3's checkpoint: its layers' linear weights in fp8 with a float32 scale per
+    # 128 x 128 block, embeddings, LM head, norms and router in bf16: 673 GB (its published
+    # checkpoint, 689 GB, also holds the MTP layer vLLM does not load without a drafter).
+    v3 = BUILTIN_MODELS["deepseek-v3"]
+    assert 670e9 < v3.weight_bytes < 676e9 and "fp8" in v3.weight_source
+
+
+def test_mla_page_is_the_latent_row_on_every_tp_rank():
+    # K only (no V), not split by TP: 576 x 2 B x 16 tokens per layer on every rank.
+    m = BUILTIN_MODELS["deepseek-v3"]
+    for tp in (1, 2, 8):
+        assert page_bytes_per_layer(m, tp=tp, block_size=16) == 576 * 2 * 16
+        assert block_bytes_per_gpu(m, tp=tp, pp=1, block_size=16) == 61 * 576 * 2 * 16
+    # pp=2: layers 0-30 and 31-60, the larger stage sets the block.
+    assert block_bytes_per_gpu(m, tp=8, pp=2, block_size=16) == 31 * 576 * 2 * 16
+
+
+def test_mla_config_json_and_sparse_mla(tmp_path):
+    m = model_shape(_write_config(tmp_path, BUILTIN_CONFIGS["deepseek-v2-lite"]))
+    assert (m.mla, m.kv_heads, m.head_size) == (True, 1, 576)
+    sparse = {**BUILTIN_CONFIGS["deepseek-v3"], "index_topk": 2048}
+    with pytest.raises(ConfigError, match="sparse MLA"):
+        model_shape(_write_config(tmp_path, sparse))
+
+
+def test_mla_sizing_by_hand(capsys):
+    # 141 GiB x 0.9 - 673.15 GB / 8 - 4 GiB = 44.53 GiB for KV, / (61 x 576 x 2 B x 16)
+    # = 42530 blocks on every GPU of the tp=8 replica (the latent row is not split).
+    out = _size(capsys, "--model", "deepseek-v3", "--gpu-memory-gib", "141", "--tp", "8",
+                "--context", "32768", "--budget", "0.2")
+    assert out["pool_blocks"] == 42530
+    assert out["memory"]["block_bytes_per_gpu"] == 1_124_352
+    assert any("turns chunked prefill (and prefix caching) off for MLA" in n
+               for n in out["notes"])
+    text = _text(capsys, "--model", "deepseek-v3", "--gpu-memory-gib", "141", "--tp", "8",
+                 "--context", "32768", "--budget", "0.2", "--prompt-mode", "stream")
+    assert "MLA, one latent row of 576 per token per layer (K only)" in text
+    assert "61 layers x 576 (the latent row, whole on every TP rank) x 2 B x 16 tokens" in text
+    assert "refuses prompt_mode stream" in text and "refused on CPU" in text
+
+
+def _text(capsys, *flags: str) -> str:
+    assert main(list(flags)) == 0
+    return capsys.readouterr().out
+
+
 # -- against vLLM's own functions (skipped without vLLM) ---------------------------------
 @pytest.fixture(scope="module")
 def vllm_kv():
@@ -580,11 +668,15 @@ def vllm_kv():
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     def specs(model, block_size):
         kw = {"block_size": block_size, "num_kv_heads": model.kv_heads,
               "head_size": model.head_size, "dtype": torch.bfloat16}
+        if model.mla:  # as MLAAttention.get_kv_cache_spec builds it on every TP rank
+            return {f"model.layers.{i}.self_attn.attn": MLAAttentionSpec(
+                        max_tp_shards=1, cache_dtype_str="auto", **kw)
+                    for i in range(model.layers)}
         return {f"model.layers.{i}.self_attn.attn":
                 SlidingWindowSpec(sliding_window=model.sliding_window, **kw)
                 if i in model.sliding_layers else FullAttentionSpec(**kw)
@@ -600,7 +692,8 @@ def _layer_index(name: str) -> int:
     return int(name.split(".")[2])
 
 
-@pytest.mark.parametrize("name", ["small", "gemma-3-270m", "gemma-3-27b"])
+@pytest.mark.parametrize("name", ["small", "gemma-3-270m", "gemma-3-27b", "deepseek-v2-lite",
+                                  "deepseek-v3"])
 def test_groups_and_pool_match_vllm(tmp_path, vllm_kv, name):
     m = (model_shape(_write_config(tmp_path, SMALL_GEMMA3)) if name == "small"
          else BUILTIN_MODELS[name])
@@ -618,6 +711,24 @@ def test_groups_and_pool_match_vllm(tmp_path, vllm_kv, name):
             config, utils._project_kv_cache_groups_to_worker(groups, worker), memory
         ).num_blocks for worker in workers)
         assert blocks == memory // block_bytes_per_gpu(m, tp=1, pp=pp, block_size=16), pp
+
+
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3"])
+def test_mla_page_size_matches_vllms_spec(vllm_kv, name):
+    """vLLM's ``MLAAttentionSpec`` as ``MLAAttention.get_kv_cache_spec`` builds it (one
+    KV head, ``max_tp_shards=1``, head size kv_lora_rank + qk_rope_head_dim, no V), the
+    same on every TP rank: its ``page_size_bytes`` is the sizer's page for any TP."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    m = BUILTIN_MODELS[name]
+    for bs in (16, 64):
+        spec = MLAAttentionSpec(block_size=bs, num_kv_heads=1, max_tp_shards=1,
+                                head_size=m.head_size, dtype=torch.bfloat16,
+                                cache_dtype_str="auto")
+        for tp in (1, 2, 8):
+            assert page_bytes_per_layer(m, tp=tp, block_size=bs) == spec.page_size_bytes \
+                == 576 * 2 * bs, (bs, tp)
 
 
 def test_window_blocks_match_vllms_sliding_window_manager(vllm_kv):

@@ -511,25 +511,37 @@ class EvictionConfig:
 
 
 def window_in_flight_tokens(step_tokens: int, steps_in_flight: int = 1, *, tokens: int = 0,
-                            prefill_end: int | None = None) -> int:
+                            prefill_end: int | None = None,
+                            server_cfg: EvictionConfig | None = None) -> int:
     """Tokens a request may have scheduled and not yet processed at its next allocation,
     which each sliding-window group holds beyond its window (:func:`window_blocks`).
 
     ``tokens``: computed as of its last scheduled step; ``prefill_end``: its prompt, or
-    what a resumed request recomputes (None: it has not started).
+    what a resumed request recomputes (None: it has not started). ``server_cfg``: the
+    server's config (None: a server that does not evict, stock vLLM).
 
     vLLM 0.32 frees a sliding group's blocks on the processed tokens (computed less in
     flight, ``vllm/v1/core/kv_cache_manager.py:555``) and counts ``max_concurrent_batches``
     full steps in flight in every phase (``max_in_flight_tokens``,
     ``vllm/config/vllm.py:577-598``: the pipeline stages, one more with async
-    scheduling). While the prompt is computed this counts the same. A decoding request
-    adds one token a step (speculative decoding is refused): once ``steps_in_flight``
-    decode steps follow its last prompt step, that step is processed, so from then on
-    ``steps_in_flight`` tokens.
+    scheduling). While the prompt is computed a step gives one request at most
+    ``step_tokens``, and at most ``server_cfg.chunk_size`` on a server whose config
+    evicts mid-prompt (:attr:`EvictionConfig.evicts_mid_prompt`): such a server caps
+    every request's prompt tokens per step there, whatever the request's own prompt mode
+    (vLLM's ``long_prefill_token_threshold``, ``engine_policy.forced_engine_args``, and
+    the plugin's ``lone_request_prefill_cap`` where vLLM lifts it for a lone request). A
+    decoding request adds one token a step (speculative decoding is refused): once
+    ``steps_in_flight`` decode steps follow its last prompt step, that step is
+    processed, so from then on ``steps_in_flight`` tokens.
     """
     k = max(1, int(steps_in_flight))
     decoding = prefill_end is not None and int(tokens) >= int(prefill_end) + k
-    return k * (1 if decoding else int(step_tokens))
+    if decoding:
+        return k
+    step = int(step_tokens)
+    if server_cfg is not None and server_cfg.evicts_mid_prompt:
+        step = min(step, int(server_cfg.chunk_size))
+    return k * step
 
 
 def window_blocks(window: int, block_size: int, total_tokens: int,

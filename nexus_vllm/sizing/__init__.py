@@ -8,7 +8,8 @@ requests of a given length run at once on stock vLLM and with eviction::
 One module per reason to change:
 
 * :mod:`.shape`: what sizing needs of a model (built-in, or an HF ``config.json``), its
-  sliding-window layers included;
+  sliding-window layers included, and multi-head latent attention (DeepSeek-V2/V3: one
+  latent row per token per layer, whole on every TP rank);
 * :mod:`.groups`: vLLM's KV cache groups (one, or for a hybrid sliding-window model groups
   of equal layer count sharing the pool) and a request's blocks in a sliding group;
 * :mod:`.memory`: KV blocks per GPU by vLLM's rule (``--pool-blocks N`` skips it and takes
@@ -53,6 +54,7 @@ from .shape import (
     DTYPE_BYTES,
     MODEL_TYPE_DEFAULTS,
     ModelShape,
+    mla_param_count,
     model_shape,
     param_count,
     sliding_layers,
@@ -62,7 +64,7 @@ __all__ = ["BUILTIN_CONFIGS", "BUILTIN_MODELS", "DTYPE_BYTES", "GIB", "HYBRID_ST
            "MODEL_TYPE_DEFAULTS", "OUTPUT_PER_PROMPT", "KVGroup", "ModelShape", "Sizing",
            "SimResult", "block_bytes_per_gpu", "build_parser", "eviction_refusal",
            "format_sizing", "kv_cache_groups", "kv_pool_blocks", "layers_per_block", "main",
-           "model_shape", "page_bytes_per_layer", "param_count", "pp_stages", "size_replica",
+           "mla_param_count", "model_shape", "page_bytes_per_layer", "param_count", "pp_stages", "size_replica",
            "sizing_from_args", "simulate_burst", "sliding_layers", "split_context",
            "stock_admission_blocks", "stock_bound_blocks", "window_allowance",
            "window_held_blocks", "window_max_blocks"]

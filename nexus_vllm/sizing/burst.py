@@ -21,6 +21,7 @@ pool: ``full_groups`` full-attention groups hold what a one-group model holds, a
 sliding group holds the blocks still in its window and the tokens in flight. The plugin's
 admission adds each sliding group's window plus the tokens in flight for the request's
 phase (:func:`window_allowance`: ``steps_in_flight`` steps while the prompt is computed,
+each of at most ``chunk_size`` tokens where the prompt mode evicts during the prompt,
 ``steps_in_flight`` tokens once it decodes) to every bound and reserve; stock vLLM's
 admission counts the prompt in every group, capped in a sliding group at its window plus
 ``steps_in_flight`` whole steps (:func:`stock_admission_blocks`), and a running stock
@@ -72,17 +73,19 @@ def stock_bound_blocks(total_tokens: int, block_size: int, *, full_groups: int =
 
 def window_allowance(total_tokens: int, block_size: int, windows: Sequence[int],
                      step_tokens: int, steps_in_flight: int = 1, *, tokens: int = 0,
-                     prefill_end: int | None = None) -> int:
+                     prefill_end: int | None = None,
+                     cfg: EvictionConfig | None = None) -> int:
     """Blocks a request of ``total_tokens`` may still hold across sliding groups of windows
     ``windows`` once ``tokens`` are computed, ``prefill_end`` being its prompt (None: it
     has not started): in each, the window plus the tokens in flight, ``steps_in_flight``
-    steps of ``step_tokens`` while it computes its prompt and ``steps_in_flight`` tokens
-    once it decodes, never more than its sequence. The plugin's admission reserves the
-    same (``WindowBlocks.allowance``: both are
-    :func:`nexus_vllm.core.config.window_blocks` of
+    steps of ``step_tokens`` while it computes its prompt (of at most ``cfg.chunk_size``
+    where the server's config ``cfg`` evicts mid-prompt: the plugin caps each prompt step
+    there) and ``steps_in_flight`` tokens once it decodes, never more than its sequence.
+    ``cfg`` None: stock vLLM. The plugin's admission reserves the same
+    (``WindowBlocks.allowance``: both are :func:`nexus_vllm.core.config.window_blocks` of
     :func:`nexus_vllm.core.config.window_in_flight_tokens`)."""
     in_flight = window_in_flight_tokens(step_tokens, steps_in_flight, tokens=tokens,
-                                        prefill_end=prefill_end)
+                                        prefill_end=prefill_end, server_cfg=cfg)
     return sum(window_blocks(w, block_size, total_tokens, in_flight) for w in windows)
 
 
@@ -145,7 +148,8 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
     A hybrid model has ``full_groups`` full-attention groups and one sliding group per
     entry of ``windows`` (each its window in tokens). Evicting: each bound and reserve adds
     :func:`window_allowance` for the request's progress (``steps_in_flight`` steps of
-    ``max_num_batched_tokens``, or of the prompt without a budget, until
+    ``max_num_batched_tokens``, or of the prompt without a budget, each capped at
+    ``chunk_size`` where ``cfg`` evicts mid-prompt, until
     ``steps_in_flight`` decode steps follow its prompt; then ``steps_in_flight`` tokens),
     as the plugin's admission does. Stock: admission needs
     :func:`stock_admission_blocks` with ``in_flight_tokens`` (vLLM's
@@ -163,7 +167,8 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
     def allowance(tokens_seen: int | None = None) -> int:
         """The window groups' reserve (:func:`window_allowance`; None: a new request)."""
         return window_allowance(total, bs, windows, step_tokens, k, tokens=tokens_seen or 0,
-                                prefill_end=None if tokens_seen is None else prompt_tokens)
+                                prefill_end=None if tokens_seen is None else prompt_tokens,
+                                cfg=cfg)
     bound = (cfg.bound_blocks(prompt_tokens, total) + allowance() if cfg is not None
              else stock_admission_blocks(
                  prompt_tokens, bs, full_groups=full_groups, windows=windows,

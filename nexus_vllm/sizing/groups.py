@@ -24,7 +24,9 @@ reserves, in each group, the prompt's blocks capped there
 (``SingleTypeKVCacheManager.get_num_blocks_to_allocate`` with ``apply_admission_cap``). The
 plugin evicts only the full-attention group and reserves each sliding group's window plus
 the tokens in flight for the request's phase: vLLM's steps in flight x the step budget
-while the prompt is computed, one token per step in flight once it decodes
+while the prompt is computed (x the chunk, where smaller, when the prompt mode evicts
+during the prompt: the server then caps each request's prompt step there), one token per
+step in flight once it decodes
 (:func:`nexus_vllm.core.config.window_in_flight_tokens`, run by ``WindowBlocks.allowance``
 in ``integration/scheduler/live_blocks.py`` and by :func:`.burst.window_allowance`).
 """

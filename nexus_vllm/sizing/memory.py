@@ -9,7 +9,11 @@ GPU::
     2 (K and V) x ceil(layers / pp) x ceil(kv_heads / tp) x head_size x dtype_bytes x block_size
 
 (KV heads are replicated when ``tp > kv_heads``; the largest pipeline stage sets the
-count).
+count). A multi-head latent attention (MLA) model caches one latent row per token per layer
+instead, K only and whole on every TP rank (vLLM's ``MLAAttentionSpec``: one KV head,
+``max_tp_shards=1``, no V)::
+
+    ceil(layers / pp) x (kv_lora_rank + qk_rope_head_dim) x dtype_bytes x block_size
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ GIB = 2**30
 
 def page_bytes_per_layer(model: ModelShape, *, tp: int, block_size: int) -> int:
     """Bytes of one layer's page of one block on one GPU (vLLM's ``page_size_bytes``):
-    ``2 x ceil(kv_heads / tp) x head_size x dtype_bytes x block_size``."""
+    ``2 x ceil(kv_heads / tp) x head_size x dtype_bytes x block_size``; for MLA, the
+    latent row alone, not split by TP: ``head_size x dtype_bytes x block_size``."""
+    if model.mla:
+        return model.head_size * model.dtype_bytes * block_size
     return 2 * cdiv(model.kv_heads, tp) * model.head_size * model.dtype_bytes * block_size
 
 

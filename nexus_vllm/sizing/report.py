@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from nexus_vllm.core import ConfigError, EvictionConfig, cdiv
+from nexus_vllm.core.config import window_in_flight_tokens
 
 from .burst import simulate_burst, stock_admission_blocks, stock_bound_blocks, window_allowance
 from .groups import eviction_refusal, kv_cache_groups, window_max_blocks
@@ -77,6 +78,15 @@ def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | N
     windows = [g.window for g in groups if g.window is not None]
     full_groups = len(groups) - len(windows)
     notes = []
+    if model.mla:
+        notes.append(
+            "MLA: vLLM's CPU platform turns chunked prefill (and prefix caching) off for "
+            "MLA (CPU_MLA backend), so there each prompt is computed whole and the server "
+            "refuses prompt_mode stream and a prefill budget (use end or keep); on GPU the "
+            "server refuses eviction on MLA for now (vLLM's CUDA MLA backends are not "
+            "wrapped yet): the eviction column is what the rules give once they are"
+            + (". This sizing's prompt mode evicts during the prompt: refused on CPU"
+               if cfg.evicts_mid_prompt else ""))
     if windows and max_num_batched_tokens is None:
         max_num_batched_tokens = HYBRID_STEP_TOKENS
         notes.append(f"--max-num-batched-tokens {HYBRID_STEP_TOKENS} (vLLM's on H100/H200), as "
@@ -120,10 +130,13 @@ def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | N
              # Preemption-free: the burst's peak, or if it preempts, what fits whole.
              "concurrent": stock_guaranteed if stock_run.preempted else stock_run.peak_running}
     # The window groups as the plugin's admission reserves them: k steps in flight while
-    # the prompt is computed, k decode tokens once it decodes (window_allowance).
+    # the prompt is computed (each at most a chunk where the prompt mode evicts
+    # mid-prompt), k decode tokens once it decodes (window_allowance).
     def allowance(of: list[int], tokens: int | None = None) -> int:
         return window_allowance(total, bs, of, step, k, tokens=tokens or 0,
-                                prefill_end=None if tokens is None else prompt_tokens)
+                                prefill_end=None if tokens is None else prompt_tokens,
+                                cfg=cfg)
+    prompt_step = window_in_flight_tokens(step, k, server_cfg=cfg) // k
     decoding = prompt_tokens + k  # tokens from which a request's reserve is its decode's
     bound = cfg.bound_blocks(prompt_tokens, total) + allowance(windows)
     decode_peak = cfg.decode_peak_blocks(prompt_tokens, total) + allowance(windows, decoding)
@@ -148,13 +161,15 @@ def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | N
                       "evicting_decode_hard_limit_blocks":
                           cfg.decode_peak_blocks(prompt_tokens, total)}
         else:
-            held = allowance([g.window])
             blocks = {"stock_admission_blocks": stock_admission_blocks(
                           prompt_tokens, bs, full_groups=0, windows=[g.window],
                           in_flight_tokens=in_flight, max_model_len=context),
-                      "stock_blocks": held, "evicting_bound_blocks": held,
+                      "stock_blocks": window_allowance(total, bs, [g.window], step, k),
+                      "evicting_bound_blocks": allowance([g.window]),
                       "evicting_decode_hard_limit_blocks": allowance([g.window], decoding),
-                      "step_tokens": step, "steps_in_flight": k, "in_flight_tokens": in_flight}
+                      "step_tokens": step, "steps_in_flight": k, "in_flight_tokens": in_flight,
+                      "evicting_prompt_step_tokens": prompt_step,
+                      "evicting_in_flight_tokens": k * prompt_step}
         group_rows.append({"kind": "full_attention" if g.window is None
                            else "sliding_window", "window": g.window,
                            "layers": list(g.layers), "evicted": g.window is None, **blocks})
@@ -168,20 +183,23 @@ def format_sizing(sizing: Sizing) -> str:
     """The sizing as the text ``nexus-vllm size`` prints."""
     m, i, e, s, v = sizing.model, sizing.inputs, sizing.eviction, sizing.stock, sizing.evicting
     tp, pp = i.get("tp", 1), i.get("pp", 1)
-    lines = [f"model {m['name']}: {m['layers']} layers, {m['kv_heads']} KV heads x "
-             f"{m['head_size']}, {m['dtype']}; weights {m['weight_bytes'] / 1e9:.2f} GB "
-             f"({m['weight_source']})"]
+    attention = (f"MLA, one latent row of {m['head_size']} per token per layer (K only)"
+                 if m["mla"] else f"{m['kv_heads']} KV heads x {m['head_size']}")
+    lines = [f"model {m['name']}: {m['layers']} layers, {attention}, {m['dtype']}; weights "
+             f"{m['weight_bytes'] / 1e9:.2f} GB ({m['weight_source']})"]
     if sizing.memory is not None:
         mem = sizing.memory
+        per_token = (f"{m['head_size']} (the latent row, whole on every TP rank)" if m["mla"]
+                     else f"{cdiv(m['kv_heads'], tp)} KV heads x {m['head_size']}")
         lines += [
             f"per GPU (tp={tp}, pp={pp}): {i['gpu_memory_gib']} GiB x {i['gpu_util']} - "
             f"weights {mem['weight_bytes_per_gpu'] / GIB:.2f} GiB - overhead "
             f"{mem['overhead_bytes'] / GIB:.2f} GiB = {mem['kv_bytes_per_gpu'] / GIB:.2f} GiB "
             "for KV",
-            f"bytes per block per GPU: 2 x {mem['layers_per_block']} layers"
+            "bytes per block per GPU: " + ("" if m["mla"] else "2 x ")
+            + f"{mem['layers_per_block']} layers"
             + (" (the largest KV cache group's)" if len(sizing.kv_cache_groups) > 1
-               else "") + " x "
-            f"{cdiv(m['kv_heads'], tp)} KV heads x {m['head_size']} x "
+               else "") + f" x {per_token} x "
             f"{DTYPE_BYTES[m['dtype']]} B x {e['block_size']} tokens = "
             f"{mem['block_bytes_per_gpu'] / 2**20:.3f} MiB"]
     lines += [
@@ -233,10 +251,14 @@ def _group_lines(sizing: Sizing) -> list[str]:
         f"at admission, {f['stock_blocks']} at the end; with eviction bound "
         f"{f['evicting_bound_blocks']}, decode hard limit "
         f"{f['evicting_decode_hard_limit_blocks']}",
-        f"                    each sliding group: {w['stock_blocks']} while the prompt is "
-        f"computed (its window plus the {w['in_flight_tokens']} tokens in flight: "
-        f"{w['steps_in_flight']} steps of {w['step_tokens']}), stock and with eviction; with "
-        f"eviction {w['evicting_decode_hard_limit_blocks']} reserved once decoding (its "
-        f"window plus {w['steps_in_flight']} decode tokens); stock admission reserves "
-        f"{w['stock_admission_blocks']}",
+        f"                    each sliding group: stock {w['stock_blocks']} while the "
+        f"prompt is computed (its window plus the {w['in_flight_tokens']} tokens in flight: "
+        f"{w['steps_in_flight']} steps of {w['step_tokens']}), admission reserves "
+        f"{w['stock_admission_blocks']}; with eviction {w['evicting_bound_blocks']} "
+        f"while the prompt is computed (its window plus {w['steps_in_flight']} steps of "
+        f"{w['evicting_prompt_step_tokens']}"
+        + (", the chunk each request's prompt step is capped at"
+           if w["evicting_prompt_step_tokens"] < w["step_tokens"] else "")
+        + f"), {w['evicting_decode_hard_limit_blocks']} reserved once decoding (its window "
+        f"plus {w['steps_in_flight']} decode tokens)",
     ]

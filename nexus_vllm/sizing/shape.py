@@ -7,6 +7,14 @@ when listed; else every ``sliding_window_pattern``-th layer is full (Gemma 3 def
 6, Gemma 2 and gpt-oss to 2); else, for Qwen2/Qwen3 with ``use_sliding_window``, the
 layers from ``max_window_layers`` on slide; else every layer slides (Mistral). No
 ``sliding_window``, or ``use_sliding_window`` false: no layer slides.
+
+A multi-head latent attention (MLA) model (DeepSeek-V2/V3: ``kv_lora_rank`` in its
+config) caches one latent row per token per layer, ``kv_lora_rank + qk_rope_head_dim``
+wide (576 for DeepSeek-V2 and V3): K only, no separate V, and the same on every TP rank
+(vLLM's ``MLAAttentionSpec``: one KV head, ``max_tp_shards=1``). Its weights are counted
+for DeepSeek's layout (:func:`mla_param_count`); the multi-token-prediction layers are not
+(vLLM loads them only for speculative decoding). Sparse MLA (DeepSeek-V3.2's index) is
+refused.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ from typing import Any
 from nexus_vllm.core import ConfigError
 
 __all__ = ["BUILTIN_CONFIGS", "BUILTIN_MODELS", "DTYPE_BYTES", "LAYER_TYPES",
-           "MODEL_TYPE_DEFAULTS", "ModelShape", "model_shape", "param_count", "sliding_layers"]
+           "MODEL_TYPE_DEFAULTS", "ModelShape", "mla_param_count", "model_shape", "param_count",
+           "sliding_layers"]
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1,
                "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -56,6 +65,30 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
                     "tie_word_embeddings": True, "torch_dtype": "bfloat16",
                     "sliding_window": 1024, "sliding_window_pattern": 6,
                     "model_type": "gemma3_text"},
+    # MLA (the config.json of deepseek-ai/DeepSeek-V2-Lite and of DeepSeek-V3, the fields
+    # read here): 15.71e9 and 671.03e9 parameters; DeepSeek-V3's checkpoint is fp8 (its
+    # layers' linear weights, 128 x 128 blocks with a float32 scale each).
+    "deepseek-v2-lite": {"num_hidden_layers": 27, "num_attention_heads": 16,
+                         "num_key_value_heads": 16, "hidden_size": 2048,
+                         "intermediate_size": 10944, "moe_intermediate_size": 1408,
+                         "n_routed_experts": 64, "n_shared_experts": 2,
+                         "first_k_dense_replace": 1, "moe_layer_freq": 1,
+                         "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+                         "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 102400,
+                         "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                         "model_type": "deepseek_v2"},
+    "deepseek-v3": {"num_hidden_layers": 61, "num_attention_heads": 128,
+                    "num_key_value_heads": 128, "hidden_size": 7168,
+                    "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                    "n_routed_experts": 256, "n_shared_experts": 1,
+                    "first_k_dense_replace": 3, "moe_layer_freq": 1,
+                    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+                    "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
+                    "num_nextn_predict_layers": 1, "topk_method": "noaux_tc",
+                    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                    "quantization_config": {"quant_method": "fp8",
+                                            "weight_block_size": [128, 128]},
+                    "model_type": "deepseek_v3"},
 }
 
 # transformers' config defaults (its configuration_*.py) for the fields read here, where a
@@ -98,6 +131,10 @@ class ModelShape:
     sliding_layers : tuple of int
         Indices of the sliding-window layers, ascending (the others attend to every
         token); empty exactly when ``sliding_window`` is None.
+    mla : bool
+        Multi-head latent attention: each layer caches one latent row of ``head_size``
+        (``kv_lora_rank + qk_rope_head_dim``) per token, K only, on every TP rank whole;
+        ``kv_heads`` is 1 (vLLM's ``MLAAttentionSpec``).
     """
 
     name: str
@@ -110,6 +147,7 @@ class ModelShape:
     weight_source: str
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    mla: bool = False
 
     def __post_init__(self) -> None:
         for name in ("layers", "attention_heads", "kv_heads", "head_size", "weight_bytes"):
@@ -133,6 +171,9 @@ class ModelShape:
                 or (sliding and not 0 <= sliding[0] <= sliding[-1] < self.layers):
             raise ConfigError("sliding_layers", "sliding_layers must be distinct ascending "
                                                 f"layer indices in [0, {self.layers})")
+        if self.mla and (self.kv_heads != 1 or window is not None):
+            raise ConfigError("kv_heads", "an MLA model caches one latent row per token "
+                                          "(kv_heads 1) and has no sliding-window layer")
 
     @property
     def dtype_bytes(self) -> int:
@@ -166,6 +207,67 @@ def param_count(config: dict[str, Any]) -> int:
     layer = attn + 3 * hidden * inter + norms
     head_params = 0 if config.get("tie_word_embeddings", False) else vocab * hidden
     return vocab * hidden + int(config["num_hidden_layers"]) * layer + hidden + head_params
+
+
+def _mla_matrices(config: dict[str, Any]) -> tuple[list[tuple[int, int, int]], int]:
+    """DeepSeek-V2/V3's decoder (``modeling_deepseek.py``): ``([(rows, columns, count)]
+    of the layers' linear weights, the other parameters)``. Per layer: the query
+    projection (``q_proj``, or ``q_a_proj`` then ``q_b_proj`` with ``q_lora_rank``),
+    ``kv_a_proj_with_mqa`` (to the latent and the rotary key), ``kv_b_proj`` (latent to
+    keys without rotary and values), ``o_proj``; a gated MLP in the first
+    ``first_k_dense_replace`` layers, then (every ``moe_layer_freq``-th) routed and
+    shared experts of ``moe_intermediate_size``. Besides: embeddings, LM head, norms, the
+    router (and its bias with ``noaux_tc`` routing)."""
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    layers = int(config["num_hidden_layers"])
+    rank, rope = int(config["kv_lora_rank"]), int(config["qk_rope_head_dim"])
+    nope, v = int(config["qk_nope_head_dim"]), int(config["v_head_dim"])
+    q_rank = config.get("q_lora_rank")
+    qk = heads * (nope + rope)
+    mats = [(q_rank, hidden, layers), (qk, q_rank, layers)] if q_rank else [(qk, hidden, layers)]
+    mats += [(rank + rope, hidden, layers), (heads * (nope + v), rank, layers),
+             (hidden, heads * v, layers)]
+    other = layers * (2 * hidden + rank + (q_rank or 0))  # norms
+    first, freq = int(config.get("first_k_dense_replace", 0)), int(config.get(
+        "moe_layer_freq", 1))
+    experts = int(config.get("n_routed_experts") or 0)
+    moe = sum(1 for i in range(first, layers) if i % freq == 0) if experts else 0
+    mats += [(int(config["intermediate_size"]), hidden, 2 * (layers - moe)),
+             (hidden, int(config["intermediate_size"]), layers - moe)]
+    if moe:
+        inter = int(config["moe_intermediate_size"])
+        per_layer = experts + int(config.get("n_shared_experts") or 0)
+        mats += [(inter, hidden, 2 * per_layer * moe), (hidden, inter, per_layer * moe)]
+        other += moe * experts * (hidden + (config.get("topk_method") == "noaux_tc"))
+    vocab = int(config["vocab_size"])
+    tied = config.get("tie_word_embeddings", False)
+    other += vocab * hidden * (1 if tied else 2) + hidden
+    return mats, other
+
+
+def mla_param_count(config: dict[str, Any]) -> int:
+    """Parameters of a DeepSeek-V2/V3 decoder from its config (:func:`_mla_matrices`; no
+    multi-token-prediction layer)."""
+    mats, other = _mla_matrices(config)
+    return sum(r * c * n for r, c, n in mats) + other
+
+
+def _mla_weight_bytes(config: dict[str, Any], dtype: str) -> tuple[int, str]:
+    """Bytes of an MLA model's weights and how they were counted: with an fp8
+    ``quantization_config`` (DeepSeek-V3's checkpoint) the layers' linear weights take a
+    byte each plus a float32 scale per ``weight_block_size`` block, the rest ``dtype``."""
+    mats, other = _mla_matrices(config)
+    params = sum(r * c * n for r, c, n in mats) + other
+    quant = config.get("quantization_config") or {}
+    if quant.get("quant_method") != "fp8":
+        return params * DTYPE_BYTES[dtype], (f"estimated: {params / 1e9:.2f}e9 parameters "
+                                             f"from the config x {dtype}")
+    br, bc = (int(x) for x in quant.get("weight_block_size") or (128, 128))
+    linear = sum(r * c * n for r, c, n in mats)
+    scales = sum(-(-r // br) * -(-c // bc) * n for r, c, n in mats)
+    return (linear + 4 * scales + other * DTYPE_BYTES[dtype],
+            f"estimated: {params / 1e9:.2f}e9 parameters from the config, the layers' "
+            f"linear weights in fp8 (its quantization_config), the rest {dtype}")
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -228,13 +330,24 @@ def _shape_from_config(name: str, config: dict[str, Any],
     dtype = dtype.removeprefix("torch.")
     if dtype not in DTYPE_BYTES:
         raise ConfigError("dtype", f"torch_dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+    mla = config.get("kv_lora_rank") is not None
+    if mla and config.get("index_topk") is not None:
+        raise ConfigError("model", "sparse MLA (DeepSeek-V3.2's index, index_topk) is not "
+                                   "sized: the plugin refuses it")
     total = (index or {}).get("metadata", {}).get("total_size")
     if total:
         weight_bytes, source = int(total), "model.safetensors.index.json metadata.total_size"
+    elif mla:
+        weight_bytes, source = _mla_weight_bytes(config, dtype)
     else:
         params = param_count(config)
         weight_bytes = params * DTYPE_BYTES[dtype]
         source = f"estimated: {params / 1e9:.2f}e9 parameters from the config x {dtype}"
+    if mla:
+        return ModelShape(
+            name=name, layers=int(config["num_hidden_layers"]), attention_heads=heads,
+            kv_heads=1, head_size=int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"]),
+            dtype=dtype, weight_bytes=weight_bytes, weight_source=source, mla=True)
     window, sliding = sliding_layers(config)
     return ModelShape(
         name=name, layers=int(config["num_hidden_layers"]), attention_heads=heads,

@@ -602,6 +602,80 @@ def test_window_group_holds_within_the_phases_allowance(k: int) -> None:
     assert (most["prompt"] > old) == (k > 1)
 
 
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_window_group_holds_within_the_chunked_allowance(k: int) -> None:
+    """A server that evicts mid-prompt caps each request's prompt step at its chunk
+    (vLLM's ``long_prefill_token_threshold``, and ``lone_request_prefill_cap`` for a lone
+    request): vLLM's sliding manager, freeing on the processed tokens with k steps in
+    flight, then holds at most the window plus k chunks while the prompt is computed,
+    what admission reserves; k whole steps (the rule before) is far more."""
+    from nexus_vllm.core.config import window_blocks
+
+    step, chunk = 512, 48
+    mgr, _, _ = scheduler_side(400, window=WINDOW, step_tokens=step, max_tokens=256,
+                               chunk_size=chunk)
+    mgr.windows.steps_in_flight = k
+    sliding = mgr.windows.groups[0].manager
+    prompt, total = 1500, 1540
+    in_flight: list[int] = []
+    done, reserve = 0, mgr.windows.allowance(total)  # a new request's
+    # cdiv(64 - 1 + k x 48, 32) + 1: 5, 6, 8 blocks; k steps of 512 tokens: 19, 35, 49.
+    assert reserve == window_blocks(WINDOW, 32, total, k * chunk) == [5, 6, 8][k - 1]
+    old = window_blocks(WINDOW, 32, total, k * step)
+    most = 0
+    for n in [chunk] * (prompt // chunk) + [prompt % chunk] + [1] * 40:
+        sliding.remove_skipped_blocks("r", done - sum(in_flight[len(in_flight) - k + 1:]))
+        sliding.allocate_new_blocks("r", done + n, done + n)
+        done += n
+        in_flight.append(n)
+        held = mgr.windows.held("r")
+        assert held <= reserve, done
+        reserve = mgr.windows.allowance(total, done, prompt)  # for the next step on
+        if done < prompt + k:
+            most = max(most, held)
+    # Within a block of the allowance (the window's start in a block decides the last).
+    assert mgr.windows.allowance(total) - 1 <= most <= mgr.windows.allowance(total) < old
+
+
+@pytest.mark.parametrize("xargs", [{}, {"kv_prompt_mode": "end"}, {"kv_prompt_mode": "keep"},
+                                   {"kv_prompt_mode": "end", "kv_prefill_budget": 512}])
+def test_admission_reserves_chunks_in_flight_where_the_server_caps_prompt_steps(
+        xargs) -> None:  # noqa: ANN001
+    """On a server that evicts mid-prompt every request's prompt step is capped at the
+    chunk, whatever its own ``kv_prompt_mode``: admission reserves the window plus k
+    chunks in each sliding group, so a pool of exactly the bound plus that admits it (the
+    rule before, k whole steps, refused it) and one block less does not."""
+    from nexus_vllm.core.config import window_blocks
+
+    step, chunk, k = 512, 64, 2
+    r = _request("r", 1000, max_tokens=64, **xargs)
+    probe, _, _ = scheduler_side(10, window=WINDOW, step_tokens=step, max_tokens=256,
+                                 chunk_size=chunk)
+    window = window_blocks(WINDOW, 32, 1064, k * chunk)  # cdiv(63 + 128, 32) + 1 = 7
+    assert window == 7 < window_blocks(WINDOW, 32, 1064, k * step)
+    need = probe.bound_blocks(r) + window
+    for usable, admitted in ((need, True), (need - 1, False)):
+        mgr, _, _ = scheduler_side(usable + 1, window=WINDOW, step_tokens=step,
+                                   max_tokens=256, chunk_size=chunk)
+        mgr.windows.steps_in_flight = k
+        assert mgr.may_admit(_request("r", 1000, max_tokens=64, **xargs)) == admitted
+
+
+def test_a_server_that_chunks_no_prompt_reserves_whole_steps() -> None:
+    """A server in ``end`` mode sets no per-request cap (vLLM chunks prompts at its step
+    budget, and lifts even a cap of its own for a lone request): a request that asks for
+    ``stream`` there still has k whole steps in flight in each sliding group."""
+    from nexus_vllm.core.config import window_blocks
+
+    mgr, _, _ = scheduler_side(64, window=WINDOW, step_tokens=256, max_tokens=256,
+                               chunk_size=64, prompt_mode="end")
+    mgr.windows.steps_in_flight = 2
+    r = _request("r", 1000, max_tokens=64, kv_prompt_mode="stream")
+    assert mgr.states.resolve(r).cfg.evicts_mid_prompt
+    # cdiv(63 + 2 x 256, 32) + 1, not the 7 of two 64-token chunks.
+    assert mgr.windows.allowance(1064) == window_blocks(WINDOW, 32, 1064, 2 * 256) == 19
+
+
 def test_a_decoding_request_frees_admission_room_in_the_window_group() -> None:
     """Once a request decodes, its window reserve drops from k steps to k tokens: a
     request refused while the other's prompt steps may be in flight is admitted then."""

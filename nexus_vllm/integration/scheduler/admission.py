@@ -115,7 +115,8 @@ class AdmissionGate:
         assert st_new is not None  # bound_blocks resolved it
         need += windows.allowance(self.total_tokens(st_new, request))
         # The window groups' reserve follows the phase: k steps while the prompt (or a
-        # recompute) is computed, k decode tokens after (WindowBlocks.allowance).
+        # recompute) is computed (each at most the chunk where the server caps prompt
+        # steps), k decode tokens after (WindowBlocks.allowance).
         reserved = ((self._reserve(st) + windows.allowance(
                          st.admitted_total, st.tokens,
                          max(st.prompt_tokens, st.recompute_tokens)),

@@ -19,7 +19,7 @@ from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from nexus_vllm.core.config import window_blocks, window_in_flight_tokens
+from nexus_vllm.core.config import EvictionConfig, window_blocks, window_in_flight_tokens
 from nexus_vllm.integration.compat.vllm_compat import BlockPoolView, WindowGroup, request_blocks
 from nexus_vllm.integration.compat.vllm_types import KVBlock
 from nexus_vllm.integration.scheduler.request_state import LiveIndex, RequestEvictionState
@@ -109,13 +109,18 @@ class WindowBlocks:
     steps_in_flight : int
         k, the steps vLLM schedules before the first one's output is processed
         (``max_concurrent_batches``).
+    server_cfg : EvictionConfig, optional
+        The server's config: where it evicts mid-prompt, every request's prompt step is
+        capped at its ``chunk_size`` (the scheduler's per-request cap), and so is each
+        prompt step in flight.
     """
 
     def __init__(self, groups: Sequence[WindowGroup], step_tokens: int,
-                 steps_in_flight: int = 1) -> None:
+                 steps_in_flight: int = 1, server_cfg: EvictionConfig | None = None) -> None:
         self.groups = tuple(groups)
         self.step_tokens = int(step_tokens)
         self.steps_in_flight = max(1, int(steps_in_flight))
+        self.server_cfg = server_cfg
 
     def allowance(self, total_tokens: int, tokens: int = 0,
                   prefill_end: int | None = None) -> int:
@@ -123,11 +128,13 @@ class WindowBlocks:
         groups once ``tokens`` are computed (as of its last scheduled step), with
         ``prefill_end`` its prompt or what it recomputes (None: a request yet to start):
         in each group the window plus the tokens in flight, k steps while it computes
-        its prompt and k tokens once it decodes, never more than its sequence
+        its prompt (each of at most ``step_tokens``, or the server's ``chunk_size`` where
+        it caps prompt steps) and k tokens once it decodes, never more than its sequence
         (:func:`~nexus_vllm.core.config.window_in_flight_tokens`,
         :func:`~nexus_vllm.core.config.window_blocks`)."""
         in_flight = window_in_flight_tokens(self.step_tokens, self.steps_in_flight,
-                                            tokens=tokens, prefill_end=prefill_end)
+                                            tokens=tokens, prefill_end=prefill_end,
+                                            server_cfg=self.server_cfg)
         return sum(window_blocks(g.window, g.block_size, total_tokens, in_flight)
                    for g in self.groups)
 

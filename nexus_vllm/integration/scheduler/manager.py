@@ -122,7 +122,8 @@ class EvictionManager:
         group holds the tokens of the k steps in flight beyond its window.
     step_tokens : int, optional
         Most tokens one request computes in a step (vLLM's token budget per step): a
-        prompt step in flight in a sliding-window group. Needed only for models with
+        prompt step in flight in a sliding-window group (at most ``chunk_size`` where
+        ``server_cfg`` evicts mid-prompt: ``WindowBlocks``). Needed only for models with
         sliding-window groups.
     evictor : callable, optional
         Builds the :class:`Evictor` (keyword arguments as its own).
@@ -150,7 +151,7 @@ class EvictionManager:
         if groups.windows and step_tokens is None:
             raise ValueError("a model with sliding-window groups needs step_tokens")
         self.windows = WindowBlocks(groups.windows, int(step_tokens or 0),
-                                    self.steps_in_flight)
+                                    self.steps_in_flight, server_cfg=server_cfg)
         self.states = RequestStates(server_cfg)
         self.channel = PlanChannel(self.states, self.fault)
         self.admission = AdmissionGate(self.states, self.blocks, self.counters,
