@@ -316,12 +316,10 @@ def _rows_mass(session: Any, window: int, attention_reduce: str) -> torch.Tensor
 
 def per_head_mass(session: Any, window: int) -> torch.Tensor:
     """``[layers x heads, window, N]``: each scored layer's and query head's block mass of
-    the newest ``window`` query rows.
-
-    The session has no public accessor for its query rows; this reads the
-    :class:`~nexus_vllm.core.evidence.DenseSequence` that its gatherers read.
+    the newest ``window`` query rows, from the session's
+    :class:`~nexus_vllm.core.evidence.DenseSequence` (what its gatherers read).
     """
-    seq = session._sequence(window, frozenset())
+    seq = session.dense_sequence(window)
     out = []
     for layer in seq.layers:
         hq, hkv = int(layer.queries.shape[1]), int(layer.keys.shape[1])

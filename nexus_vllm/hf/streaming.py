@@ -282,9 +282,11 @@ class StreamingSession:
         layers = [i for i in self.config.scored_layers(self.num_layers) if not self._sliding[i]]
         return layers or self._full[-1:]
 
-    def _sequence(self, window: int, kinds: frozenset[str]) -> DenseSequence:
+    def dense_sequence(self, window: int, kinds: frozenset[str] = frozenset()
+                       ) -> DenseSequence:
         """The scored layers' newest ``window`` query rows and cached keys (what every
-        dense gatherer reads), with the model's rotary table when a kind needs it."""
+        dense gatherer reads), with the model's rotary table when a kind in ``kinds``
+        needs it: for evidence computed per head before heads are combined."""
         cfg = self.config
         assert cfg is not None
         layers = []
@@ -309,7 +311,7 @@ class StreamingSession:
         """Each evidence kind in ``kinds`` for this sequence now, as its registered dense
         gatherer computes it (``mass``: ``[W, N]`` rows combined over heads and layers by
         the config's ``attention_reduce``, rows of maxima under ``max``)."""
-        seq = self._sequence(window, kinds)
+        seq = self.dense_sequence(window, kinds)
         return {name: evidence_kind(name).gather_dense(seq) for name in sorted(kinds)}
 
     def block_mass(self, window: int) -> torch.Tensor:
