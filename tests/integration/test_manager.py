@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -573,6 +575,26 @@ def test_window_allowance_follows_the_phase() -> None:
     assert w.allowance(40) == w.allowance(40, 42, 40) == 2
 
 
+def _window_steps(mgr: Any, steps: list[int], k: int, prompt: int, total: int
+                  ) -> Iterator[tuple[int, int]]:
+    """Drive vLLM's sliding manager of ``mgr`` through ``steps`` (tokens per step) with
+    ``k`` steps in flight (it frees on the processed tokens: the computed ones less those
+    in flight); yield ``(tokens done, blocks held)`` after each step, having checked the
+    blocks held against the allowance admission kept before the step."""
+    sliding = mgr.windows.groups[0].manager
+    in_flight: list[int] = []
+    done, reserve = 0, mgr.windows.allowance(total)  # a new request's
+    for n in steps:
+        sliding.remove_skipped_blocks("r", done - sum(in_flight[len(in_flight) - k + 1:]))
+        sliding.allocate_new_blocks("r", done + n, done + n)
+        done += n
+        in_flight.append(n)
+        held = mgr.windows.held("r")
+        assert held <= reserve, done
+        reserve = mgr.windows.allowance(total, done, prompt)  # for the next step on
+        yield done, held
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_window_group_holds_within_the_phases_allowance(k: int) -> None:
     """vLLM's sliding manager with k steps in flight (it frees on the processed tokens:
@@ -581,20 +603,11 @@ def test_window_group_holds_within_the_phases_allowance(k: int) -> None:
     prompt steps in flight take more than one step's allowance (the rule before)."""
     mgr, _, _ = _hybrid(num_blocks=200)
     mgr.windows.steps_in_flight = k
-    sliding = mgr.windows.groups[0].manager
     prompt, total = 1500, 1540
-    in_flight: list[int] = []
-    done, reserve = 0, mgr.windows.allowance(total)  # a new request's
     most = {"prompt": 0, "decode": 0}
-    for n in [128] * 11 + [92] + [1] * 40:
-        sliding.remove_skipped_blocks("r", done - sum(in_flight[len(in_flight) - k + 1:]))
-        sliding.allocate_new_blocks("r", done + n, done + n)
-        done += n
-        in_flight.append(n)
-        held = mgr.windows.held("r")
-        assert held <= reserve, done
-        reserve = mgr.windows.allowance(total, done, prompt)  # for the next step on
-        assert held <= reserve or done < prompt + k, done  # decoding: held at once
+    for done, held in _window_steps(mgr, [128] * 11 + [92] + [1] * 40, k, prompt, total):
+        # Decoding: held within the decode allowance at once.
+        assert held <= mgr.windows.allowance(total, done, prompt) or done < prompt + k, done
         most["decode" if done >= prompt + k else "prompt"] = max(
             held, most["decode" if done >= prompt + k else "prompt"])
     old = 7  # cdiv(64 - 1 + 128, 32) + 1: one step, whatever the phase and k
@@ -615,22 +628,14 @@ def test_window_group_holds_within_the_chunked_allowance(k: int) -> None:
     mgr, _, _ = scheduler_side(400, window=WINDOW, step_tokens=step, max_tokens=256,
                                chunk_size=chunk)
     mgr.windows.steps_in_flight = k
-    sliding = mgr.windows.groups[0].manager
     prompt, total = 1500, 1540
-    in_flight: list[int] = []
-    done, reserve = 0, mgr.windows.allowance(total)  # a new request's
     # cdiv(64 - 1 + k x 48, 32) + 1: 5, 6, 8 blocks; k steps of 512 tokens: 19, 35, 49.
-    assert reserve == window_blocks(WINDOW, 32, total, k * chunk) == [5, 6, 8][k - 1]
+    assert mgr.windows.allowance(total) == window_blocks(WINDOW, 32, total, k * chunk) \
+        == [5, 6, 8][k - 1]
     old = window_blocks(WINDOW, 32, total, k * step)
     most = 0
-    for n in [chunk] * (prompt // chunk) + [prompt % chunk] + [1] * 40:
-        sliding.remove_skipped_blocks("r", done - sum(in_flight[len(in_flight) - k + 1:]))
-        sliding.allocate_new_blocks("r", done + n, done + n)
-        done += n
-        in_flight.append(n)
-        held = mgr.windows.held("r")
-        assert held <= reserve, done
-        reserve = mgr.windows.allowance(total, done, prompt)  # for the next step on
+    steps = [chunk] * (prompt // chunk) + [prompt % chunk] + [1] * 40
+    for done, held in _window_steps(mgr, steps, k, prompt, total):
         if done < prompt + k:
             most = max(most, held)
     # Within a block of the allowance (the window's start in a block decides the last).
