@@ -21,7 +21,7 @@ from .policies import METHODS, POLICIES, EvictionPolicy, forced_count
 from .scoring import ATTENTION_REDUCES, cdiv
 
 __all__ = ["METHODS", "PROMPT_MODES", "RENAMED_FIELDS", "EvictionConfig", "window_blocks",
-           "window_in_flight_tokens"]
+           "window_in_flight_tokens", "window_max_blocks"]
 
 logger = logging.getLogger(__name__)
 
@@ -544,16 +544,26 @@ def window_in_flight_tokens(step_tokens: int, steps_in_flight: int = 1, *, token
     return k * step
 
 
+def window_max_blocks(window: int, block_size: int, in_flight_tokens: int,
+                      max_len: int | None = None) -> int:
+    """Most blocks a request holds in a sliding-window group of ``window`` tokens with
+    ``in_flight_tokens`` scheduled and not yet processed: ``ceil(min(window - 1 +
+    in_flight_tokens, max_len) / block_size) + 1`` (the window may start mid-block;
+    vLLM's ``SlidingWindowSpec.max_admission_blocks_per_request``,
+    ``vllm/v1/kv_cache_interface.py:859``, which ``max_memory_usage_bytes`` at :887 sizes
+    the pool by)."""
+    tokens = int(window) - 1 + int(in_flight_tokens)
+    if max_len is not None:
+        tokens = min(tokens, int(max_len))
+    return cdiv(tokens, block_size) + 1
+
+
 def window_blocks(window: int, block_size: int, total_tokens: int,
                   in_flight_tokens: int) -> int:
-    """Most blocks a request of ``total_tokens`` holds in a sliding-window group of
-    ``window`` tokens with ``in_flight_tokens`` scheduled and not yet processed: the
-    window less one plus those tokens, plus the block the window starts in (vLLM's
-    ``SlidingWindowSpec.max_admission_blocks_per_request``,
-    ``vllm/v1/kv_cache_interface.py:859``, which ``max_memory_usage_bytes`` at :887 sizes
-    the pool by), never more than its sequence's blocks."""
+    """Most blocks a request of ``total_tokens`` holds in a sliding-window group:
+    :func:`window_max_blocks`, never more than its sequence's blocks."""
     return min(cdiv(int(total_tokens), block_size),
-               cdiv(int(window) - 1 + int(in_flight_tokens), block_size) + 1)
+               window_max_blocks(window, block_size, in_flight_tokens))
 
 
 def _owners(knob: str) -> list[str]:

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nexus_vllm.core import cdiv
+from nexus_vllm.core.config import window_max_blocks
 
 from .shape import ModelShape
 
@@ -97,17 +98,6 @@ def layers_per_block(groups: Sequence[KVGroup], layers: int, pp: int) -> int:
     on the largest stage (every layer of an all-full model: ``ceil(layers / pp)``)."""
     return max(sum(1 for i in g.layers if i in stage)
                for stage in pp_stages(layers, pp) for g in groups)
-
-
-def window_max_blocks(window: int, block_size: int, in_flight_tokens: int,
-                      max_len: int | None = None) -> int:
-    """Most blocks a request holds in a sliding group (vLLM's
-    ``SlidingWindowSpec.max_admission_blocks_per_request``): ``ceil(min(window - 1 +
-    in_flight_tokens, max_len) / block_size) + 1`` (the window may start mid-block)."""
-    tokens = window - 1 + in_flight_tokens
-    if max_len is not None:
-        tokens = min(tokens, max_len)
-    return cdiv(tokens, block_size) + 1
 
 
 def window_held_blocks(window: int, block_size: int, done: int, allocated: int) -> int:

@@ -91,6 +91,13 @@ class AdmissionGate:
         return int(st.cfg.bound_blocks(st.prompt_tokens, self.total_tokens(st, request),
                                        recompute_tokens=self.recompute_tokens(request)))
 
+    def _window_reserve(self, st: RequestEvictionState, total_tokens: int) -> int:
+        """What a started request may still hold in the sliding-window groups, by its
+        phase: its prompt (or a resumed request's recompute) until it is computed
+        (:meth:`WindowBlocks.allowance`)."""
+        return self.windows.allowance(total_tokens, st.tokens,
+                                      max(st.prompt_tokens, st.recompute_tokens))
+
     def _reserve(self, st: RequestEvictionState) -> int:
         """What an admitted request may still come to hold (:meth:`EvictionConfig.peak_from`
         its progress; a resumed one its recompute's peak until it is done)."""
@@ -117,9 +124,7 @@ class AdmissionGate:
         # The window groups' reserve follows the phase: k steps while the prompt (or a
         # recompute) is computed (each at most the chunk where the server caps prompt
         # steps), k decode tokens after (WindowBlocks.allowance).
-        reserved = ((self._reserve(st) + windows.allowance(
-                         st.admitted_total, st.tokens,
-                         max(st.prompt_tokens, st.recompute_tokens)),
+        reserved = ((self._reserve(st) + self._window_reserve(st, st.admitted_total),
                      self.blocks.live_count(st) + windows.held(req_id))
                     for req_id, st in self.states.items()
                     if st.admitted_total is not None and req_id != request.request_id
@@ -171,9 +176,7 @@ class AdmissionGate:
             if self.windows.groups and req_id not in self._reported:
                 # What admission keeps reserved for it from this step on.
                 held = self.windows.held(req_id)
-                allowance = self.windows.allowance(
-                    self.total_tokens(st, request), st.tokens,
-                    max(st.prompt_tokens, st.recompute_tokens))
+                allowance = self._window_reserve(st, self.total_tokens(st, request))
                 if held > allowance:
                     self._reported.add(req_id)
                     logger.warning(
