@@ -45,6 +45,7 @@ __all__ = [
     "EvictionPolicy",
     "ExpectedAttentionPolicy",
     "H2OPolicy",
+    "KNORM_SPREAD_FLOOR",
     "KNormPolicy",
     "MethodNames",
     "NexusPolicy",
@@ -58,6 +59,7 @@ __all__ = [
     "forced_tail",
     "get_policy",
     "register_policy",
+    "standardized_key_norms",
 ]
 
 def forced_tail(recent_blocks: int) -> int:
@@ -84,6 +86,33 @@ def forced_blocks(num_blocks: int, sink_blocks: int, recent_blocks: int) -> torc
     mask[: min(sink_blocks, num_blocks)] = True
     mask[max(0, num_blocks - forced_tail(recent_blocks)) :] = True
     return torch.nonzero(mask).flatten()
+
+
+# The smallest spread of the blocks' key norms, as a share of their mean, that the
+# key-norm prior reads as signal. Models that RMS-normalise each head's keys (Gemma 3's
+# k_norm) can give every key the same length; standardising that by its own spread
+# would turn float rounding (~1e-7, different on each TP layout) into a strong random
+# prior. Real spreads are far above it (SmolLM2, Gemma 3 270M: 1.5-3% of the mean).
+KNORM_SPREAD_FLOOR = 1e-3
+
+
+def standardized_key_norms(norms: torch.Tensor) -> torch.Tensor:
+    """Blocks' key norms as z-scores, the spread floored at ``KNORM_SPREAD_FLOOR * mean``.
+
+    Parameters
+    ----------
+    norms : Tensor[N]
+        Mean key norm of each live block.
+
+    Returns
+    -------
+    Tensor[N] (float64): ``(norms - mean) / max(std, KNORM_SPREAD_FLOOR * |mean|)``;
+    near-constant norms give near-zero z (a flat prior).
+    """
+    x = norms.to(torch.float64).flatten()
+    mean = x.mean()
+    floor = (KNORM_SPREAD_FLOOR * mean.abs()).clamp(min=1e-12)
+    return (x - mean) / torch.maximum(x.std(unbiased=False), floor)
 
 
 def carry_forward(weights: torch.Tensor, carry: int) -> torch.Tensor:
@@ -307,7 +336,9 @@ class NexusPolicy(EvictionPolicy):
         Strength ``beta`` (>= 0) of a key-norm prior on the weights: each block's weight
         is multiplied by ``exp(-beta * z)``, ``z`` its mean key norm standardised over
         the live blocks (low-norm keys draw attention: KNorm's observation). 0, the
-        default, is plain Nexus; > 0 also reads the blocks' key norms.
+        default, is plain Nexus; > 0 also reads the blocks' key norms. Norms that barely
+        vary (a spread under :data:`KNORM_SPREAD_FLOOR` of their mean, e.g. every key
+        RMS-normalised to the same length) give a flat prior, not their rounding noise.
     expected : float
         Share ``alpha`` in [0, 1] of expected attention (query-agnostic evidence,
         :mod:`nexus_vllm.core.evidence.expected_attention`) in the evidence the walk
@@ -413,7 +444,7 @@ class NexusPolicy(EvictionPolicy):
         if self.knorm_prior > 0:
             assert evidence.key_norms is not None  # select() checks what the policy needs
             norms = evidence.key_norms.detach().to(weights.device, torch.float64).flatten()
-            z = (norms - norms.mean()) / norms.std(unbiased=False).clamp(min=1e-12)
+            z = standardized_key_norms(norms)
             if self.knorm_share > 0:
                 gamma = float(self.knorm_share)
                 prior = torch.softmax(-self.knorm_prior * z, dim=0).to(weights.dtype)

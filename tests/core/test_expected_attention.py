@@ -159,3 +159,33 @@ def test_the_key_norm_prior_mixed_in_keeps_what_either_evidence_ranks_high():
         get_policy("nexus", knorm_share=0.5)
     with pytest.raises(ConfigError, match="knorm_share"):
         get_policy("nexus", knorm_prior=1.0, knorm_share=1.0)
+
+
+@pytest.mark.parametrize("noise", [1e-7, 1e-6])
+def test_constant_key_norms_give_a_flat_prior(noise: float) -> None:
+    """Every key RMS-normalised to one length (Gemma 3's ``k_norm``): the prior must not
+    read the norms' rounding noise, which differs from one TP layout to the next, as a
+    ranking; the weights equal plain Nexus's to within the noise."""
+    from nexus_vllm.core import get_policy
+
+    gen = torch.Generator().manual_seed(0)
+    mass = torch.rand(4, 12, generator=gen, dtype=torch.float64)
+    mass = mass / mass.sum(dim=1, keepdim=True)
+    sqrt_d = 32 ** 0.5
+    norms = sqrt_d * (1 + noise * torch.randn(12, generator=gen, dtype=torch.float64))
+    ev = Evidence(mass, key_norms=norms.float())
+    plain = get_policy("nexus", sampler="topk").score(ev, None)
+    prior = get_policy("nexus", sampler="topk", knorm_prior=4.0).score(ev, None)
+    torch.testing.assert_close(prior, plain, rtol=2e-2, atol=0.0)
+
+
+def test_a_real_spread_still_ranks() -> None:
+    """A spread like SmolLM2's or Gemma 3 270M's (~2% of the mean) is read in full: the
+    z-scores are the plain standardisation."""
+    from nexus_vllm.core.policies import standardized_key_norms
+
+    norms = torch.tensor([90.0, 92.0, 95.0, 99.0, 91.0])
+    z = standardized_key_norms(norms)
+    torch.testing.assert_close(z, (norms.double() - norms.double().mean())
+                               / norms.double().std(unbiased=False))
+    assert int(z.argmin()) == 0
