@@ -28,12 +28,18 @@ model attends with :data:`CAPTURE_ATTENTION`, registered with
 ``transformers.AttentionInterface`` and chosen with ``model.set_attn_implementation``. It is
 SDPA plus a callback that each session passes with its own forward (``nexus_capture``, a
 keyword argument transformers hands down to every attention call), so no session is held
-in a global and a forward without the callback is plain SDPA.
+in a global and a forward without the callback is plain SDPA. A model with learned
+attention sinks (gpt-oss: one logit per head in each row's softmax, which transformers'
+SDPA leaves out, so it only attends eagerly) attends with :data:`CAPTURE_ATTENTION_SINKS`
+instead: the same callback, then the model's own eager attention, sinks included.
+Scoring leaves the sink out either way, as the server's scorer does: a block's mass is
+its share of the row's mass over the cached keys.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,11 +58,13 @@ from nexus_vllm.core import (
 from nexus_vllm.core.evidence import DenseLayer, DenseSequence
 from nexus_vllm.hf.mla import is_mla_attention, latent_keys, latent_query, latent_rotary
 
-__all__ = ["CAPTURE_ATTENTION", "EvictionEvent", "StreamingSession", "make_config",
-           "rotary_of", "use_capture_attention"]
+__all__ = ["CAPTURE_ATTENTION", "CAPTURE_ATTENTION_SINKS", "EvictionEvent", "StreamingSession",
+           "has_attention_sinks", "make_config", "rotary_of", "use_capture_attention"]
 
 # The attention implementation of a session's model (see the module docstring).
 CAPTURE_ATTENTION = "nexus_capture_sdpa"
+# The same for a model whose attention has learned sinks (eager attention).
+CAPTURE_ATTENTION_SINKS = "nexus_capture_eager_sinks"
 _registered = False
 _register_lock = threading.Lock()
 # Rows of a rotary table for a config without max_position_embeddings.
@@ -81,35 +89,68 @@ def _capture_attention(module: Any, query: torch.Tensor, key: torch.Tensor, valu
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+def _capture_attention_sinks(module: Any, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, attention_mask: Any, *,
+                             nexus_capture: Callable[[int, torch.Tensor], None] | None = None,
+                             **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """:func:`_capture_attention` for a layer with learned sinks: the callback, then the
+    layer's own ``eager_attention_forward`` (its modeling module's, which adds the sink
+    logit ``s_aux`` to every row's softmax)."""
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(f"{type(module).__name__} has attention sinks but its module has no "
+                         "eager_attention_forward to attend with")
+    if nexus_capture is not None:
+        nexus_capture(int(module.layer_idx), query)
+    out: tuple[torch.Tensor, Any] = eager(module, query, key, value, attention_mask, **kwargs)
+    return out
+
+
 def _register() -> None:
-    """Register the capturing attention function and its (SDPA) mask builder, once."""
+    """Register the capturing attention functions and their mask builders, once."""
     global _registered
     with _register_lock:
         if _registered:
             return
         from transformers import AttentionInterface
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
         AttentionInterface.register(CAPTURE_ATTENTION, _capture_attention)
         # Without a mask entry transformers skips mask creation for unknown implementations,
         # and SDPA would then apply an upper-left causal mask: wrong for chunks after a past.
         ALL_MASK_ATTENTION_FUNCTIONS.register(CAPTURE_ATTENTION, sdpa_mask)
+        # Eager attention adds its mask to the logits: the float mask.
+        AttentionInterface.register(CAPTURE_ATTENTION_SINKS, _capture_attention_sinks)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(CAPTURE_ATTENTION_SINKS, eager_mask)
         _registered = True
+
+
+def has_attention_sinks(model: Any) -> bool:
+    """Whether ``model``'s attention layers have learned sinks (a ``sinks`` parameter,
+    transformers' gpt-oss)."""
+    return any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter)
+               for m in model.modules())
 
 
 def use_capture_attention(model: Any) -> None:
     """Make ``model`` attend with :data:`CAPTURE_ATTENTION` (``set_attn_implementation``;
     idempotent). Only an SDPA model is switched: the capture is SDPA, so the model's
-    outputs stay the same for every caller; another implementation's would change."""
+    outputs stay the same for every caller; another implementation's would change. A
+    model with attention sinks (:func:`has_attention_sinks`; transformers gives it eager
+    attention only) is switched from ``eager`` to :data:`CAPTURE_ATTENTION_SINKS`, its
+    own eager attention behind the capture."""
     _register()
     current = model.config._attn_implementation
-    if current == CAPTURE_ATTENTION:
+    if current in (CAPTURE_ATTENTION, CAPTURE_ATTENTION_SINKS):
         return
-    if current != "sdpa":
-        raise ValueError(f"StreamingSession captures queries through SDPA; load the model "
-                         f"with attn_implementation='sdpa' (it has {current!r})")
+    sinks = has_attention_sinks(model)
+    wanted = "eager" if sinks else "sdpa"
+    if current != wanted:
+        what = "its eager attention (attention sinks)" if sinks else "SDPA"
+        raise ValueError(f"StreamingSession captures queries through {what}; load the model "
+                         f"with attn_implementation={wanted!r} (it has {current!r})")
     with _register_lock:
-        model.set_attn_implementation(CAPTURE_ATTENTION)
+        model.set_attn_implementation(CAPTURE_ATTENTION_SINKS if sinks else CAPTURE_ATTENTION)
 
 
 def rotary_of(model: Any, positions: int) -> Rotary:

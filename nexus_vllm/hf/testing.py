@@ -21,9 +21,12 @@ __all__ = ["CORPUS", "FAMILIES", "byte_tokenizer", "save_tiny_checkpoint", "tiny
            "tiny_model", "trained_tokenizer"]
 
 _EOS = "<|eos|>"
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
-# The gemma3 family's sliding window (tokens): short, so that test prompts outgrow it.
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gpt_oss")
+# The gemma3 and gpt_oss families' sliding window (tokens): short, so that test prompts
+# outgrow it.
 TINY_SLIDING_WINDOW = 64
+# The gpt_oss family's experts (2 routed per token).
+TINY_EXPERTS = 4
 # Weight scale of every matrix (embeddings, projections, head). Ten times transformers'
 # default, so attention is far from uniform, logits are well separated and greedy
 # decoding is not decided by float reordering (chunked vs one-shot prefill, vLLM vs HF).
@@ -87,10 +90,14 @@ def tiny_model(family: str = "llama", vocab_size: int = 260, *, layers: int = 3,
 
     Parameters
     ----------
-    family : {"llama", "qwen2", "qwen3", "mistral", "gemma3"}
+    family : {"llama", "qwen2", "qwen3", "mistral", "gemma3", "gpt_oss"}
         ``gemma3`` interleaves sliding-window layers (:data:`TINY_SLIDING_WINDOW`
         tokens) with full-attention ones, every second layer full, as Gemma 3 does
-        every sixth; the others attend fully.
+        every sixth; ``gpt_oss`` does the same (even layers sliding, as gpt-oss) and
+        adds learned attention sinks (one logit per query head, drawn from
+        N(0, 1): a real share of each row's mass) and a mixture of
+        :data:`TINY_EXPERTS` experts (2 per token), unquantized; the others attend
+        fully.
     vocab_size : int
         ``len(tokenizer)``.
     layers, heads, kv_heads, head_dim : int
@@ -106,7 +113,7 @@ def tiny_model(family: str = "llama", vocab_size: int = 260, *, layers: int = 3,
     import transformers
 
     names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
-             "gemma3": "Gemma3Text"}
+             "gemma3": "Gemma3Text", "gpt_oss": "GptOss"}
     if family not in names:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     config_cls = getattr(transformers, f"{names[family]}Config")
@@ -118,16 +125,33 @@ def tiny_model(family: str = "llama", vocab_size: int = 260, *, layers: int = 3,
         extra = {"sliding_window": TINY_SLIDING_WINDOW, "query_pre_attn_scalar": head_dim,
                  "layer_types": ["full_attention" if i % 2 else "sliding_attention"
                                  for i in range(layers)]}
+    elif family == "gpt_oss":
+        # vLLM's gpt_oss.py makes every even layer sliding whatever layer_types says;
+        # transformers' default layer_types agree (written out here all the same).
+        extra = {"sliding_window": TINY_SLIDING_WINDOW, "num_local_experts": TINY_EXPERTS,
+                 "num_experts_per_tok": 2,
+                 # YaRN as gpt-oss, its factor the ratio transformers expects.
+                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0,
+                                     "factor": 2.0, "original_max_position_embeddings": 4096,
+                                     "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+                 "layer_types": ["full_attention" if i % 2 else "sliding_attention"
+                                 for i in range(layers)]}
     cfg = config_cls(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         max_position_embeddings=8192, initializer_range=INIT_STD, eos_token_id=eos_token_id,
         bos_token_id=bos_token_id, pad_token_id=None, tie_word_embeddings=False, **extra,
     )
-    if family != "gemma3" and hasattr(cfg, "sliding_window"):
+    if family not in ("gemma3", "gpt_oss") and hasattr(cfg, "sliding_window"):
         cfg.sliding_window = None  # full attention, like the released checkpoints we serve
-    cfg._attn_implementation = "sdpa"
-    return finish_tiny_model(model_cls(cfg), eos_token_id)
+    # gpt-oss's sinks need the eager attention (sdpa has no sink term).
+    cfg._attn_implementation = "eager" if family == "gpt_oss" else "sdpa"
+    model = finish_tiny_model(model_cls(cfg), eos_token_id)
+    if family == "gpt_oss":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.0)
+    return model
 
 
 def finish_tiny_model(model: Any, eos_token_id: int | None) -> Any:
