@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 # Our press name -> kvpress class, for the presses that compress the context once, when
-# its prefill ends (``compression_ratio`` = 1 - budget, every other knob at kvpress's
-# default). The keys plus ``DECODING_PRESSES`` are peers.PEER_PRESSES (a test checks).
+# its prefill ends (``compression_ratio`` from the budget, :func:`compression_ratio`;
+# every other knob at kvpress's default). The keys plus ``DECODING_PRESSES`` are peers.PEER_PRESSES (a test checks).
 PRESS_CLASSES = {
     "snapkv": "SnapKVPress",
     "streaming": "StreamingLLMPress",
@@ -71,13 +71,21 @@ def target_size(budget: float | int, n_tokens: int) -> int:
     return max(1, math.ceil(budget * n_tokens - 1e-9))
 
 
-def _make_press(name: str, budget: float | int, n_tokens: int) -> Any:
+def compression_ratio(budget: float | int, n_context: int) -> float:
+    """A prompt press's ``compression_ratio``: ``1 - budget`` for a keep ratio; for a token
+    budget, the share of the ``n_context`` tokens it compresses that the budget does not
+    keep (0 when the context fits)."""
+    keep = budget if isinstance(budget, float) else min(1.0, budget / max(1, n_context))
+    return round(1.0 - keep, 6)
+
+
+def _make_press(name: str, budget: float | int, n_tokens: int, n_context: int = 0) -> Any:
     import kvpress
 
     cls_name, base_name = press_spec(name)
     cls = getattr(kvpress, cls_name)
     if base_name is None:
-        return cls(compression_ratio=round(1.0 - budget, 6))
+        return cls(compression_ratio=compression_ratio(budget, n_context))
     # compression_interval, hidden_states_buffer_size and the base press's knobs at
     # kvpress's defaults; the base press's compression_ratio is set by DecodingPress.
     return cls(base_press=getattr(kvpress, base_name)(),
@@ -232,7 +240,7 @@ def main(path: str) -> int:
         dense_ll = _answer_loglik(dense["logprobs"], targets, n_answer)
         for name in sample.get("presses", job["presses"]):
             for budget in sample.get("budgets", job["budgets"]):
-                press = _make_press(name, budget, sample["n_prompt"])
+                press = _make_press(name, budget, sample["n_prompt"], sample["n_context"])
                 res = _run(model, sample, press, eos)
                 p, q = dense["logprobs"], res["logprobs"]
                 kl = (p.exp() * (p - q)).sum(-1).clamp_min(0)

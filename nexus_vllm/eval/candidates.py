@@ -45,6 +45,7 @@ from nexus_vllm.core import (
     forced_blocks,
     normalize_rows,
 )
+from nexus_vllm.eval.oracle import ORACLE_LEAD
 
 __all__ = ["BUDGET_RATIO", "CAPTURE_ROWS", "HEADS", "ORACLE_LEAD", "ROWS", "ROWS_REDUCES",
            "SETS", "Candidate", "CandidateSet", "ChatPrompt", "GivenWeights", "answer_ranks",
@@ -56,8 +57,6 @@ BUDGET_RATIO = 0.2
 # Query rows the dense prefill keeps: the widest window, or the question plus the
 # deferred answer.
 CAPTURE_ROWS = 160
-# Tokens before an answer's mention that the oracle also keeps (where its key is).
-ORACLE_LEAD = 24
 # Blocks of the oracle's answer spans: the default block size, which every candidate keeps.
 _BLOCK = EvictionConfig.block_size
 

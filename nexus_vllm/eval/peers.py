@@ -9,8 +9,10 @@ prepares the samples, runs the presses and writes our records.
 Two kinds of press, each in kvpress's own protocol:
 
 * ``PROMPT_PRESSES`` compress the context once, when its prefill ends, before the question
-  is seen (kvpress's query-agnostic setting); ratio budgets only (``compression_ratio`` is
-  ``1 - budget``). They run on the one-prompt tasks.
+  is seen (kvpress's query-agnostic setting): ``compression_ratio`` is ``1 - budget`` for
+  a keep ratio, and for a token budget the share of the sample's context it does not keep
+  (kvpress has no token budget for them; the ratio is set per sample). They run on the
+  one-prompt tasks.
 * ``DECODING_PRESSES`` (``decoding_<press>``) are kvpress's ``DecodingPress`` around a
   scorer press, for long generation: the prompt is kept whole, the generated tokens are
   fed as decode steps and the cache is compressed to ``target_size`` tokens every
@@ -115,18 +117,11 @@ def check_presses(presses: Iterable[str]) -> list[str]:
     return presses
 
 
-def _check_budgets(presses: list[str], budgets: list[Any]) -> None:
-    """Every budget must pass our one budget rule; a prompt press compresses by a ratio, so
-    with one every budget must be a keep ratio (a decoding press also takes a token count:
-    its ``target_size``)."""
+def _check_budgets(budgets: list[Any]) -> None:
+    """Every budget must pass our one budget rule (a keep ratio or a token count)."""
     from nexus_vllm.core import EvictionConfig
 
-    ratios_only = any(p in PROMPT_PRESSES for p in presses)
     for b in budgets:
-        if ratios_only and not isinstance(b, float):
-            raise ValueError(f"peer budgets of {[p for p in presses if p in PROMPT_PRESSES]} "
-                             f"must be keep ratios (floats in (0, 1]); kvpress has no token "
-                             f"budget for a prompt press; got {b!r}")
         # The method only names a config; any one applies the same budget rule.
         EvictionConfig.from_budget("streaming", b)
 
@@ -156,10 +151,10 @@ def run_kvpress(
     presses : iterable of str, optional
         Names from ``PEER_PRESSES``, for every sample without its own.
     budgets : iterable of float or int, optional
-        Keep ratios in (0, 1] (floats, by the budget rule of
-        ``EvictionConfig.from_budget``); a prompt press's ``compression_ratio`` is
-        ``1 - budget``. Token counts (ints) for decoding presses only: their
-        ``target_size``.
+        Keep ratios in (0, 1] (floats) or token counts (ints), by the budget rule of
+        ``EvictionConfig.from_budget``. A prompt press's ``compression_ratio`` keeps that
+        share, or that many of the sample's ``n_context`` tokens; a decoding press's
+        ``target_size`` is the count, or that share of the tokens before the answer.
 
     Returns
     -------
@@ -167,8 +162,8 @@ def run_kvpress(
     """
     presses = None if presses is None else check_presses(presses)
     budgets = None if budgets is None else list(budgets)
-    if presses is not None and budgets is not None:
-        _check_budgets(presses, budgets)
+    if budgets is not None:
+        _check_budgets(budgets)
     samples = list(samples)
     for s in samples:  # a sample's own presses and budgets follow the same rules
         own_presses, own_budgets = s.get("presses", presses), s.get("budgets", budgets)
@@ -176,7 +171,8 @@ def run_kvpress(
             raise ValueError(f"sample {s.get('key')!r} has no presses or budgets, and none "
                              f"were given for every sample")
         if "presses" in s or "budgets" in s:
-            _check_budgets(check_presses(own_presses), list(own_budgets))
+            check_presses(own_presses)
+            _check_budgets(list(own_budgets))
     python = python or ensure_kvpress_venv()
     job = {"model": model, "presses": presses or [], "budgets": budgets or [],
            "threads": threads, "samples": samples}
@@ -210,7 +206,7 @@ def run_kvpress_peer(cfg: RunConfig, out: pathlib.Path,
 
     Records go to ``out/kvpress_records.jsonl`` (resumable per sample, press and budget) in
     our record format, with methods named ``kvpress:<press>`` and seed 0. Prompt presses
-    run on the one-prompt tasks at ``cfg``'s ratio budgets (one event: the press
+    run on the one-prompt tasks at ``cfg``'s budgets (one event: the press
     compresses once, when the context's prefill ends); decoding presses run on ``longgen``
     at every budget (events: the compressions before the answer). The multi-turn families
     are skipped.
@@ -239,7 +235,6 @@ def run_kvpress_peer(cfg: RunConfig, out: pathlib.Path,
     rec_path = out / "kvpress_records.jsonl"
     records = read_records(rec_path)
     seen = {r.key for r in records}
-    ratios = [b for b in cfg.budgets if isinstance(b, float)]
     jobs: list[dict[str, Any]] = []
     # key -> (sample id, scorer of a prediction, reference answers, prompt tokens)
     meta: dict[str, tuple[SampleId, Callable[[str], float], tuple[str, ...], int]] = {}
@@ -250,7 +245,7 @@ def run_kvpress_peer(cfg: RunConfig, out: pathlib.Path,
         elif sid.task in DIALOGUE_TASKS:  # multi-turn: no kvpress protocol
             continue
         else:
-            kind, budgets = PROMPT_PRESSES, ratios
+            kind, budgets = PROMPT_PRESSES, list(cfg.budgets)
         # Only the (press, budget) pairs not on record yet; a press with any missing runs
         # all its budgets again (the repeats are not written twice).
         todo = [p for p in chosen if p in kind and any(

@@ -20,12 +20,14 @@ import torch
 
 from nexus_vllm.core import POLICIES, EvictionConfig
 from nexus_vllm.eval.dialogues import DIALOGUE_TASKS, Dialogue, dialogue_protocol, make_dialogue
+from nexus_vllm.eval.oracle import ORACLE, ORACLE_BASE, answer_blocks, oracle_config
 from nexus_vllm.eval.records import Record, SampleId, read_records, record_key, record_writer
 from nexus_vllm.eval.tasks import CHAT_ONLY_TASKS, Sample, make_sample
 from nexus_vllm.hf import SampleResult, make_config
 from nexus_vllm.hf.dialogue import ProbeResult, run_probes
 from nexus_vllm.hf.generate import (
     PromptState,
+    encode_prompt,
     eos_ids,
     finish_sample,
     greedy_text,
@@ -45,11 +47,17 @@ class MethodSpec:
     knobs: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     @property
+    def policy_method(self) -> str:
+        """The registered policy the method evicts with (the oracle's: its base)."""
+        return ORACLE_BASE if self.method == ORACLE else self.method
+
+    @property
     def stochastic(self) -> bool:
         """Whether the method's choice depends on the seed (then several seeds run)."""
         if self.method in ("dense", "none"):
             return False
-        return EvictionConfig.from_dict({**self.knobs, "method": self.method}).policy().stochastic
+        config = EvictionConfig.from_dict({**self.knobs, "method": self.policy_method})
+        return config.policy().stochastic
 
 
 DENSE = MethodSpec("dense", "dense")
@@ -112,14 +120,15 @@ class RunConfig:
             knobs = {"chunk_size": self.chunk_size, **self.knobs_for(spec)}
             for b in self.budgets:
                 try:
-                    EvictionConfig.from_budget(spec.method, b, **knobs)
+                    EvictionConfig.from_budget(spec.policy_method, b, **knobs)
                 except ValueError as exc:
                     raise ValueError(f"method {spec.label!r} at budget {b!r}: {exc}") from None
 
     def knobs_for(self, spec: MethodSpec) -> dict[str, Any]:
         """The run's knobs, then the method's own. A run-level knob of policies other than
         ``spec``'s (``prefill_direct`` is Nexus's) is left out for it."""
-        takes = set(POLICIES[spec.method].knobs()) if spec.method in POLICIES else set()
+        method = spec.policy_method
+        takes = set(POLICIES[method].knobs()) if method in POLICIES else set()
         others = {k for cls in POLICIES.values() for k in cls.knobs()} - takes
         run = {k: v for k, v in self.knobs.items()
                if k.removeprefix("prefill_") not in others}
@@ -232,7 +241,7 @@ def _capture_rows(cfg: RunConfig) -> int:
     rows = 0
     for spec in (parse_method(m) for m in cfg.methods):
         if spec.method != "dense":
-            c = EvictionConfig.from_dict({**cfg.knobs_for(spec), "method": spec.method})
+            c = EvictionConfig.from_dict({**cfg.knobs_for(spec), "method": spec.policy_method})
             rows = max(rows, c.window, c.prompt_window)
     return rows
 
@@ -286,7 +295,14 @@ class _SampleJob:
         knobs = self.cfg.knobs_for(spec)
         t0 = time.perf_counter()
         config = None if spec.method == "dense" else make_config(
-            spec.method, budget, chunk_size=self.cfg.chunk_size, seed=seed, **knobs)
+            spec.policy_method, budget, chunk_size=self.cfg.chunk_size, seed=seed, **knobs)
+        if config is not None and spec.method == ORACLE:
+            s = self.sample
+            split = encode_prompt(self.tokenizer, s.context, s.question, preamble=s.preamble,
+                                  answer=s.target)
+            config = oracle_config(config, answer_blocks(
+                self.tokenizer, split.ids.tolist(), s.answers, end=split.n_context,
+                block_size=config.block_size))
         res = finish_sample(self._prompt(config, seed), self.tokenizer,
                             max_new_tokens=self.sample.max_new_tokens)
         secs = time.perf_counter() - t0
@@ -316,8 +332,12 @@ class _DialogueJob:
             dense: list[ProbeResult] | None = None) -> tuple[list[ProbeResult], Record]:
         d = self.dialogue
         config = None if spec.method == "dense" else make_config(
-            spec.method, budget, chunk_size=self.cfg.chunk_size, seed=seed,
+            spec.policy_method, budget, chunk_size=self.cfg.chunk_size, seed=seed,
             **self.cfg.knobs_for(spec))
+        if config is not None and spec.method == ORACLE:
+            config = oracle_config(config, answer_blocks(
+                self.tokenizer, d.ids, [a for t in d.turns for a in t.answers],
+                end=len(d.ids), block_size=config.block_size))
         t0 = time.perf_counter()
         res = run_probes(self.model, torch.tensor(d.ids), [t.probe for t in d.turns], config,
                          chunk_size=self.cfg.chunk_size,

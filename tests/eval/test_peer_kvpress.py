@@ -76,6 +76,16 @@ def test_each_name_makes_its_kvpress_press(name, fake_kvpress):
         assert _kvpress_worker._make_press(name, 512, 1000).kwargs["target_size"] == 512
 
 
+def test_a_token_budget_sets_each_prompt_press_ratio_from_its_context(fake_kvpress):
+    """kvpress's prompt presses take a ratio only: a token budget keeps that many of the
+    sample's context tokens (our runs' budgets pair with the peer's)."""
+    assert _kvpress_worker.compression_ratio(0.25, 2000) == 0.75
+    assert _kvpress_worker.compression_ratio(416, 2000) == 0.792
+    assert _kvpress_worker.compression_ratio(4096, 2000) == 0.0  # the context fits
+    press = _kvpress_worker._make_press("expected_attention", 416, 2050, 2000)
+    assert press.kwargs == {"compression_ratio": 0.792}
+
+
 def test_unknown_press_and_bad_budget_are_rejected(tmp_path):
     with pytest.raises(ValueError, match=r"unknown; choose from \['snapkv'.*'kvzip'"):
         run_kvpress([], model="m", presses=["h2o-ish"], budgets=[0.2], python=tmp_path)
@@ -83,13 +93,14 @@ def test_unknown_press_and_bad_budget_are_rejected(tmp_path):
         check_presses(["knorm", "KVzip"])
     with pytest.raises(ValueError, match="ratio must be in"):
         run_kvpress([], model="m", presses=["snapkv"], budgets=[1.5], python=tmp_path)
-    with pytest.raises(ValueError, match="kvpress has no token budget"):
-        run_kvpress([], model="m", presses=["kvzip"], budgets=[512], python=tmp_path)
     with pytest.raises(ValueError, match="positive token count"):
         run_kvpress([], model="m", presses=["decoding_knorm"], budgets=[0], python=tmp_path)
     # A sample's own presses and budgets are checked too.
-    with pytest.raises(ValueError, match="kvpress has no token budget"):
-        run_kvpress([{"key": "s", "presses": ["snapkv"], "budgets": [512]}], model="m",
+    with pytest.raises(ValueError, match="positive token count"):
+        run_kvpress([{"key": "s", "presses": ["snapkv"], "budgets": [-3]}], model="m",
+                    python=tmp_path)
+    with pytest.raises(ValueError, match="unknown"):
+        run_kvpress([{"key": "s", "presses": ["nope"], "budgets": [0.2]}], model="m",
                     python=tmp_path)
     with pytest.raises(ValueError, match="no presses or budgets"):
         run_kvpress([{"key": "s"}], model="m", python=tmp_path)
@@ -148,8 +159,8 @@ def test_kvpress_presses_run_on_the_embedded_model():
 def test_peer_orchestration_writes_resumable_records(tmp_path, monkeypatch):
     """``eval --peer kvpress`` without kvpress: a stand-in worker answers for every press,
     and the records land in our format, keyed like ours, resumable per press: prompt
-    presses on the one-prompt task at the ratio budget, decoding presses on the long
-    generation at both budgets, nothing on the multi-turn chat."""
+    presses on the one-prompt task and decoding presses on the long generation, each at
+    both budgets, nothing on the multi-turn chat."""
     import json
     import sys
 
@@ -188,14 +199,15 @@ for s in job["samples"]:
     # First without KVzip (as runs before it existed), then with every press.
     before = [p for p in PEER_PRESSES if p != "kvzip"]
     records = run_kvpress_peer(cfg, out, presses=before)
-    assert len(records) == 2 * (len(PROMPT_PRESSES) - 1) + 2 * len(DECODING_PRESSES) * 2
+    assert len(records) == 2 * (len(PROMPT_PRESSES) - 1) * 2 + 2 * len(DECODING_PRESSES) * 2
     records = run_kvpress_peer(cfg, out)
     assert read_records(out / "kvpress_records.jsonl") == records
-    assert len(records) == 2 * len(PROMPT_PRESSES) + 2 * len(DECODING_PRESSES) * 2
+    assert len(records) == 2 * len(PROMPT_PRESSES) * 2 + 2 * len(DECODING_PRESSES) * 2
     assert len({r.key for r in records}) == len(records)
-    # The token budget has no kvpress form for a prompt press; multi-turn has no protocol.
+    # Both budgets for every press (a prompt press's ratio from a token budget is set per
+    # sample, by the worker); multi-turn has no protocol.
     assert {(r.task, r.method.removeprefix("kvpress:"), r.budget) for r in records} == {
-        *(("passkey", p, 0.2) for p in PROMPT_PRESSES),
+        *(("passkey", p, b) for p in PROMPT_PRESSES for b in (0.2, 512)),
         *(("longgen", p, b) for p in DECODING_PRESSES for b in (0.2, 512))}
     first = records[0]
     assert first.key == json.dumps(["passkey", 7000, "question-last", 0,
@@ -208,7 +220,7 @@ for s in job["samples"]:
     first_call, second_call = (json.loads(line) for line in calls.read_text().splitlines())
     # The long generation's samples are fed as decode steps with the decoding presses.
     assert {(feed, tuple(presses), tuple(budgets)) for _, feed, presses, budgets
-            in first_call} == {("chunk", tuple(before[:len(PROMPT_PRESSES) - 1]), (0.2,)),
+            in first_call} == {("chunk", tuple(before[:len(PROMPT_PRESSES) - 1]), (0.2, 512)),
                                ("decode", DECODING_PRESSES, (0.2, 512))}
     # Resumed: only the missing press, only where it applies.
     assert [(feed, presses) for _, feed, presses, _ in second_call] == [
