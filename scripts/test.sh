@@ -4,9 +4,11 @@
 #   bash scripts/test.sh --fast [pytest args]   the inner-loop tier: core, kernels and
 #                                               config tests, without slow, e2e, network
 #                                               and gpu tests (about a minute)
-#   bash scripts/test.sh --long [pytest args]   only the `long` tests: the short soak and
-#                                               the capacity benchmark's smoke run (about
-#                                               4 minutes; not CI)
+#   bash scripts/test.sh --long [pytest args]   only the `long` tests: the short soak, the
+#                                               capacity benchmark's smoke run, the kvpress
+#                                               peer on the real model, TP and attention
+#                                               sinks on hybrid models (about 12 minutes;
+#                                               not CI)
 # Without --fast or --long every marker runs (CI) but `long`, and gpu on a box without a
 # GPU. On a CPU box,
 # a full run (no test paths given) then runs the vLLM 0.34 compat job's CI tier

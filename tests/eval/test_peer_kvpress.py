@@ -108,10 +108,12 @@ def test_unknown_press_and_bad_budget_are_rejected(tmp_path):
         _kvpress_worker.press_spec("decoding_kvzip")  # KVzip is no scorer press
 
 
-# Creates a virtualenv and pip-installs kvpress, torch and transformers on first use: it
-# needs a package index, hence `network` (deselect with -m "not network"; CI runs it).
+# Creates a virtualenv and pip-installs kvpress and its transformers on first use: it
+# needs a package index, hence `network`. About 3.5 minutes with the install, for an
+# evaluation tool rather than the product: the `long` tier (bash scripts/test.sh --long).
 @pytest.mark.slow
 @pytest.mark.network
+@pytest.mark.long
 def test_kvpress_presses_run_on_the_embedded_model():
     from transformers import AutoTokenizer
 
