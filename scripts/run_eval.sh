@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces docs/results.md on a CPU box (the numbers there come from these commands).
-#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|gemma3_report|docs|all]
+#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep_longdoc|gemma3_report|docs|all]
 #   (default: all)
 # Each run resumes from its records.jsonl if interrupted. 1 torch thread per run.
 set -euo pipefail
@@ -32,7 +32,7 @@ seed_defaults() {  # report, out: the earlier default's records from the committ
 }
 want() { [ "$what" = all ] || [ "$what" = "$1" ]; }
 case "$what" in
-  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|gemma3_report|docs|all) ;;
+  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep_longdoc|gemma3_report|docs|all) ;;
   *) echo "unknown target $what" >&2; exit 2 ;;
 esac
 want calibration && run calibration
@@ -166,9 +166,44 @@ for name in stream_tuning_multiturn stream_tuning_longdoc; do
   if want stream_tuning || want "$name"; then run "$name" & fi
 done
 wait
+# kvpress's query-agnostic presses beside them, in its own protocol (the context
+# compressed once before the question; DecodingPress for long generation).
+peer_presses() {  # name: the presses that apply to that family
+  case "$1" in
+    stream_longdoc) echo "--peer kvpress --peer-presses expected_attention,kvzip" ;;
+    stream_longgen) echo "--peer kvpress --peer-presses decoding_expected_attention" ;;
+  esac
+}
 for name in stream_multiturn stream_longdoc stream_longgen; do
-  if want stream_report || want "$name"; then run "$name" & fi
+  # shellcheck disable=SC2046  # the flags split on purpose
+  if want stream_report || want "$name"; then run "$name" $(peer_presses "$name") & fi
 done
+wait
+# The chat report set read in `stream`, seeded with chat_report's dense records and its
+# Nexus before the stream defaults (`nexus:prompt_mode=stream` there); the long documents'
+# budget sweep, seeded with stream_longdoc's records. One process each.
+if want stream_report || want stream_chat; then
+  if [ ! -e "$OUT/stream_chat/records.jsonl" ]; then
+    mkdir -p "$OUT/stream_chat"
+    "$PY" -m nexus_vllm.cli records docs/figures/chat_report/records.jsonl \
+      --where method=dense --out "$OUT/stream_chat/seed_dense.jsonl"
+    "$PY" -m nexus_vllm.cli records docs/figures/chat_report/records.jsonl \
+      --where method=nexus:prompt_mode=stream \
+      --rename-method nexus:prompt_mode=stream nexus:expected=0,knorm_prior=0 \
+      --out "$OUT/stream_chat/seed_before.jsonl"
+    "$PY" -m nexus_vllm.cli records "$OUT/stream_chat/seed_dense.jsonl" \
+      "$OUT/stream_chat/seed_before.jsonl" --out "$OUT/stream_chat/records.jsonl"
+  fi
+  run stream_chat &
+fi
+if want stream_report || want stream_sweep_longdoc; then
+  "$PY" -m nexus_vllm.cli records docs/figures/stream_longdoc/records.jsonl --if-missing \
+    --exclude-method-prefix nexus:expected=0, --exclude-method-prefix expected \
+    --exclude-method-prefix nexus:expected=0.5,knorm_prior=4,sampler \
+    --exclude-method-prefix nexus:knorm_prior --exclude-method-prefix oracle \
+    --out "$OUT/stream_sweep_longdoc/records.jsonl"
+  run stream_sweep_longdoc &
+fi
 wait
 # The second real model: Gemma 3 270M, hybrid sliding-window layers.
 want gemma3_report && run gemma3_report
@@ -181,7 +216,7 @@ if want docs; then
       --report-only --publish docs/figures/peer_compare
   fi
   # Rebuild each run's reports from its records and copy them into docs/figures.
-  for name in calibration headline ablation prefill knorm_prior paired dialogues dialogues_pps scoring_cost scoring_cost_report scoring_cost_dialogues kvpress sweep prompt_end_tuning prompt_modes prompt_modes_capped prompt_modes_multiturn prompt_modes_longgen chat_tuning completion_tuning chat_report completion_report stream_tuning_multiturn stream_tuning_longdoc stream_multiturn stream_longdoc stream_longgen gemma3_report; do
+  for name in calibration headline ablation prefill knorm_prior paired dialogues dialogues_pps scoring_cost scoring_cost_report scoring_cost_dialogues kvpress sweep prompt_end_tuning prompt_modes prompt_modes_capped prompt_modes_multiturn prompt_modes_longgen chat_tuning completion_tuning chat_report completion_report stream_tuning_multiturn stream_tuning_longdoc stream_multiturn stream_longdoc stream_longgen stream_chat stream_sweep_longdoc gemma3_report; do
     [ -d "$OUT/$name" ] || continue
     "$PY" -m nexus_vllm.cli eval --config "configs/eval/$name.yaml" --out "$OUT/$name" \
       --report-only --publish "docs/figures/$name"

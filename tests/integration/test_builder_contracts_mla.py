@@ -53,27 +53,22 @@ import torch
 
 from tests.integration.conftest import HAS_VLLM
 from tests.integration.fakes import BS, FakeRunner, common_metadata, make_state, scheduler_output
+from tests.integration.test_builder_contracts import NULL, Batch, _check_compaction_input
+from tests.integration.test_builder_contracts import Case as BuilderCase
 
 pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 
-NULL = 0  # vLLM's null block id (nexus_vllm.integration.compat.vllm_compat.NULL_BLOCK_ID)
 LATENT = 576  # DeepSeek's cached row: kv_lora_rank 512 + qk_rope_head_dim 64
 NUM_BLOCKS = 64
 MLA_PACKAGE = "vllm.v1.attention.backends.mla"
-# Physical block ids, sequence lengths and query lengths per request (decodes first, as
-# vLLM reorders an MLA batch), and the plan's evicted logical block indices.
-Batch = tuple[dict[str, list[int]], list[int], list[int], dict[str, tuple[int, ...]]]
+# Batches as test_builder_contracts' (physical block ids, sequence lengths, query lengths,
+# evicted logical blocks per request), decodes first, as vLLM reorders an MLA batch.
 
 
 @dataclass
-class Case:
-    """One step's batch: vLLM's metadata, ours, and what attention must see."""
+class Case(BuilderCase):
+    """test_builder_contracts' case plus each row's query tokens (MLA splits decodes)."""
 
-    state: Any  # the WorkerEvictionState that compacted it
-    logical: Any  # CommonAttentionMetadata as vLLM builds it (nulls in the table)
-    compacted: Any  # the same after WorkerEvictionState.compact
-    live: list[list[int]]  # live block ids of each row, in logical order
-    live_lens: list[int]  # tokens attention reads per row
     query: list[int]  # query tokens per row
 
     @property
@@ -142,13 +137,6 @@ def case(request: pytest.FixtureRequest) -> Iterator[Case]:
     live_lens = [n - BS * len(evict.get(r, ())) for r, n in zip(phys, seq)]
     yield Case(state, logical, compacted, live, live_lens, query)
     state.end_step(step)
-
-
-def _check_compaction_input(c: Case) -> None:
-    """Guard: the builder is given new, compacted values (else the contract is vacuous)."""
-    assert c.compacted is not c.logical
-    assert c.compacted.seq_lens_cpu_upper_bound.tolist() == c.live_lens
-    assert c.compacted.max_seq_len == max(c.live_lens)
 
 
 # -- bare builders ----------------------------------------------------------------------
