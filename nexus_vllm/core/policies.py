@@ -443,8 +443,7 @@ class NexusPolicy(EvictionPolicy):
         )
         if self.knorm_prior > 0:
             assert evidence.key_norms is not None  # select() checks what the policy needs
-            norms = evidence.key_norms.detach().to(weights.device, torch.float64).flatten()
-            z = standardized_key_norms(norms)
+            z = standardized_key_norms(evidence.key_norms.detach().to(weights.device))
             if self.knorm_share > 0:
                 gamma = float(self.knorm_share)
                 prior = torch.softmax(-self.knorm_prior * z, dim=0).to(weights.dtype)

@@ -37,7 +37,8 @@ import torch
 
 # Our press name -> kvpress class, for the presses that compress the context once, when
 # its prefill ends (``compression_ratio`` from the budget, :func:`compression_ratio`;
-# every other knob at kvpress's default). The keys plus ``DECODING_PRESSES`` are peers.PEER_PRESSES (a test checks).
+# every other knob at kvpress's default). The keys plus ``DECODING_PRESSES`` are
+# peers.PEER_PRESSES (a test checks).
 PRESS_CLASSES = {
     "snapkv": "SnapKVPress",
     "streaming": "StreamingLLMPress",
@@ -79,7 +80,7 @@ def compression_ratio(budget: float | int, n_context: int) -> float:
     return round(1.0 - keep, 6)
 
 
-def _make_press(name: str, budget: float | int, n_tokens: int, n_context: int = 0) -> Any:
+def _make_press(name: str, budget: float | int, n_tokens: int, n_context: int) -> Any:
     import kvpress
 
     cls_name, base_name = press_spec(name)

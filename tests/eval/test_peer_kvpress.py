@@ -64,7 +64,7 @@ def fake_kvpress(monkeypatch):
 def test_each_name_makes_its_kvpress_press(name, fake_kvpress):
     cls, base = _CLASSES[name]
     assert _kvpress_worker.press_spec(name) == (cls, base)
-    press = _kvpress_worker._make_press(name, 0.25, 1000)
+    press = _kvpress_worker._make_press(name, 0.25, 1000, 1000)
     assert type(press).__name__ == cls
     if base is None:  # every knob at kvpress's default but the ratio
         assert press.kwargs == {"compression_ratio": 0.75}
@@ -73,7 +73,7 @@ def test_each_name_makes_its_kvpress_press(name, fake_kvpress):
         assert type(press.kwargs["base_press"]).__name__ == base
         assert press.kwargs["base_press"].kwargs == {}
         assert press.kwargs["target_size"] == 250
-        assert _kvpress_worker._make_press(name, 512, 1000).kwargs["target_size"] == 512
+        assert _kvpress_worker._make_press(name, 512, 1000, 1000).kwargs["target_size"] == 512
 
 
 def test_a_token_budget_sets_each_prompt_press_ratio_from_its_context(fake_kvpress):
@@ -151,8 +151,8 @@ def test_kvpress_presses_run_on_the_embedded_model():
     # names and constructor arguments), at a ratio and, for decoding presses, a count.
     check = ("import _kvpress_worker as w\n"
              f"for n in {list(PEER_PRESSES)!r}:\n"
-             "    w._make_press(n, 0.5, 100)\n"
-             "    if n.startswith(w.DECODING_PREFIX): w._make_press(n, 64, 100)\n")
+             "    w._make_press(n, 0.5, 100, 100)\n"
+             "    if n.startswith(w.DECODING_PREFIX): w._make_press(n, 64, 100, 100)\n")
     proc = subprocess.run([str(ensure_kvpress_venv()), "-c", check], capture_output=True,
                           text=True, timeout=300, cwd=pathlib.Path(_kvpress_worker.__file__).parent)
     assert proc.returncode == 0, proc.stderr
