@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces docs/results.md on a CPU box (the numbers there come from these commands).
-#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep_longdoc|gemma3_report|docs|all]
+#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep_longdoc|stream_end|stream_end_chat|stream_end_multiturn|gemma3_report|docs|all]
 #   (default: all)
 # Each run resumes from its records.jsonl if interrupted. 1 torch thread per run.
 set -euo pipefail
@@ -32,7 +32,7 @@ seed_defaults() {  # report, out: the earlier default's records from the committ
 }
 want() { [ "$what" = all ] || [ "$what" = "$1" ]; }
 case "$what" in
-  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep_longdoc|gemma3_report|docs|all) ;;
+  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep_longdoc|stream_end|stream_end_chat|stream_end_multiturn|gemma3_report|docs|all) ;;
   *) echo "unknown target $what" >&2; exit 2 ;;
 esac
 want calibration && run calibration
@@ -205,6 +205,27 @@ if want stream_report || want stream_sweep_longdoc; then
   run stream_sweep_longdoc &
 fi
 wait
+# The stream prompt-end event (stream_end_*): each family's published dense, KNorm and
+# shipped default from before the event read the question (relabelled with the prefill knobs
+# that still give it), then today's `nexus` on the same samples. One process each.
+# Only the families whose requests end with their question: the single-question tasks feed
+# it after the last event, and long generation's prompts are shorter than the budget.
+STREAM_BEFORE="nexus:expected=0.5,knorm_prior=4,prefill_direct=mean,prefill_indirect=walk,prefill_sampler=pps"
+for fam in multiturn chat; do
+  name=stream_end_$fam
+  want stream_end || want "$name" || continue
+  where=()
+  [ "$fam" = chat ] && where=(--where task=chat_multiturn)
+  "$PY" -m nexus_vllm.cli records "docs/figures/stream_$fam/records.jsonl" --if-missing \
+    "${where[@]}" \
+    --exclude-method-prefix nexus:expected=0, --exclude-method-prefix expected \
+    --exclude-method-prefix nexus:expected=0.5,knorm_prior=4, \
+    --exclude-method-prefix nexus:knorm_prior --exclude-method-prefix oracle \
+    --rename-method nexus:expected=0.5,knorm_prior=4 "$STREAM_BEFORE" \
+    --out "$OUT/$name/records.jsonl"
+  run "$name" &
+done
+wait
 # The second real model: Gemma 3 270M, hybrid sliding-window layers.
 want gemma3_report && run gemma3_report
 if want docs; then
@@ -216,7 +237,7 @@ if want docs; then
       --report-only --publish docs/figures/peer_compare
   fi
   # Rebuild each run's reports from its records and copy them into docs/figures.
-  for name in calibration headline ablation prefill knorm_prior paired dialogues dialogues_pps scoring_cost scoring_cost_report scoring_cost_dialogues kvpress sweep prompt_end_tuning prompt_modes prompt_modes_capped prompt_modes_multiturn prompt_modes_longgen chat_tuning completion_tuning chat_report completion_report stream_tuning_multiturn stream_tuning_longdoc stream_multiturn stream_longdoc stream_longgen stream_chat stream_sweep_longdoc gemma3_report; do
+  for name in calibration headline ablation prefill knorm_prior paired dialogues dialogues_pps scoring_cost scoring_cost_report scoring_cost_dialogues kvpress sweep prompt_end_tuning prompt_modes prompt_modes_capped prompt_modes_multiturn prompt_modes_longgen chat_tuning completion_tuning chat_report completion_report stream_tuning_multiturn stream_tuning_longdoc stream_multiturn stream_longdoc stream_longgen stream_chat stream_sweep_longdoc stream_end_chat stream_end_multiturn gemma3_report; do
     [ -d "$OUT/$name" ] || continue
     "$PY" -m nexus_vllm.cli eval --config "configs/eval/$name.yaml" --out "$OUT/$name" \
       --report-only --publish "docs/figures/$name"

@@ -5,10 +5,10 @@
 #                                               config tests, without slow, e2e, network
 #                                               and gpu tests (about a minute)
 #   bash scripts/test.sh --long [pytest args]   only the `long` tests: the short soak, the
-#                                               capacity benchmark's smoke run, the kvpress
-#                                               peer on the real model, TP and attention
-#                                               sinks on hybrid models (about 12 minutes;
-#                                               not CI)
+#                                               benchmarks' smoke runs, the kvpress peer on
+#                                               the real model, DP, prefix caching, Gemma 3
+#                                               270M served, TP and attention sinks on
+#                                               hybrid models (about 20 minutes; not CI)
 # Without --fast or --long every marker runs (CI) but `long`, and gpu on a box without a
 # GPU. On a CPU box,
 # a full run (no test paths given) then runs the vLLM 0.34 compat job's CI tier

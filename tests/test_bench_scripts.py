@@ -33,6 +33,7 @@ def test_cudagraph_cost_configs_format() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # CI time: a benchmark's smoke run
 def test_cpu_scoring_runs() -> None:
     out = subprocess.run([sys.executable, str(REPO / "benchmarks/kernels/cpu_scoring.py"),
                           "--repeats", "1"], capture_output=True, text=True, timeout=600)

@@ -203,9 +203,9 @@ class EvictionConfig:
                 if knob not in takes:
                     raise ConfigError(f"{name}.{knob}",
                                       f"{name}.{knob}: {_not_a_knob(knob, self.method)}")
-        for prefill in (False, True):
+        for prefill, prompt_end in ((False, False), (True, False), (True, True)):
             try:
-                self.policy(prefill=prefill)
+                self.policy(prefill=prefill, prompt_end=prompt_end)
             except (TypeError, ValueError) as exc:
                 knob = str(getattr(exc, "field", ""))
                 source = "prefill_args" if prefill and knob in self.prefill_args \
@@ -470,29 +470,36 @@ class EvictionConfig:
         as tokens grow, so this is the most it holds while decoding)."""
         return self.hard_limit(max(total_tokens, prompt_tokens + 1), prompt_tokens)
 
-    def policy_knobs(self, *, prefill: bool = False) -> dict[str, Any]:
+    def policy_knobs(self, *, prefill: bool = False, prompt_end: bool = False
+                     ) -> dict[str, Any]:
         """The knobs the policy runs with: ``policy_args`` (over the policy's declared
         ``stream_defaults`` in ``prompt_mode`` ``stream``) at decode events; at prefill
         events (after a prompt chunk, and the prompt-end event) overridden by the policy's
-        declared defaults for this prompt mode (``prompt_end_defaults`` in ``end``, else
+        declared defaults for the event (``prompt_end_defaults`` at the prompt-end event,
+        and at every prefill event in ``end``, whose events all see the prompt's end; else
         ``prefill_defaults``), then by ``prefill_args``. A knob named nowhere takes the
-        policy's own default."""
+        policy's own default.
+
+        ``prompt_end``: the event after the prompt's last token (in ``stream`` the one
+        prompt event that sees the question; ``end`` and ``keep`` treat every prefill
+        event alike)."""
         if self.method == "none":
             raise ValueError("method 'none' has no eviction policy")
         cls = POLICIES[self.method]
         knobs = dict(cls.stream_defaults) if self.prompt_mode == "stream" else {}
         knobs.update(self.policy_args)
         if prefill:
-            knobs.update(cls.prompt_end_defaults if self.prompt_mode == "end"
-                         else cls.prefill_defaults)
+            at_end = self.prompt_mode == "end" or (prompt_end and self.prompt_mode == "stream")
+            knobs.update(cls.prompt_end_defaults if at_end else cls.prefill_defaults)
             knobs.update(self.prefill_args)
         return knobs
 
-    def policy(self, *, prefill: bool = False, prompt_tokens: int = 0) -> EvictionPolicy:
+    def policy(self, *, prefill: bool = False, prompt_tokens: int = 0,
+               prompt_end: bool = False) -> EvictionPolicy:
         """The policy object for decode events, or for prefill events (after a prompt
-        chunk, and the prompt-end event). In ``keep`` mode the prompt's blocks
-        (``prompt_tokens``) join the sinks, so no event evicts them."""
-        knobs = self.policy_knobs(prefill=prefill)
+        chunk, and the prompt-end event: ``prompt_end``). In ``keep`` mode the prompt's
+        blocks (``prompt_tokens``) join the sinks, so no event evicts them."""
+        knobs = self.policy_knobs(prefill=prefill, prompt_end=prompt_end)
         sinks = max(self.sink_blocks, self.prompt_blocks(prompt_tokens))
         return POLICIES[self.method](sink_blocks=sinks, recent_blocks=self.recent_blocks,
                                      carry=self.carry, **knobs)
@@ -501,7 +508,8 @@ class EvictionConfig:
         """Every evidence kind this config's events read (decode and prefill events)."""
         if self.method == "none":
             return frozenset()
-        return self.policy().needs | self.policy(prefill=True).needs
+        return (self.policy().needs | self.policy(prefill=True).needs
+                | self.policy(prefill=True, prompt_end=True).needs)
 
     def generator(self, request_seed: int | str = 0) -> torch.Generator:
         """CPU generator seeded from (global seed, request seed): a recomputed (preempted)

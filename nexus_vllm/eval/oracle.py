@@ -157,8 +157,10 @@ class OracleConfig(EvictionConfig):
 
     answer_blocks: tuple[int, ...] = ()
 
-    def policy(self, *, prefill: bool = False, prompt_tokens: int = 0) -> EvictionPolicy:
-        base = super().policy(prefill=prefill, prompt_tokens=prompt_tokens)
+    def policy(self, *, prefill: bool = False, prompt_tokens: int = 0,
+               prompt_end: bool = False) -> EvictionPolicy:
+        base = super().policy(prefill=prefill, prompt_tokens=prompt_tokens,
+                              prompt_end=prompt_end)
         return OracleFirst(sink_blocks=base.sink_blocks, recent_blocks=base.recent_blocks,
                            carry=base.carry, base=base,
                            answer_blocks=frozenset(self.answer_blocks))

@@ -61,7 +61,7 @@ class SamplerTrace:
         for e, ev in enumerate(events):
             live = ev.live_blocks.tolist()
             n = len(live)
-            policy = cfg.policy(prefill=ev.prefill)
+            policy = cfg.policy(prefill=ev.prefill, prompt_end=ev.prompt_end)
             evidence = Evidence.from_gathered(ev.gathered, attention_reduce=cfg.attention_reduce,
                                               num_blocks=n)
             weights = policy.score(evidence, None).to(torch.float64)

@@ -211,6 +211,7 @@ class EvictionEvent:
     # Evidence.from_gathered reads them back; empty for score-free policies).
     live_blocks: torch.Tensor | None = None
     gathered: dict[str, torch.Tensor] = field(default_factory=dict)
+    prompt_end: bool = False  # the event after the prompt's last token
 
     @property
     def mass(self) -> torch.Tensor | None:
@@ -405,7 +406,9 @@ class StreamingSession:
         assert cfg is not None
         b = cfg.block_size
         t = self.cache_len
-        policy = cfg.policy(prefill=prefill, prompt_tokens=self.prompt_tokens)
+        prompt_end = prefill and self.seen >= self.prompt_tokens
+        policy = cfg.policy(prefill=prefill, prompt_tokens=self.prompt_tokens,
+                            prompt_end=prompt_end)
         window = policy.window(cfg.prompt_window if prefill else cfg.window)
         gathered = self.gather(policy.needs, window) if policy.needs else {}
         evidence = Evidence.from_gathered(gathered, attention_reduce=cfg.attention_reduce,
@@ -430,7 +433,8 @@ class StreamingSession:
                 seen=self.seen, prefill=prefill, blocks_before=n_blocks,
                 blocks_after=num_blocks_for(self.cache_len, b), budget_blocks=budget_blocks,
                 kept_positions=self.positions.clone(), live_blocks=live_blocks,
-                gathered={k: v.detach().cpu() for k, v in gathered.items()}))
+                gathered={k: v.detach().cpu() for k, v in gathered.items()},
+                prompt_end=prompt_end))
         return True
 
     def decode_step_done(self, n: int = 1) -> None:

@@ -189,3 +189,28 @@ def test_a_real_spread_still_ranks() -> None:
     torch.testing.assert_close(z, (norms.double() - norms.double().mean())
                                / norms.double().std(unbiased=False))
     assert int(z.argmin()) == 0
+
+
+def test_the_stream_prompt_end_event_reads_the_question_as_end_does():
+    """In ``stream`` the event after the prompt's last token is the one prompt event that
+    sees the question: it takes the prompt-end defaults (each block's best row, no walk,
+    top-K), as every prefill event of ``end`` does; the events after earlier chunks keep
+    the prefill defaults, and a config's ``prefill_args`` still win at both."""
+    from nexus_vllm.core import EvictionConfig
+
+    stream = EvictionConfig(method="nexus", max_tokens=1024, prompt_mode="stream")
+    chunk = stream.policy(prefill=True)
+    end_event = stream.policy(prefill=True, prompt_end=True)
+    assert (chunk.direct, chunk.indirect, chunk.sampler) == ("mean", "walk", "pps")
+    assert (end_event.direct, end_event.indirect, end_event.sampler) == ("max", "none", "topk")
+    # Decode events ignore the flag (the prompt-end defaults are prefill knobs).
+    assert stream.policy(prompt_end=True) == stream.policy()
+    # end and keep: every prefill event already reads the prompt-end defaults in end; keep
+    # treats the prompt-end event like any prefill event.
+    end = stream.replace(prompt_mode="end")
+    assert end.policy(prefill=True) == end.policy(prefill=True, prompt_end=True)
+    keep = stream.replace(prompt_mode="keep")
+    assert keep.policy(prefill=True, prompt_end=True) == keep.policy(prefill=True)
+    assert stream.replace(prefill_sampler="pps").policy(
+        prefill=True, prompt_end=True).sampler == "pps"
+    assert stream.evidence_kinds() >= end_event.needs

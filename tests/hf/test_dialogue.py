@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nexus_vllm.core import Evidence
 from nexus_vllm.hf import StreamingSession, generate_ids, make_config
 from nexus_vllm.hf.dialogue import Probe, run_probes
 from nexus_vllm.hf.generate import teacher_force
@@ -121,3 +122,25 @@ def test_probe_and_run_probes_reject_bad_input(model, tok) -> None:
         run_probes(model, ids, [Probe(50, 50, 52, 2), Probe(40, 40, 42, 2)], None)
     with pytest.raises(ValueError, match="past the stream"):
         run_probes(model, ids, [Probe(50, 50, ids.numel() + 1, 2)], None)
+
+
+def test_only_the_event_after_the_prompts_last_token_is_the_prompt_end_one(model, tok) -> None:
+    """In ``stream`` the prompt's last chunk is followed by the prompt-end event (the one
+    that sees the question; the prompt-end defaults: top-K on each block's best row), the
+    chunks before it by prefill events."""
+    cfg = make_config("nexus", 64, **BASE)
+    prompt = _ids(tok, 4)[:200]
+    session, _ = _streamed(model, cfg, prompt)
+    flags = [(ev.seen, ev.prompt_end) for ev in session.events]
+    assert len(flags) >= 3 and flags[-1] == (200, True)
+    assert not any(end for _, end in flags[:-1])
+    last = cfg.policy(prefill=True, prompt_end=True)
+    assert (last.direct, last.indirect, last.sampler) == ("max", "none", "topk")
+    # The event kept exactly what that policy picks from what it gathered.
+    ev = session.events[-1]
+    assert ev.live_blocks is not None
+    evidence = Evidence.from_gathered(ev.gathered, attention_reduce=cfg.attention_reduce,
+                                      num_blocks=len(ev.live_blocks))
+    keep = last.select(evidence, ev.budget_blocks)
+    kept = sorted(set((ev.kept_positions // cfg.block_size).tolist()))
+    assert kept == ev.live_blocks[keep].tolist()

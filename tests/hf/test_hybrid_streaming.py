@@ -309,6 +309,7 @@ def test_gemma3_270m_dense_session_equals_model_generate(gemma3_270m) -> None:  
 
 @pytest.mark.slow
 @pytest.mark.e2e
+@pytest.mark.long  # CI time: the tiny Gemma 3 covers this in CI
 @_GEMMA3
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_gemma3_270m_server_and_transformers_paths_evict_alike(gemma3_270m,  # noqa: ANN001

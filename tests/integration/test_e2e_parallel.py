@@ -74,6 +74,7 @@ def _assert_evicted_and_all_freed(metrics: dict[str, float]) -> None:
     assert metrics["vllm:nexus_free_blocks"] == metrics["vllm:nexus_total_blocks"]
 
 
+@pytest.mark.long  # CI time: tensor parallelism stays in CI
 def test_multiprocess_executor(tiny_model, serve_tmp, reference) -> None:  # noqa: ANN001
     tokens, metrics = _serve(tiny_model, serve_tmp, MP,
                              env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
@@ -96,6 +97,7 @@ def test_tensor_parallel_matches_one_rank(tiny_model, serve_tmp, reference) -> N
     assert tokens == reference[0]
 
 
+@pytest.mark.long  # CI time: tensor parallelism stays in CI
 def test_scoring_failure_on_one_rank(tiny_model, serve_tmp) -> None:  # noqa: ANN001
     tokens, metrics = _serve(tiny_model, serve_tmp, [*MP, "--tensor-parallel-size", "2"],
                              env={**TP_ENV, "NEXUS_VLLM_FAULTS": "score_error@1"})
@@ -132,6 +134,7 @@ def _concurrent(server, xargs: dict[str, object] | None) -> list[int]:  # noqa: 
         return list(pool.map(one, PROMPTS * 2))
 
 
+@pytest.mark.long  # CI time: tensor parallelism stays in CI
 def test_data_parallel_ranks_each_evict(tiny_model, serve_tmp) -> None:  # noqa: ANN001
     from nexus_vllm.eval.server import VllmServer
 

@@ -19,7 +19,8 @@ import pytest
 
 from tests.integration.conftest import HAS_VLLM
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow,
+# long: CI time (the tiny Gemma 3's e2e module covers prefix caching with eviction in CI).
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.long,
               pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")]
 
 EVICT = ["--kv-eviction", "nexus", "--kv-budget", "256", "--kv-prompt-mode", "stream",

@@ -109,7 +109,8 @@ class Evictor:
         budget = int(st.cfg.target_blocks(tokens, st.prompt_tokens))
         if len(live) <= budget:
             return
-        policy = st.cfg.policy(prefill=sreq.prefill, prompt_tokens=st.prompt_tokens)
+        policy = st.cfg.policy(prefill=sreq.prefill, prompt_tokens=st.prompt_tokens,
+                               prompt_end=sreq.prefill and tokens >= st.prompt_tokens)
         keep = policy.select(evidence, budget, generator=st.generator,
                              state=st.policy_state)
         keep_set = {int(i) for i in keep.tolist()}

@@ -189,7 +189,8 @@ class RequestEvictionState:
         if event is None:
             return None
         prefill = event == "prefill"
-        policy = cfg.policy(prefill=prefill, prompt_tokens=self.prompt_tokens)
+        policy = cfg.policy(prefill=prefill, prompt_tokens=self.prompt_tokens,
+                            prompt_end=prefill and tokens_after >= self.prompt_tokens)
         # The newest rows, across chunks: the worker's query ring keeps each request's
         # queries continuous over steps (a short last prompt chunk is scored with rows of
         # the chunk before it, as on the transformers path).
