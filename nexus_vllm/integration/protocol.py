@@ -73,6 +73,9 @@ class ScoreRequest:
         next plan masks the live blocks in ``[sink_blocks, evictable_below)``.
     prefill : bool
         The step was a prefill chunk (the policy uses its prefill variant).
+    prompt_end : bool
+        The step computed the prompt's last token: the prompt-end event, the one prompt
+        event that sees the question (``EvictionConfig.policy(prompt_end=...)``).
     kinds : frozenset of str
         The evidence kinds the policy reads (:data:`nexus_vllm.core.EVIDENCE_KINDS`);
         empty for streaming and random: the worker computes nothing for them (the event
@@ -91,6 +94,7 @@ class ScoreRequest:
     num_logical_blocks: int
     evictable_below: int
     prefill: bool = False
+    prompt_end: bool = False
     kinds: frozenset[str] = frozenset({"mass"})
     tokens_after: int = 0
     epoch: int = 0

@@ -110,7 +110,7 @@ class Evictor:
         if len(live) <= budget:
             return
         policy = st.cfg.policy(prefill=sreq.prefill, prompt_tokens=st.prompt_tokens,
-                               prompt_end=sreq.prefill and tokens >= st.prompt_tokens)
+                               prompt_end=sreq.prompt_end)
         keep = policy.select(evidence, budget, generator=st.generator,
                              state=st.policy_state)
         keep_set = {int(i) for i in keep.tolist()}

@@ -189,8 +189,9 @@ class RequestEvictionState:
         if event is None:
             return None
         prefill = event == "prefill"
+        prompt_end = prefill and tokens_after >= self.prompt_tokens
         policy = cfg.policy(prefill=prefill, prompt_tokens=self.prompt_tokens,
-                            prompt_end=prefill and tokens_after >= self.prompt_tokens)
+                            prompt_end=prompt_end)
         # The newest rows, across chunks: the worker's query ring keeps each request's
         # queries continuous over steps (a short last prompt chunk is scored with rows of
         # the chunk before it, as on the transformers path).
@@ -201,7 +202,7 @@ class RequestEvictionState:
         return ScoreRequest(window=window,
                             num_logical_blocks=cdiv(tokens_after, block_size),
                             evictable_below=evictable_below, prefill=prefill,
-                            kinds=frozenset(policy.needs),
+                            prompt_end=prompt_end, kinds=frozenset(policy.needs),
                             tokens_after=tokens_after, epoch=int(epoch))
 
 
