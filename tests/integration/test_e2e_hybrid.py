@@ -22,13 +22,13 @@ import pytest
 from nexus_vllm.hf.testing import TINY_SLIDING_WINDOW
 from tests.integration.conftest import HAS_VLLM
 from tests.integration.test_e2e_serve import (
-    BLOCK,
     BUDGET_TOKENS,
     CHUNK_TOKENS,
     _client,
     _greedy,
     _prompt,
     evict_alike,
+    stock_greedy,
 )
 
 pytestmark = [
@@ -53,13 +53,7 @@ def tiny_gemma3(tmp_path_factory):  # noqa: ANN001, ANN201
 
 @pytest.fixture(scope="module")
 def stock_outputs(tiny_gemma3, serve_tmp):  # noqa: ANN001, ANN201
-    from nexus_vllm.eval.server import VllmServer
-
-    server = VllmServer(tiny_gemma3, ["--block-size", str(BLOCK)], serve_tmp)
-    try:
-        return [_greedy(server, p)[0] for p in PROMPTS]
-    finally:
-        server.stop()
+    return stock_greedy(tiny_gemma3, PROMPTS, serve_tmp)
 
 
 @pytest.fixture(scope="module")

@@ -65,15 +65,21 @@ def _greedy(server, prompt: str, max_tokens: int = 24, **extra):  # noqa: ANN001
     return choice.logprobs.tokens, r.usage
 
 
-@pytest.fixture(scope="module")
-def stock_outputs(tiny_model, serve_tmp):  # noqa: ANN001, ANN201
+def stock_greedy(model: str, prompts: list[str], serve_tmp):  # noqa: ANN001, ANN201
+    """Stock vLLM's greedy tokens for each prompt: one server without the plugin's flags,
+    stopped before the caller starts its own (the 2 CPU cores are never shared)."""
     from nexus_vllm.eval.server import VllmServer
 
-    server = VllmServer(tiny_model, ["--block-size", str(BLOCK)], serve_tmp)
+    server = VllmServer(model, ["--block-size", str(BLOCK)], serve_tmp)
     try:
-        return [_greedy(server, p)[0] for p in PROMPTS]
+        return [_greedy(server, p)[0] for p in prompts]
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def stock_outputs(tiny_model, serve_tmp):  # noqa: ANN001, ANN201
+    return stock_greedy(tiny_model, PROMPTS, serve_tmp)
 
 
 @pytest.fixture(scope="module")

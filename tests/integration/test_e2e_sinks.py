@@ -27,6 +27,7 @@ from tests.integration.test_e2e_serve import (
     _greedy,
     _prompt,
     evict_alike,
+    stock_greedy,
 )
 
 pytestmark = [
@@ -54,13 +55,7 @@ def tiny_gpt_oss(tmp_path_factory):  # noqa: ANN001, ANN201
 
 @pytest.fixture(scope="module")
 def stock_outputs(tiny_gpt_oss, serve_tmp):  # noqa: ANN001, ANN201
-    from nexus_vllm.eval.server import VllmServer
-
-    server = VllmServer(tiny_gpt_oss, ["--block-size", str(BLOCK)], serve_tmp)
-    try:
-        return [_greedy(server, p)[0] for p in PROMPTS]
-    finally:
-        server.stop()
+    return stock_greedy(tiny_gpt_oss, PROMPTS, serve_tmp)
 
 
 @pytest.fixture(scope="module")
