@@ -259,8 +259,11 @@ def evict_alike(server, model_path: str, method: str):  # noqa: ANN001, ANN201
     tok = AutoTokenizer.from_pretrained(model_path)
     ids = tok(_prompt(420, 13))["input_ids"]
     before = server.metrics().get("vllm:nexus_evicted_blocks_total", 0.0)
+    # ignore_eos: 40 tokens by construction, as the transformers path generates (a
+    # random-weight model may sample its EOS).
     body = {"model": server.model, "prompt": ids, "max_tokens": 40, "temperature": 0.0,
-            "return_token_ids": True, "vllm_xargs": {"kv_eviction": method}}
+            "ignore_eos": True, "return_token_ids": True,
+            "vllm_xargs": {"kv_eviction": method}}
     r = requests.post(server.base_url + "/v1/completions", json=body, timeout=300)
     r.raise_for_status()
     served = r.json()["choices"][0]["token_ids"]
