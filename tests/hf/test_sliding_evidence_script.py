@@ -3,29 +3,20 @@ model's transformers path, against the attention weights transformers itself com
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 import torch
 
 from nexus_vllm.core import combine_layer_masses
 from nexus_vllm.hf import make_config
 from nexus_vllm.hf.testing import TINY_SLIDING_WINDOW, tiny_model
+from tests.script_module import load_script
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "sliding_evidence.py"
 BLOCK, WINDOW, TOKENS, CHUNK = 8, 16, 150, 50
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("sliding_evidence", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sliding_evidence"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/sliding_evidence.py")
 
 
 def _eager_mass(ids: torch.Tensor, attention_reduce: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,28 +4,20 @@ reading it leaves the cache as it was."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 import torch
 
 from nexus_vllm.hf import StreamingSession, make_config
 from nexus_vllm.hf.testing import tiny_model
+from tests.script_module import load_script
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "stream_reconstruction.py"
 BLOCK, CHUNK = 8, 40
 REPEAT = torch.tensor([5, 6, 7])  # stands in for the instruction and the chat suffix
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("stream_reconstruction", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["stream_reconstruction"] = module
-    spec.loader.exec_module(module)
+    module = load_script("scripts/stream_reconstruction.py")
     module.install()
     return module
 
