@@ -45,6 +45,7 @@ import os
 import statistics
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -174,10 +175,10 @@ def block_scores(session: Any) -> torch.Tensor:
     return (out / out.sum()).double()
 
 
-def install() -> None:
+def install() -> Callable[[], None]:
     """Patch this process's StreamingSession: remember every fed id, and replace the
     expected_attention evidence with the reconstruction score (reconstructing the new
-    tokens first at a prompt event)."""
+    tokens first at a prompt event). Returns the function that undoes the patch."""
     session_cls = streaming.StreamingSession
     forward, gather, event = session_cls.forward, session_cls.gather, session_cls._event
 
@@ -207,6 +208,11 @@ def install() -> None:
     session_cls.forward = patched_forward
     session_cls.gather = patched_gather
     session_cls._event = patched_event
+
+    def uninstall() -> None:
+        session_cls.forward, session_cls.gather, session_cls._event = forward, gather, event
+
+    return uninstall
 
 
 def summarize(records: list[dict[str, Any]]) -> str:

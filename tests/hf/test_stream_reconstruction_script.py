@@ -15,11 +15,14 @@ BLOCK, CHUNK = 8, 40
 REPEAT = torch.tensor([5, 6, 7])  # stands in for the instruction and the chat suffix
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def script():
+    """The script's module with its patch of StreamingSession installed for one test
+    (every other test sees the library's own evidence)."""
     module = load_script("scripts/stream_reconstruction.py")
-    module.install()
-    return module
+    uninstall = module.install()
+    yield module
+    uninstall()
 
 
 def _session(script, model):  # noqa: ANN001, ANN202
@@ -71,3 +74,11 @@ def test_reading_the_score_changes_no_output(script, reduce, monkeypatch) -> Non
     assert weights.shape == (-(-2 * CHUNK // BLOCK),)
     assert torch.all(weights > 0) and float(weights.sum()) == pytest.approx(1.0)
     torch.testing.assert_close(scored.forward(ids[2 * CHUNK:]), plain.forward(ids[2 * CHUNK:]))
+
+
+def test_the_patch_is_undone_after_each_test() -> None:
+    """Run after the tests above (file order): the fixture's teardown restored the
+    library's own StreamingSession methods."""
+    from nexus_vllm.hf import streaming
+
+    assert streaming.StreamingSession.gather.__qualname__ == "StreamingSession.gather"
