@@ -4,6 +4,7 @@ the transformers path against the streaming tuning set's long documents.
     .venv/bin/python scripts/stream_reconstruction.py
         [--reduce max:max,max:mean,mean:mean,vote:sum] [--whole max:max]
         [--out runs/stream_tuning_reconstruction]
+    .venv/bin/python scripts/stream_reconstruction.py --saturation
 
 About 25 minutes per reduction on one core (36 evaluations of ~2k-token documents, each
 with its reconstruction pass).
@@ -265,6 +266,36 @@ def _reduction(text: str, flag: str) -> tuple[str, str]:
     return heads, layers
 
 
+def saturation(tasks: list[str]) -> None:
+    """Why the blocks' scores are flat: for the first tuning document of each task, read
+    in two 512-token chunks, the share of tokens some head of some layer gives a weight
+    above 0.9, and every block's score (heads max, layers max) over the largest."""
+    from nexus_vllm.core import EvictionConfig
+    from nexus_vllm.eval.tasks import make_sample
+    from nexus_vllm.hf.streaming import StreamingSession
+    from nexus_vllm.models import load_causal_lm
+
+    global _head_reduce, _layer_reduce
+    _head_reduce, _layer_reduce = "max", "max"
+    uninstall = install()
+    _, tok, model = load_causal_lm("default")
+    for task in tasks:
+        sample = make_sample(task, seed=0, index=0, target_tokens=2048, tokenizer=tok,
+                             protocol="question-last")
+        ids = torch.tensor(tok(sample.preamble + sample.context)["input_ids"])[:1024]
+        session = StreamingSession(model, EvictionConfig(method="nexus", block_size=32),
+                                   prompt_tokens=1 << 30)
+        for start in (0, 512):
+            session.forward(ids[start:start + 512])
+            reconstruct(session)
+        per_token = torch.stack([s.amax(dim=0) for s in session._recon_scores.values()])
+        blocks = block_scores(session)
+        share = float((per_token.amax(dim=0) > 0.9).float().mean())
+        print(f"{task}: {share:.0%} of tokens get a weight above 0.9 from some head of some "
+              f"layer; block scores / the largest: min {float(blocks.min() / blocks.max()):.3f}")
+    uninstall()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reduce", default="max:max,max:mean,mean:mean,vote:sum",
@@ -275,7 +306,12 @@ def main(argv: list[str] | None = None) -> None:
                          f"({WHOLE_CONFIG}: KVzip's own protocol, blocks kept for every "
                          "head and layer at once); empty: none")
     ap.add_argument("--out", default="runs/stream_tuning_reconstruction")
+    ap.add_argument("--saturation", action="store_true",
+                    help="only print how flat the blocks' scores are (two tasks, ~1 min)")
     args = ap.parse_args(argv)
+    if args.saturation:
+        saturation(["niah_single_prose", "niah_multikey"])
+        return
     runs = [(CONFIG, _reduction(r, "--reduce"), False) for r in args.reduce.split(",") if r]
     if args.whole:
         runs.append((WHOLE_CONFIG, _reduction(args.whole, "--whole"), True))
