@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from tests.script_module import load_script
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _load(rel: str):  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location(pathlib.Path(rel).stem, REPO / rel)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_cudagraph_cost_configs_format() -> None:
     """Every config's flags survive str.format (the JSON of -cc has braces) and the idle
     budget equals the max length (a budget above it is refused at startup)."""
-    mod = _load("benchmarks/serving/cudagraph_cost.py")
+    mod = load_script("benchmarks/serving/cudagraph_cost.py")
     flags = {name: [f.format(budget=256, max_len=832) for f in v]
              for name, v in mod.CONFIGS.items()}
     assert flags["stock-piecewise"] == ["-cc", '{"cudagraph_mode": "PIECEWISE"}']
@@ -89,7 +82,7 @@ def test_capacity_configs_with_knobs() -> None:
     server as --additional-config, name a file-safe run, and a bad knob fails at parse."""
     import json
 
-    mod = _load("benchmarks/serving/capacity.py")
+    mod = load_script("benchmarks/serving/capacity.py")
     args = mod._parse(["--configs", "stock;nexus;nexus:layer_stride=2,prompt_window=16"])
     assert args.names == ["stock", "nexus", "nexus:layer_stride=2,prompt_window=16"]
     assert mod._parse(["--configs", "stock,nexus"]).names == ["stock", "nexus"]
@@ -124,7 +117,7 @@ def test_capacity_report_from_saved_json(tmp_path: pathlib.Path) -> None:
     for name in ("throughput", "preemptions", "pool_usage", "running"):
         assert (tmp_path / f"{name}.png").stat().st_size > 0, name
 
-    report = _load("benchmarks/serving/capacity_report.py")
+    report = load_script("benchmarks/serving/capacity_report.py")
     result = json.loads((tmp_path / "capacity.json").read_text())
     assert report.evicting_configs(result) == set(report.config_names(result)) - {"stock"}
     docs = tmp_path / "performance.md"

@@ -101,6 +101,12 @@ class EvictionTrigger:
         self.decode_tokens += counted
         return None
 
+    def ends_prompt(self, prefill: bool) -> bool:
+        """Whether an event of that kind after the clock's last :meth:`advance` is the
+        prompt-end event: a prefill event once the prompt's last token is computed (in
+        ``stream`` the one prompt event that sees the question)."""
+        return prefill and self.tokens >= self.prompt_tokens
+
 
 def first_prompt_event(config: Any, prompt_tokens: int) -> tuple[int, int] | None:
     """``(start, end)``: the prompt chunk after which the first eviction event fires, for

@@ -406,7 +406,7 @@ class StreamingSession:
         assert cfg is not None
         b = cfg.block_size
         t = self.cache_len
-        prompt_end = prefill and self.seen >= self.prompt_tokens
+        prompt_end = self.trigger.ends_prompt(prefill)
         policy = cfg.policy(prefill=prefill, prompt_tokens=self.prompt_tokens,
                             prompt_end=prompt_end)
         window = policy.window(cfg.prompt_window if prefill else cfg.window)

@@ -221,3 +221,16 @@ def test_the_step_starts_where_new_tokens_says() -> None:
     other = EvictionTrigger(cfg, 100)
     assert other.advance(104, 13, 4) == "decode"  # 100..104: a decode step
 
+
+
+def test_only_a_prefill_event_after_the_prompts_last_token_ends_the_prompt() -> None:
+    """``ends_prompt`` reads the clock's last advance: prefill events before the prompt's
+    last token do not end it, the one after it does, and decode events never do."""
+    cfg = _config("stream", 32)
+    trigger = EvictionTrigger(cfg, 100)
+    kinds = [trigger.advance(tokens, cdiv(tokens, BLOCK)) for tokens in (40, 80, 100)]
+    assert kinds == ["prefill", "prefill", "prefill"]
+    assert [trigger.ends_prompt(True), trigger.ends_prompt(False)] == [True, False]
+    trigger = EvictionTrigger(cfg, 100)
+    trigger.advance(80, cdiv(80, BLOCK))
+    assert not trigger.ends_prompt(True)

@@ -189,7 +189,7 @@ class RequestEvictionState:
         if event is None:
             return None
         prefill = event == "prefill"
-        prompt_end = prefill and tokens_after >= self.prompt_tokens
+        prompt_end = self.trigger.ends_prompt(prefill)
         policy = cfg.policy(prefill=prefill, prompt_tokens=self.prompt_tokens,
                             prompt_end=prompt_end)
         # The newest rows, across chunks: the worker's query ring keeps each request's
