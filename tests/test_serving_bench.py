@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from tests.integration.tiny_model import build_tiny_llama
+from tests.script_module import load_script
 
 pytestmark = [
     pytest.mark.slow, pytest.mark.e2e, pytest.mark.long,
@@ -27,7 +28,6 @@ pytestmark = [
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "serving" / "capacity.py"
-REPORT = REPO / "benchmarks" / "serving" / "capacity_report.py"
 
 
 # The smoke's evicting configs (capacity.py --smoke): Nexus in the default prompt mode
@@ -51,10 +51,7 @@ def test_capacity_smoke(tmp_path: pathlib.Path) -> None:
     assert "| config | conc." in table and f"| {NEXUS} | 2 |" in table
     assert "stock **" in table
 
-    capacity_spec = importlib.util.spec_from_file_location("capacity", SCRIPT)
-    assert capacity_spec is not None and capacity_spec.loader is not None
-    capacity = importlib.util.module_from_spec(capacity_spec)
-    capacity_spec.loader.exec_module(capacity)
+    capacity = load_script("benchmarks/serving/capacity.py")
     d = result["derived"]
     rows = result["rows"]
     assert {(r["config"], r["concurrency"]) for r in rows} == {
@@ -80,10 +77,7 @@ def test_capacity_smoke(tmp_path: pathlib.Path) -> None:
             assert r["over_budget_peak_lifetime"] <= 0, r
             assert r["evicted_blocks"] > 0 and r["preemptions"] == 0, r
             assert r["overhead"] is not None and 0 <= r["overhead"] < 1, r
-    spec = importlib.util.spec_from_file_location("capacity_report", REPORT)
-    assert spec is not None and spec.loader is not None
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    report = load_script("benchmarks/serving/capacity_report.py")
     names, evicting = report.config_names(result), report.evicting_configs(result)
     assert names == ["stock", NEXUS, STREAMING] and evicting == {NEXUS, STREAMING}
     h = report.headline(rows, names, evicting)

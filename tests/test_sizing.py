@@ -2,7 +2,6 @@
 and hybrid sliding-window models group by group (against vLLM's own functions when vLLM is
 installed)."""
 
-import importlib.util
 import itertools
 import json
 import pathlib
@@ -33,6 +32,7 @@ from nexus_vllm.sizing import (
     window_held_blocks,
     window_max_blocks,
 )
+from tests.script_module import load_script
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MEASURED = REPO / "docs" / "figures" / "serving_modes" / "capacity.json"
@@ -133,11 +133,7 @@ def test_context_split_as_the_capacity_benchmark():
 def _no_preemption(data: dict) -> dict[str, int]:
     """Per config of a capacity run, the benchmark's own headline: the most requests it
     ran at once at the levels where it did not preempt."""
-    spec = importlib.util.spec_from_file_location(
-        "capacity_report", REPO / "benchmarks" / "serving" / "capacity_report.py")
-    assert spec is not None and spec.loader is not None
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    report = load_script("benchmarks/serving/capacity_report.py")
     names, evicting = report.config_names(data), report.evicting_configs(data)
     return report.headline(data["rows"], names, evicting)["no_preemption_concurrency"]
 

@@ -208,6 +208,27 @@ class EvictionPolicy:
         """
         raise NotImplementedError
 
+    def reweight(self, weights: torch.Tensor, evidence: Evidence) -> torch.Tensor:
+        """Factors that belong to each block itself, applied after ``carry`` (the
+        identity here; Nexus's key-norm prior). ``weights`` is Tensor[N] float64 (CPU);
+        returns Tensor[N]."""
+        return weights
+
+    def keep_weights(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+        """The weights the sampler reads, Tensor[N] float64 (CPU): :meth:`score`, carried
+        forward (:func:`carry_forward`) when the policy reads attention and ``carry`` is
+        set, then :meth:`reweight`. A successor inherits a block's attention (a fact's
+        value follows its key), never a block's own prior (its key norms)."""
+        n = evidence.num_blocks
+        weights = self.score(evidence, state).detach().to("cpu", torch.float64)
+        if weights.shape != (n,):
+            raise ValueError(
+                f"{self.name}.score returned shape {tuple(weights.shape)}, want ({n},)"
+            )
+        if self.carry and self.needs & CARRIED_KINDS:
+            weights = carry_forward(weights, self.carry)
+        return self.reweight(weights, evidence)
+
     def choose(
         self, weights: torch.Tensor, k: int, generator: torch.Generator | None
     ) -> torch.Tensor:
@@ -257,13 +278,7 @@ class EvictionPolicy:
             raise ValueError(f"policy {self.name!r} needs {sorted(missing)} in its evidence; "
                              f"it holds {sorted(evidence.holds)}")
         n = evidence.num_blocks
-        weights = self.score(evidence, state).detach().to("cpu", torch.float64)
-        if weights.shape != (n,):
-            raise ValueError(
-                f"{self.name}.score returned shape {tuple(weights.shape)}, want ({n},)"
-            )
-        if self.carry and self.needs & CARRIED_KINDS:
-            weights = carry_forward(weights, self.carry)
+        weights = self.keep_weights(evidence, state)
         if n <= budget_blocks:
             keep = torch.arange(n, dtype=torch.long)
         else:
@@ -441,16 +456,18 @@ class NexusPolicy(EvictionPolicy):
             walk_rows=self.walk_rows,
             eps=self.eps,
         )
-        if self.knorm_prior > 0:
-            assert evidence.key_norms is not None  # select() checks what the policy needs
-            z = standardized_key_norms(evidence.key_norms.detach().to(weights.device))
-            if self.knorm_share > 0:
-                gamma = float(self.knorm_share)
-                prior = torch.softmax(-self.knorm_prior * z, dim=0).to(weights.dtype)
-                weights = (1.0 - gamma) * normalize_rows(weights) + gamma * prior
-            else:
-                weights = weights * torch.exp(-self.knorm_prior * z).to(weights.dtype)
         return weights
+
+    def reweight(self, weights: torch.Tensor, evidence: Evidence) -> torch.Tensor:
+        if self.knorm_prior <= 0:
+            return weights
+        assert evidence.key_norms is not None  # select() checks what the policy needs
+        z = standardized_key_norms(evidence.key_norms.detach().to(weights.device))
+        if self.knorm_share > 0:
+            gamma = float(self.knorm_share)
+            prior = torch.softmax(-self.knorm_prior * z, dim=0).to(weights.dtype)
+            return (1.0 - gamma) * normalize_rows(weights) + gamma * prior
+        return weights * torch.exp(-self.knorm_prior * z).to(weights.dtype)
 
     def choose(self, weights: torch.Tensor, k: int,
                generator: torch.Generator | None) -> torch.Tensor:

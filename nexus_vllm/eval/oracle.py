@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from nexus_vllm.core import EvictionConfig, EvictionPolicy, Evidence
+from nexus_vllm.core import EvictionConfig, EvictionPolicy, Evidence, carry_forward
+from nexus_vllm.core.policies import CARRIED_KINDS
 
 __all__ = ["ORACLE", "ORACLE_BASE", "ORACLE_LEAD", "OracleConfig", "OracleFirst",
            "answer_blocks", "oracle_config"]
@@ -129,16 +130,21 @@ class OracleFirst(EvictionPolicy):
             raise ValueError(f"{n} live blocks, fewer than the {prev.numel()} kept last event")
         return torch.cat([prev, int(prev[-1]) + 1 + torch.arange(fresh)])
 
-    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+    def keep_weights(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+        """The base's weights (its carry and prior included) normalised, plus 1 on the
+        answer blocks and, by ``carry``, on the blocks right after them."""
         assert self.base is not None
         if state is None:
             raise ValueError("the oracle needs the per-request state")
-        w = self.base.score(evidence, state).detach().to("cpu", torch.float64)
+        w = self.base.keep_weights(evidence, state)
         w = w - w.min()
         w = w / w.sum().clamp_min(1e-12)
         live = state[_SCORED] = self._live(state, evidence.num_blocks)
         wanted = torch.tensor(sorted(self.answer_blocks), dtype=torch.long)
-        return w + torch.isin(live, wanted).to(w.dtype)
+        first = torch.isin(live, wanted).to(w.dtype)
+        if self.carry and self.needs & CARRIED_KINDS:
+            first = carry_forward(first, self.carry)
+        return w + first
 
     def choose(self, weights: torch.Tensor, k: int,
                generator: torch.Generator | None) -> torch.Tensor:

@@ -64,7 +64,7 @@ class SamplerTrace:
             policy = cfg.policy(prefill=ev.prefill, prompt_end=ev.prompt_end)
             evidence = Evidence.from_gathered(ev.gathered, attention_reduce=cfg.attention_reduce,
                                               num_blocks=n)
-            weights = policy.score(evidence, None).to(torch.float64)
+            weights = policy.keep_weights(evidence, None)
             forced = set(forced_blocks(n, cfg.sink_blocks, cfg.recent_blocks).tolist())
             cand = [i for i in range(n) if i not in forced]
             k = ev.budget_blocks - len(forced)

@@ -153,12 +153,35 @@ def test_the_key_norm_prior_mixed_in_keeps_what_either_evidence_ranks_high():
     assert sorted(product.select(ev, 3).tolist()) == [0, 1, 4]
     assert sorted(mixture.select(ev, 3).tolist()) == [0, 3, 4]
     assert sorted(mixture.select(ev, 4).tolist()) == [0, 1, 3, 4]
-    torch.testing.assert_close(mixture.score(ev, None).sum(),
+    torch.testing.assert_close(mixture.keep_weights(ev, None).sum(),
                                torch.tensor(1.0, dtype=torch.float64))
     with pytest.raises(ConfigError, match="knorm_prior > 0"):
         get_policy("nexus", knorm_share=0.5)
     with pytest.raises(ConfigError, match="knorm_share"):
         get_policy("nexus", knorm_prior=1.0, knorm_share=1.0)
+
+
+def test_a_successor_inherits_attention_but_not_the_key_norm_prior():
+    """``carry`` raises a block's weight to its predecessor's attention (a fact's value
+    follows its key); the key-norm prior is each block's own and multiplies after it. A
+    carried prior would spend a slot on the neighbour of every low-norm block: here block
+    2 (after the lowest-norm block 1) would outrank block 4, the second-lowest norm."""
+    from nexus_vllm.core import get_policy
+
+    mass = torch.full((1, 8), 1.0 / 8, dtype=torch.float64)
+    norms = torch.tensor([5.0, 1.0, 5.0, 5.0, 2.0, 5.0, 5.0, 5.0])
+    ev = Evidence(mass, key_norms=norms)
+    common = {"recent_blocks": 1, "sampler": "topk", "indirect": "none", "eps": 0.0}
+    carried = get_policy("nexus", knorm_prior=4.0, carry=1, **common)
+    plain = get_policy("nexus", knorm_prior=4.0, **common)
+    # Forced: the sink (0), the newest full block (6) and the current one (7).
+    assert sorted(carried.select(ev, 5).tolist()) == [0, 1, 4, 6, 7]
+    assert torch.equal(carried.select(ev, 5), plain.select(ev, 5))
+    # Attention still carries under the prior: block 3 holds the window's attention.
+    found = mass.clone()
+    found[0, 3] = 0.5
+    ev = Evidence(found / found.sum(), key_norms=torch.full((8,), 5.0))
+    assert set(carried.select(ev, 5).tolist()) == {0, 3, 4, 6, 7}
 
 
 @pytest.mark.parametrize("noise", [1e-7, 1e-6])
@@ -174,8 +197,8 @@ def test_constant_key_norms_give_a_flat_prior(noise: float) -> None:
     sqrt_d = 32 ** 0.5
     norms = sqrt_d * (1 + noise * torch.randn(12, generator=gen, dtype=torch.float64))
     ev = Evidence(mass, key_norms=norms.float())
-    plain = get_policy("nexus", sampler="topk").score(ev, None)
-    prior = get_policy("nexus", sampler="topk", knorm_prior=4.0).score(ev, None)
+    plain = get_policy("nexus", sampler="topk").keep_weights(ev, None)
+    prior = get_policy("nexus", sampler="topk", knorm_prior=4.0).keep_weights(ev, None)
     torch.testing.assert_close(prior, plain, rtol=2e-2, atol=0.0)
 
 

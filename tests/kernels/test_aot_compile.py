@@ -6,26 +6,17 @@ and fails only when compiled; this builds each kernel through the real compiler 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
 from nexus_vllm.kernels import HAS_TRITON
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "aot_compile_check.py"
+from tests.script_module import load_script
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("aot_compile_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/kernels/aot_compile_check.py")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

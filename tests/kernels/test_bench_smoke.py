@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
 from nexus_vllm.kernels import HAS_TRITON
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "bench_block_scoring.py"
+from tests.script_module import load_script
 
 
 def _load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_block_scoring", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/kernels/bench_block_scoring.py")
 
 
 def test_peak_table_lookup():
