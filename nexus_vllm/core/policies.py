@@ -202,7 +202,9 @@ class EvictionPolicy:
         return window if self.query_rows is None else min(window, self.query_rows)
 
     def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
-        """Per-block keep weight, Tensor[N]; larger means more worth keeping.
+        """Per-block keep weight from the evidence, Tensor[N]; larger means more worth
+        keeping. The one method a policy overrides; :meth:`keep_weights` carries it and
+        applies :meth:`reweight` before the sampler reads it.
 
         ``state`` is the caller-owned per-request dict (None when the caller keeps none).
         """

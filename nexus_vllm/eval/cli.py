@@ -109,7 +109,9 @@ def _methods(v: Any) -> list[str]:
     if isinstance(v, (list, tuple)):
         return [str(x) for x in v]
     text = str(v)
-    return _as_list(text, ";" if ":" in text else ",")
+    # Knobs use commas ('nexus:sampler=topk,lam=0'), so specs with knobs are split on ';';
+    # a list without knobs may use either separator.
+    return _as_list(text, ";" if ":" in text or ";" in text else ",")
 
 
 def run_config(opts: dict[str, Any]) -> RunConfig:

@@ -241,3 +241,16 @@ def test_dialogue_tasks_one_record_per_stream_every_turn_scored(tiny_dir, tmp_pa
     assert "multiturn" in (out / "table.md").read_text()
     assert "## Per turn: multiturn at budget 1024" in (out / "table.md").read_text()
     assert (out / "turns_multiturn_1024.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(("given", "methods"), [
+    ("dense,oracle", ["dense", "oracle"]),
+    ("dense;oracle", ["dense", "oracle"]),  # ';' without knobs: still a list
+    ("dense;nexus:sampler=topk,lam=0", ["dense", "nexus:sampler=topk,lam=0"]),
+    ("nexus:sampler=topk,lam=0", ["nexus:sampler=topk,lam=0"]),
+])
+def test_method_lists_split_on_the_separator_given(given: str, methods: list[str]) -> None:
+    from nexus_vllm.eval.cli import _merge, build_parser, run_config
+
+    cfg = run_config(_merge(build_parser().parse_args(["--methods", given])))
+    assert list(cfg.methods) == methods
