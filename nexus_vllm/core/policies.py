@@ -227,9 +227,14 @@ class EvictionPolicy:
             raise ValueError(
                 f"{self.name}.score returned shape {tuple(weights.shape)}, want ({n},)"
             )
+        return self.reweight(self.carried(weights), evidence)
+
+    def carried(self, weights: torch.Tensor) -> torch.Tensor:
+        """``weights`` (Tensor[N]) carried forward by ``carry`` blocks when the policy reads
+        attention (:data:`CARRIED_KINDS`); unchanged otherwise."""
         if self.carry and self.needs & CARRIED_KINDS:
-            weights = carry_forward(weights, self.carry)
-        return self.reweight(weights, evidence)
+            return carry_forward(weights, self.carry)
+        return weights
 
     def choose(
         self, weights: torch.Tensor, k: int, generator: torch.Generator | None

@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from nexus_vllm.core import EvictionConfig, EvictionPolicy, Evidence, carry_forward
-from nexus_vllm.core.policies import CARRIED_KINDS
+from nexus_vllm.core import EvictionConfig, EvictionPolicy, Evidence
 
 __all__ = ["ORACLE", "ORACLE_BASE", "ORACLE_LEAD", "OracleConfig", "OracleFirst",
            "answer_blocks", "oracle_config"]
@@ -141,10 +140,7 @@ class OracleFirst(EvictionPolicy):
         w = w / w.sum().clamp_min(1e-12)
         live = state[_SCORED] = self._live(state, evidence.num_blocks)
         wanted = torch.tensor(sorted(self.answer_blocks), dtype=torch.long)
-        first = torch.isin(live, wanted).to(w.dtype)
-        if self.carry and self.needs & CARRIED_KINDS:
-            first = carry_forward(first, self.carry)
-        return w + first
+        return w + self.carried(torch.isin(live, wanted).to(w.dtype))
 
     def choose(self, weights: torch.Tensor, k: int,
                generator: torch.Generator | None) -> torch.Tensor:

@@ -222,7 +222,6 @@ def test_the_step_starts_where_new_tokens_says() -> None:
     assert other.advance(104, 13, 4) == "decode"  # 100..104: a decode step
 
 
-
 def test_only_a_prefill_event_after_the_prompts_last_token_ends_the_prompt() -> None:
     """``ends_prompt`` reads the clock's last advance: prefill events before the prompt's
     last token do not end it, the one after it does, and decode events never do."""
