@@ -14,6 +14,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("nexus_vllm.eval.cli", "quality per policy and budget on a real model"),
     "records": ("nexus_vllm.eval.records", "merge and filter eval records.jsonl files"),
     "compare": ("nexus_vllm.eval.compare", "one method vs others on the same samples, paired"),
+    "sweep": ("nexus_vllm.eval.sweep",
+              "budget sweeps side by side: the smallest budget keeping a share of dense"),
     "survival": ("nexus_vllm.eval.survival",
                  "block survival across events on a real model: topk vs pps vs ares"),
     "parity": ("nexus_vllm.eval.server_parity",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces docs/results.md on a CPU box (the numbers there come from these commands).
-#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep_longdoc|stream_end|stream_end_chat|stream_end_multiturn|gemma3_report|docs|all]
+#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep|stream_sweep_longdoc|stream_sweep_chat|stream_sweep_multiturn|stream_sweep_longgen|stream_end|stream_end_chat|stream_end_multiturn|gemma3_report|docs|all]
 #   (default: all)
 # Each run resumes from its records.jsonl if interrupted. 1 torch thread per run.
 set -euo pipefail
@@ -32,7 +32,7 @@ seed_defaults() {  # report, out: the earlier default's records from the committ
 }
 want() { [ "$what" = all ] || [ "$what" = "$1" ]; }
 case "$what" in
-  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep_longdoc|stream_end|stream_end_chat|stream_end_multiturn|gemma3_report|docs|all) ;;
+  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep|stream_sweep_longdoc|stream_sweep_chat|stream_sweep_multiturn|stream_sweep_longgen|stream_end|stream_end_chat|stream_end_multiturn|gemma3_report|docs|all) ;;
   *) echo "unknown target $what" >&2; exit 2 ;;
 esac
 want calibration && run calibration
@@ -196,7 +196,7 @@ if want stream_report || want stream_chat; then
   fi
   run stream_chat &
 fi
-if want stream_report || want stream_sweep_longdoc; then
+if want stream_report || want stream_sweep || want stream_sweep_longdoc; then
   "$PY" -m nexus_vllm.cli records docs/figures/stream_longdoc/records.jsonl --if-missing \
     --exclude-method-prefix nexus:expected=0, --exclude-method-prefix expected \
     --exclude-method-prefix nexus:expected=0.5,knorm_prior=4,sampler \
@@ -205,6 +205,35 @@ if want stream_report || want stream_sweep_longdoc; then
   run stream_sweep_longdoc &
 fi
 wait
+# The budget sweeps of the other stream families, each seeded with its published report
+# set's dense, KNorm and shipped-default records (the report budget: identical keys, not
+# rerun); then every family's curve side by side and the smallest budget keeping 90% of
+# dense (`nexus-vllm sweep`). One process per family.
+STREAM_SHIPPED="nexus:expected=0.5,knorm_prior=4"
+for fam in chat multiturn longgen; do
+  name=stream_sweep_$fam
+  want stream_sweep || want "$name" || continue
+  if [ ! -e "$OUT/$name/records.jsonl" ]; then
+    mkdir -p "$OUT/$name"
+    for m in dense knorm "$STREAM_SHIPPED"; do
+      "$PY" -m nexus_vllm.cli records "docs/figures/stream_$fam/records.jsonl" \
+        --where "method=$m" --out "$OUT/$name/seed_${m%%:*}.jsonl"
+    done
+    "$PY" -m nexus_vllm.cli records "$OUT/$name"/seed_*.jsonl --out "$OUT/$name/records.jsonl"
+  fi
+  run "$name" &
+done
+wait
+if want stream_sweep; then
+  mkdir -p docs/figures/stream_sweeps
+  "$PY" -m nexus_vllm.cli sweep \
+    "chat=$OUT/stream_sweep_chat/records.jsonl" \
+    "multi-turn=$OUT/stream_sweep_multiturn/records.jsonl" \
+    "long generation=$OUT/stream_sweep_longgen/records.jsonl" \
+    "long documents=$OUT/stream_sweep_longdoc/records.jsonl,docs/figures/stream_longdoc/kvpress_records.jsonl" \
+    --plot docs/figures/stream_sweeps/plot_score.png --json docs/figures/stream_sweeps/sweeps.json \
+    > docs/figures/stream_sweeps/table.md
+fi
 # The stream prompt-end event (stream_end_*): each family's published dense, KNorm and
 # shipped default from before the event read the question (relabelled with the prefill knobs
 # that still give it), then today's `nexus` on the same samples. One process each.
@@ -237,7 +266,7 @@ if want docs; then
       --report-only --publish docs/figures/peer_compare
   fi
   # Rebuild each run's reports from its records and copy them into docs/figures.
-  for name in calibration headline ablation prefill knorm_prior paired dialogues dialogues_pps scoring_cost scoring_cost_report scoring_cost_dialogues kvpress sweep prompt_end_tuning prompt_modes prompt_modes_capped prompt_modes_multiturn prompt_modes_longgen chat_tuning completion_tuning chat_report completion_report stream_tuning_multiturn stream_tuning_longdoc stream_multiturn stream_longdoc stream_longgen stream_chat stream_sweep_longdoc stream_end_chat stream_end_multiturn gemma3_report; do
+  for name in calibration headline ablation prefill knorm_prior paired dialogues dialogues_pps scoring_cost scoring_cost_report scoring_cost_dialogues kvpress sweep prompt_end_tuning prompt_modes prompt_modes_capped prompt_modes_multiturn prompt_modes_longgen chat_tuning completion_tuning chat_report completion_report stream_tuning_multiturn stream_tuning_longdoc stream_multiturn stream_longdoc stream_longgen stream_chat stream_sweep_longdoc stream_sweep_chat stream_sweep_multiturn stream_sweep_longgen stream_end_chat stream_end_multiturn gemma3_report; do
     [ -d "$OUT/$name" ] || continue
     "$PY" -m nexus_vllm.cli eval --config "configs/eval/$name.yaml" --out "$OUT/$name" \
       --report-only --publish "docs/figures/$name"
