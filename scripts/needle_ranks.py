@@ -9,8 +9,9 @@ Each sample's prompt (question last, ~2k tokens) is streamed through the transfo
 in 512-token chunks without evicting; after every chunk past the needle, each evidence
 kind is gathered over all blocks (expected attention from the newest ``rows`` queries, for
 each value of ``--rows``; the window's mass as the mean of its rows; key norms, lowest
-first) and the needle's best block is ranked among the blocks an event could evict (not
-the sink, not the newest three). Prints, per task, head reduction and evidence, the mean
+first; surprisal, each block's largest token NLL under the model, as prompt-compression
+methods such as LLMLingua read it) and the needle's best block is ranked among the blocks
+an event could evict (not the sink, not the newest three). Prints, per task, head reduction and evidence, the mean
 rank as a fraction of the candidates and how often the needle is in the top 10%.
 """
 
@@ -58,8 +59,17 @@ def main(argv: list[str] | None = None) -> None:
                                      window=max(rows_list), prompt_window=max(rows_list),
                                      attention_reduce=attention_reduce)
                 sess = StreamingSession(model, cfg, prompt_tokens=1 << 30)
+                surprisal = torch.zeros(0)  # each fed token's NLL given the ones before
+                last: torch.Tensor | None = None  # the previous chunk's last logits
                 for at in range(0, question_at - CHUNK, CHUNK):
-                    sess.forward(ids[at:at + CHUNK])
+                    chunk = ids[at:at + CHUNK]
+                    logits = sess.forward(chunk, logits_to_keep=0)
+                    before = logits[:-1] if last is None else torch.cat([last[None], logits[:-1]])
+                    nll = torch.nn.functional.cross_entropy(
+                        before, chunk[-before.shape[0]:], reduction="none")
+                    surprisal = torch.cat([surprisal, torch.zeros(chunk.shape[0] - nll.shape[0]),
+                                           nll])
+                    last = logits[-1]
                     if at + CHUNK <= needle[-1] * BLOCK:
                         continue  # the needle is not read yet
                     n = -(-sess.seen // BLOCK)
@@ -69,6 +79,9 @@ def main(argv: list[str] | None = None) -> None:
                     got = sess.gather(frozenset({"mass", "key_norms"}), 32)
                     scores["mass (32 rows, mean)"] = got["mass"].mean(0)
                     scores["key norms (lowest first)"] = -got["key_norms"]
+                    padded = torch.full((n * BLOCK,), float("-inf"))
+                    padded[:surprisal.shape[0]] = surprisal
+                    scores["surprisal (block max)"] = padded.view(n, BLOCK).max(1).values
                     for name, values in scores.items():
                         cand = values[1:n - 3]
                         order = torch.argsort(cand, descending=True).tolist()
