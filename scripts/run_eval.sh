@@ -226,11 +226,13 @@ done
 wait
 if want stream_sweep; then
   mkdir -p docs/figures/stream_sweeps
+  # The report sets' records add the oracle at the report budget, and kvpress's KVzip.
   "$PY" -m nexus_vllm.cli sweep \
-    "chat=$OUT/stream_sweep_chat/records.jsonl" \
-    "multi-turn=$OUT/stream_sweep_multiturn/records.jsonl" \
-    "long generation=$OUT/stream_sweep_longgen/records.jsonl" \
-    "long documents=$OUT/stream_sweep_longdoc/records.jsonl,docs/figures/stream_longdoc/kvpress_records.jsonl" \
+    "chat=$OUT/stream_sweep_chat/records.jsonl,docs/figures/stream_chat/records.jsonl" \
+    "multi-turn=$OUT/stream_sweep_multiturn/records.jsonl,docs/figures/stream_multiturn/records.jsonl" \
+    "long generation=$OUT/stream_sweep_longgen/records.jsonl,docs/figures/stream_longgen/records.jsonl" \
+    "long documents=$OUT/stream_sweep_longdoc/records.jsonl,docs/figures/stream_longdoc/records.jsonl,docs/figures/stream_longdoc/kvpress_records.jsonl" \
+    --method knorm --method "$STREAM_SHIPPED" --method oracle --method kvpress:kvzip \
     --plot docs/figures/stream_sweeps/plot_score.png --json docs/figures/stream_sweeps/sweeps.json \
     > docs/figures/stream_sweeps/table.md
 fi

@@ -9,7 +9,7 @@ mean kept fraction of the samples' prompts (a token budget over each sample's
 ``prompt_tokens``, so families with ratio and token budgets share one axis), and the
 smallest budget whose score is at least ``--share`` of dense's; ``--plot`` draws one panel
 per family. A family may be several record files (``NAME=A.jsonl,B.jsonl``), e.g. ours
-and a peer's.
+and a peer's (a record in several counts once); ``--method`` keeps only some methods.
 """
 
 from __future__ import annotations
@@ -195,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nexus-vllm sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("families", nargs="+", type=_family, metavar="NAME=RECORDS",
                    help="a family's records.jsonl files, comma-separated")
+    p.add_argument("--method", action="append", default=[], metavar="METHOD",
+                   help="keep only these methods (repeatable; dense is always kept; "
+                        "default: all)")
     p.add_argument("--share", type=float, default=0.9,
                    help="the share of dense's score a budget must keep (default 0.9)")
     p.add_argument("--plot", type=pathlib.Path, default=None, help="write the panels here")
@@ -212,7 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             p.error(f"family {name!r}: no such records file {', '.join(missing)}")
-        records = [r for f in files for r in read_records(f)]
+        # A record found in several files (a seeded run and its source) counts once.
+        by_key: dict[str, Record] = {}
+        for r in read_records(*files):
+            if not args.method or r.method == "dense" or r.method in args.method:
+                by_key.setdefault(r.key, r)
+        records = list(by_key.values())
         try:
             families[name] = sweep_points(name, records)
         except ValueError as exc:

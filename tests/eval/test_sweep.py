@@ -3,6 +3,7 @@ budget reaching a share of dense, and the command's outputs and errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -116,3 +117,20 @@ def test_bad_arguments_name_what_is_wrong(argv: list[str], message: str, tmp_pat
         main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_record_in_several_files_counts_once_and_methods_can_be_chosen(
+        tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ours, seeded = tmp_path / "ours.jsonl", tmp_path / "seeded.jsonl"
+    recs = _family()
+    write_records(ours, recs)
+    # A seeded copy of the same keys with other scores: the first file's records win.
+    write_records(seeded, [dataclasses.replace(r, score=0.0) if r.method == "a" else r
+                           for r in recs])
+    points = tmp_path / "points.json"
+    assert main([f"f={ours},{seeded}", "--method", "a", "--json", str(points)]) == 0
+    got = {(p["method"], p["budget"]): p for p in json.loads(points.read_text())["points"]}
+    assert set(got) == {("dense", None), ("a", 400), ("a", 800)}
+    assert got[("a", 800)]["score"] == 1.0 and got[("a", 800)]["n"] == 2
+    assert "| b |" not in capsys.readouterr().out
+
