@@ -305,20 +305,29 @@ def mla_build(serve_parser, tiny_mla, vllm_process_state):  # noqa: ANN001, ANN2
 
 @needs_vllm
 def test_vllm_cpu_runs_mla_whole_prompt_in_16_token_blocks(mla_build) -> None:
-    """What vLLM's CPU platform does to an MLA model (the limits the refusals name): it
-    turns chunked prefill and prefix caching off and forces 16-token blocks; stock
-    serving is untouched by the plugin."""
+    """What vLLM's CPU platform does to an MLA model on its reference backend (the limits
+    the refusals name): chunked prefill and prefix caching off, 16-token blocks. An
+    evicting server is pinned to that backend on every CPU, AMX or not; stock serving is
+    untouched by the plugin (on a CPU with AMX tiles vLLM picks its AMX kernels, which keep
+    chunked prefill)."""
+    import torch
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         pytest.skip("vLLM's CPU platform only")
     stock = mla_build([])
     assert stock.model_config.use_mla
-    assert not stock.scheduler_config.enable_chunked_prefill
-    assert not stock.cache_config.enable_prefix_caching
-    assert stock.cache_config.block_size == 16
     assert "nexus" not in (stock.additional_config or {})
+    assert stock.attention_config.backend is None  # vLLM's own choice
+    reference = mla_build(["--attention-backend", "CPU_MLA"])
+    for built in (reference, *([] if torch.cpu._is_amx_tile_supported() else [stock])):
+        assert not built.scheduler_config.enable_chunked_prefill
+        assert not built.cache_config.enable_prefix_caching
+        assert built.cache_config.block_size == 16
     evicting = mla_build(["--kv-eviction", "nexus", "--kv-budget", "128"])  # end mode
+    assert evicting.attention_config.backend.name == "CPU_MLA"
+    assert not evicting.scheduler_config.enable_chunked_prefill
+    assert evicting.cache_config.block_size == 16
     assert evicting.additional_config["nexus"]["block_size"] == 16
     assert evicting.scheduler_config.scheduler_cls.endswith("NexusScheduler")
 

@@ -26,8 +26,11 @@ How
       attention eviction cannot run on (``vllm_compat.model_attention_traits``, the same
       check the worker makes per layer) and settings that cannot work within its
       ``max_model_len`` or, for an MLA model, with the chunked prefill the platform left
-      (``engine_policy.check_latent_attention``); an MLA model's eviction config takes
-      the block size the platform forced (16 on CPU: ``adopt_platform_block_size``);
+      (``engine_policy.check_latent_attention``); an MLA model on the CPU is pinned to
+      vLLM's reference ``CPU_MLA`` backend, the one eviction wraps, where a CPU with AMX
+      tiles would get the AMX kernels (``pin_reference_cpu_mla``); an MLA model's eviction
+      config takes the block size the platform forced (16 on CPU:
+      ``adopt_platform_block_size``);
       vLLM's own refusal of the chunk size is restated naming ``--kv-chunk-size``. The
       policy itself is ``integration/frontend/engine_policy.py``. Also covers the Python
       ``LLM(..., additional_config={"nexus": {...}})`` path.
@@ -185,6 +188,34 @@ def latent_attention(vllm_config: VllmConfig) -> LatentAttention | None:
         vllm_config.scheduler_config, "enable_chunked_prefill", True)))
 
 
+def pin_reference_cpu_mla(engine_args: EngineArgs, vllm_config: VllmConfig) -> bool:
+    """Ask for vLLM's reference CPU MLA backend (``CPU_MLA``) where the CPU platform would
+    pick its AMX one for an MLA model; True when ``engine_args`` changed and the config must
+    be built again.
+
+    Eviction on MLA wraps ``CPU_MLA`` only (``worker/mla.py``). On a CPU with AMX tiles
+    vLLM 0.32's ``CpuPlatform.check_and_update_config`` (vllm/platforms/cpu.py:246-255)
+    runs MLA on AMX kernels with chunked prefill and 128-token blocks unless the backend is
+    named ``CPU_MLA``; without the pin the same ``vllm serve`` line would start here and
+    fail in the worker on another host. A backend the user named is left as it is (the
+    worker refuses one it cannot wrap, naming it).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() \
+            or not getattr(vllm_config.model_config, "use_mla", False) \
+            or getattr(engine_args, "attention_backend", None) is not None \
+            or getattr(engine_args.attention_config, "backend", None) is not None:
+        return False
+    chosen = getattr(vllm_config.attention_config, "backend", None)
+    if chosen is not None and chosen.name == "CPU_MLA":
+        return False
+    logger.info("nexus-vllm: serving this MLA model on vLLM's CPU_MLA backend, the one "
+                "eviction wraps (the platform would pick its AMX kernels here)")
+    engine_args.attention_backend = "CPU_MLA"
+    return True
+
+
 def adopt_platform_block_size(vllm_config: VllmConfig, cfg: EvictionConfig) -> EvictionConfig:
     """``cfg`` in the block size the platform settled on, written back to
     ``additional_config``: vLLM's CPU platform forces 16-token blocks for its MLA backend
@@ -241,6 +272,8 @@ def apply() -> None:
             cfg = translate_engine_args(self)
             try:
                 vllm_config = orig_create(self, *args, **kwargs)
+                if cfg is not None and pin_reference_cpu_mla(self, vllm_config):
+                    vllm_config = orig_create(self, *args, **kwargs)
             except ValueError as exc:
                 ours = None if cfg is None else restate_vllm_refusal(cfg.method, str(exc))
                 if ours is None:
