@@ -215,11 +215,12 @@ for fam in chat multiturn longgen; do
   want stream_sweep || want "$name" || continue
   if [ ! -e "$OUT/$name/records.jsonl" ]; then
     mkdir -p "$OUT/$name"
+    # The seeds sit beside the run directory, so --publish does not copy them.
     for m in dense knorm "$STREAM_SHIPPED"; do
       "$PY" -m nexus_vllm.cli records "docs/figures/stream_$fam/records.jsonl" \
-        --where "method=$m" --out "$OUT/$name/seed_${m%%:*}.jsonl"
+        --where "method=$m" --out "$OUT/$name.seed_${m%%:*}.jsonl"
     done
-    "$PY" -m nexus_vllm.cli records "$OUT/$name"/seed_*.jsonl --out "$OUT/$name/records.jsonl"
+    "$PY" -m nexus_vllm.cli records "$OUT/$name".seed_*.jsonl --out "$OUT/$name/records.jsonl"
   fi
   run "$name" &
 done
