@@ -815,7 +815,7 @@ def test_api_server_patch_targets(src: VllmSource) -> None:
             "scheduler_reserve_full_isl", "worker_cls", "enable_dbo", "kv_cache_dtype",
             "kv_transfer_config", "speculative_config", "pipeline_parallel_size",
             "data_parallel_size", "decode_context_parallel_size",
-            "prefill_context_parallel_size"}
+            "prefill_context_parallel_size", "attention_backend", "attention_config"}
     assert used <= fields, f"vLLM {src.label}: EngineArgs lacks {used - fields}"
 
     for rel, cls, method, caller in (

@@ -87,7 +87,8 @@ CATALOGUE: tuple[Patch, ...] = (
           "a plugin CLI hook"),
     Patch("EngineArgs.create_engine_config", "class-wrap", "frontend/patches/engine_args", _ALL,
           "an evicting config needs our scheduler/worker, chunked prefill and checks",
-          "translates the config, refuses what eviction cannot run with (naming the flag)",
+          "translates the config, refuses what eviction cannot run with (naming the flag); "
+          "an MLA model on the CPU gets CPU_MLA, not AMX_MLA (the config built again)",
           "a plugin engine-config hook"),
     Patch("OpenAIServingCompletion.render_completion_request", "class-wrap",
           "frontend/patches/openai_serving", _ALL,

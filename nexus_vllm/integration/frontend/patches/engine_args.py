@@ -205,14 +205,16 @@ def pin_reference_cpu_mla(engine_args: EngineArgs, vllm_config: VllmConfig) -> b
     if not current_platform.is_cpu() \
             or not getattr(vllm_config.model_config, "use_mla", False) \
             or getattr(engine_args, "attention_backend", None) is not None \
-            or getattr(engine_args.attention_config, "backend", None) is not None:
+            or getattr(getattr(engine_args, "attention_config", None), "backend",
+                       None) is not None:
         return False
-    chosen = getattr(vllm_config.attention_config, "backend", None)
+    chosen = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     if chosen is not None and chosen.name == "CPU_MLA":
         return False
     logger.info("nexus-vllm: serving this MLA model on vLLM's CPU_MLA backend, the one "
                 "eviction wraps (the platform would pick its AMX kernels here)")
-    engine_args.attention_backend = "CPU_MLA"
+    # By name, as `--attention-backend CPU_MLA` gives it: vLLM turns it into its enum.
+    setattr(engine_args, "attention_backend", "CPU_MLA")  # noqa: B010
     return True
 
 
