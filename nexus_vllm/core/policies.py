@@ -46,6 +46,7 @@ __all__ = [
     "ExpectedAttentionPolicy",
     "H2OPolicy",
     "KNORM_SPREAD_FLOOR",
+    "key_norms_are_flat",
     "KNormPolicy",
     "MethodNames",
     "NexusPolicy",
@@ -113,6 +114,13 @@ def standardized_key_norms(norms: torch.Tensor) -> torch.Tensor:
     mean = x.mean()
     floor = (KNORM_SPREAD_FLOOR * mean.abs()).clamp(min=1e-12)
     return (x - mean) / torch.maximum(x.std(unbiased=False), floor)
+
+
+def key_norms_are_flat(norms: torch.Tensor) -> bool:
+    """Whether the blocks' key norms (Tensor[N]) spread less than ``KNORM_SPREAD_FLOOR``
+    of their mean: every key the same length up to rounding, so their order is noise."""
+    x = norms.to(torch.float64).flatten()
+    return bool(x.std(unbiased=False) < KNORM_SPREAD_FLOOR * x.mean().abs())
 
 
 def carry_forward(weights: torch.Tensor, carry: int) -> torch.Tensor:
@@ -577,7 +585,12 @@ class KNormPolicy(EvictionPolicy):
 
     def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
         assert evidence.key_norms is not None  # select() checks what the policy needs
-        return -evidence.key_norms.detach().to("cpu", torch.float64)
+        norms = evidence.key_norms.detach().to("cpu", torch.float64)
+        if key_norms_are_flat(norms):
+            # Keys of one length (RMS-normalised heads): rounding, which differs between
+            # kernels and TP layouts, would pick the blocks; a tie keeps the older ones.
+            return torch.zeros_like(norms)
+        return -norms
 
 
 @register_policy

@@ -202,6 +202,25 @@ def test_constant_key_norms_give_a_flat_prior(noise: float) -> None:
     torch.testing.assert_close(prior, plain, rtol=2e-2, atol=0.0)
 
 
+@pytest.mark.parametrize("noise", [1e-7, 1e-6])
+def test_knorm_reads_constant_key_norms_as_a_tie(noise: float) -> None:
+    """KNorm on keys of one length: two roundings of the same norms (two kernels, two TP
+    layouts) keep the same blocks, the older ones, where the rounding used to choose."""
+    from nexus_vllm.core import get_policy
+
+    mass = torch.full((1, 12), 1.0 / 12, dtype=torch.float64)
+    kept = []
+    for seed in (0, 1):
+        gen = torch.Generator().manual_seed(seed)
+        norms = 32 ** 0.5 * (1 + noise * torch.randn(12, generator=gen, dtype=torch.float64))
+        ev = Evidence(mass, key_norms=norms.float())
+        kept.append(get_policy("knorm").select(ev, 9).tolist())  # 6 forced, 3 chosen
+    assert kept[0] == kept[1] == [0, 1, 2, 3, 7, 8, 9, 10, 11]
+    spread = Evidence(mass, key_norms=torch.tensor(
+        [9.0, 5.0, 9.1, 4.0, 9.2, 6.0, 9.3, 4.5, 9.4, 5.5, 9.5, 9.6]))
+    assert get_policy("knorm").select(spread, 9).tolist() == [0, 1, 3, 5, 7, 8, 9, 10, 11]
+
+
 def test_a_real_spread_still_ranks() -> None:
     """A spread like SmolLM2's or Gemma 3 270M's (~2% of the mean) is read in full: the
     z-scores are the plain standardisation."""

@@ -13,7 +13,8 @@ This checkpoint's keys all have the same length (Gemma's ``k_norm`` with its wei
 zero gives every key the norm sqrt(D)), so key norms tie and only rounding, which
 differs between one rank and two, orders them: the key-norm prior of Nexus's ``stream``
 defaults reads such norms as flat (``core.policies.KNORM_SPREAD_FLOOR``), and the test
-failed without it. The ``knorm`` policy itself breaks such ties by rounding.
+failed without it. The ``knorm`` policy reads them as a tie too (the older blocks kept:
+``core.policies.key_norms_are_flat``).
 
 Marked ``long`` (two server starts, ~3 min on 2 cores): ``bash scripts/test.sh --long``.
 """
