@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from nexus_vllm.eval.runner import RunConfig
 
 __all__ = ["calibration_table", "markdown_table", "plot_bars", "plot_turns", "plot_vs_budget",
-           "summary_table", "turn_means", "turn_table", "write_reports"]
+           "summary_table", "tasks_dense_solves", "turn_means", "turn_table",
+           "write_reports"]
 
 _LABELS = {"score": "score (string match)", "delta_loglik": "Δ answer log-lik vs dense",
            "kl": "KL(dense‖method) per token"}
@@ -26,6 +27,17 @@ def _scored_against_dense(tasks: Iterable[str]) -> list[str]:
     """The tasks among ``tasks`` whose score is ROUGE-L F1 against dense's answer, not
     string match (:func:`~nexus_vllm.eval.tasks.task_metric` ``"dense"``)."""
     return sorted({t for t in tasks if task_metric(t) == "dense"})
+
+
+def tasks_dense_solves(records: Iterable[Record], min_dense_score: float = 0.5) -> set[str]:
+    """The tasks whose dense mean score is at least ``min_dense_score``: the ones a pooled
+    score reads (the calibration rule: a task dense cannot do says nothing about
+    eviction)."""
+    dense_by_task: dict[str, list[float]] = {}
+    for r in records:
+        if r.method == "dense":
+            dense_by_task.setdefault(r.task, []).append(r.score)
+    return {t for t, v in dense_by_task.items() if sum(v) / len(v) >= min_dense_score}
 
 
 def _label(metric: str, tasks: Iterable[str]) -> str:
@@ -203,11 +215,7 @@ def summary_table(records: Sequence[Record], *, budget: Any, protocol: str | Non
 
     recs = [r for r in records if (protocol is None or r.protocol == protocol)
             and r.budget in (budget, None)]
-    dense_by_task: dict[str, list[float]] = {}
-    for r in recs:
-        if r.method == "dense":
-            dense_by_task.setdefault(r.task, []).append(r.score)
-    solvable = {t for t, v in dense_by_task.items() if sum(v) / len(v) >= min_dense_score}
+    solvable = tasks_dense_solves(recs, min_dense_score)
     methods = list(dict.fromkeys(r.method for r in recs))
     lines = ["| method | score (tasks dense solves) | Δ answer log-lik (nats) | KL per token | "
              "samples |", "|---|---|---|---|---|"]

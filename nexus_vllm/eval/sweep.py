@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nexus_vllm.eval.records import Record, read_records
+from nexus_vllm.eval.report import tasks_dense_solves
 from nexus_vllm.eval.stats import bootstrap_ci
 
 __all__ = ["SweepPoint", "main", "plot_sweeps", "smallest_reaching", "sweep_points"]
@@ -70,14 +71,10 @@ def sweep_points(family: str, records: Sequence[Record], *,
     ValueError
         Naming ``family`` when it has no dense records or no task dense solves.
     """
-    dense_by_task: dict[str, list[float]] = {}
-    for r in records:
-        if r.method == "dense":
-            dense_by_task.setdefault(r.task, []).append(r.score)
-    if not dense_by_task:
+    if not any(r.method == "dense" for r in records):
         raise ValueError(f"family {family!r} has no dense records: the share of dense's "
                          "score needs them")
-    solvable = {t for t, v in dense_by_task.items() if sum(v) / len(v) >= min_dense_score}
+    solvable = tasks_dense_solves(records, min_dense_score)
     if not solvable:
         raise ValueError(f"family {family!r}: dense solves none of its tasks "
                          f"(mean >= {min_dense_score})")
