@@ -5,9 +5,12 @@ the transformers path against the streaming tuning set's long documents.
         [--reduce max:max,max:mean,mean:mean,vote:sum] [--whole max:max]
         [--out runs/stream_tuning_reconstruction]
     .venv/bin/python scripts/stream_reconstruction.py --saturation
+    .venv/bin/python scripts/stream_reconstruction.py --head [--tasks TASK] [--out DIR]
 
 About 25 minutes per reduction on one core (36 evaluations of ~2k-token documents, each
-with its reconstruction pass).
+with its reconstruction pass). ``--head`` reads the score per (layer, KV head, token) at
+head granularity instead (``configs/eval/stream_head_reconstruction.yaml``, the report
+set's long documents; about 40 minutes per task on one core).
 
 KVzip (kvpress's ``KVzipPress``) scores each cached pair by the attention the model pays
 it while reconstructing the context: "Repeat the previous context exactly." and the chat
@@ -57,6 +60,9 @@ from nexus_vllm.eval.records import Record, record_key
 from nexus_vllm.hf import streaming
 
 CONFIG = "configs/eval/stream_tuning_reconstruction.yaml"
+HEAD_CONFIG = "configs/eval/stream_head_reconstruction.yaml"
+HEAD_SEED_RECORDS = "docs/figures/stream_longdoc/records.jsonl"
+HEAD_SEEDED = ("dense", "oracle", "knorm", "nexus:expected=0.5,knorm_prior=4")
 WHOLE_CONFIG = "configs/eval/stream_tuning_reconstruction_whole.yaml"
 SEED_RECORDS = "docs/figures/stream_tuning_longdoc/records.jsonl"
 SEEDED = ("dense", "knorm", "nexus:expected=0.5,knorm_prior=4")
@@ -102,12 +108,16 @@ def reconstruct(session: Any) -> None:
     chunk = session._recon_ids[session.positions[first:]]
     rep = torch.cat([repeat_ids(session.model), chunk])
     r = int(rep.numel())
-    layers = session._scored_layers()
+    # Head granularity scores every full-attention layer, and the reconstruction attends
+    # only to what each head still holds.
+    heads = session.head_live is not None
+    layers = session.full_attention_layers if heads else session._scored_layers()
     queries: dict[int, torch.Tensor] = {}
 
-    def capture(layer: int, query: torch.Tensor) -> None:
+    def capture(layer: int, query: torch.Tensor) -> torch.Tensor | None:
         if layer in layers:
             queries[layer] = query[0].detach()  # [Hq, R, D], post-RoPE
+        return session._heads.live_of(layer) if heads else None
 
     pos = torch.arange(session.seen, session.seen + r).unsqueeze(0)
     session.model(input_ids=rep.view(1, -1), position_ids=pos,
@@ -127,7 +137,7 @@ def reconstruct(session: Any) -> None:
         logits = torch.einsum("hgrd,hkd->hgrk", q.view(hkv, -1, r, q.shape[-1]).float(),
                               k.float()) * scale
         logits[..., -r:] += causal
-        probs = torch.softmax(logits, dim=-1)
+        probs = torch.softmax(logits, dim=-1)  # the chunk's tokens are live in every head
         per_head = probs[..., sink:sink + total - first].amax(dim=(1, 2))  # [Hkv, tokens]
         store = _grown(scores.get(li, torch.zeros(hkv, 0)), need).clone()
         store[:, session.positions[first:total]] = per_head
@@ -176,12 +186,23 @@ def block_scores(session: Any) -> torch.Tensor:
     return (out / out.sum()).double()
 
 
+def head_scores(session: Any) -> torch.Tensor:
+    """Every live (full layer, KV head, token) entry's reconstruction score ``[L, Hkv, T]``
+    (head granularity); a token never scored (fed at decode) counts as 1."""
+    need = int(session.positions[-1]) + 1
+    toks = [_grown(session._recon_scores[li], need)[:, session.positions]
+            for li in session.full_attention_layers]
+    every = torch.stack(toks)
+    return torch.where(torch.isnan(every), torch.ones_like(every), every)
+
+
 def install() -> Callable[[], None]:
     """Patch this process's StreamingSession: remember every fed id, and replace the
     expected_attention evidence with the reconstruction score (reconstructing the new
     tokens first at a prompt event). Returns the function that undoes the patch."""
     session_cls = streaming.StreamingSession
     forward, gather, event = session_cls.forward, session_cls.gather, session_cls._event
+    head_evidence = session_cls.head_evidence
 
     def patched_forward(self: Any, input_ids: torch.Tensor, *, logits_to_keep: int = 1
                         ) -> torch.Tensor:
@@ -201,6 +222,16 @@ def install() -> Callable[[], None]:
             out["expected_attention"] = block_scores(self).to(out["expected_attention"].dtype)
         return out
 
+    def patched_head_evidence(self: Any, kinds: frozenset[str], window: int
+                              ) -> streaming.HeadEvidence:
+        out = head_evidence(self, kinds, window)
+        if "expected_attention" not in kinds:
+            return out
+        if self._recon_prefill:
+            reconstruct(self)
+        return streaming.HeadEvidence(
+            live=out.live, kinds={**out.kinds, "expected_attention": head_scores(self)})
+
     def patched_event(self: Any, *, prefill: bool, n_blocks: int, budget_blocks: int) -> bool:
         self._recon_prefill = prefill
         return bool(event(self, prefill=prefill, n_blocks=n_blocks,
@@ -209,9 +240,11 @@ def install() -> Callable[[], None]:
     session_cls.forward = patched_forward
     session_cls.gather = patched_gather
     session_cls._event = patched_event
+    session_cls.head_evidence = patched_head_evidence
 
     def uninstall() -> None:
         session_cls.forward, session_cls.gather, session_cls._event = forward, gather, event
+        session_cls.head_evidence = head_evidence
 
     return uninstall
 
@@ -296,6 +329,28 @@ def saturation(tasks: list[str]) -> None:
     uninstall()
 
 
+def run_head(out: Path, tasks: str | None) -> None:
+    """Head granularity on the report set's long documents (``HEAD_CONFIG``), the
+    reconstruction score standing in for expected attention, into ``out`` (seeded with
+    the published baselines of those samples)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "records.jsonl").exists():
+        parts = []
+        for i, method in enumerate(HEAD_SEEDED):
+            part = out / f"seed_{i}.jsonl"
+            where = ["--where", f"method={method}"]
+            if tasks:
+                where += ["--where", f"task={tasks}"]
+            cli.main(["records", HEAD_SEED_RECORDS, *where, "--out", str(part)])
+            parts.append(str(part))
+        cli.main(["records", *parts, "--out", str(out / "records.jsonl")])
+        for part in parts:
+            os.remove(part)
+    install()
+    cli.main(["eval", "--config", HEAD_CONFIG, "--out", str(out),
+              *(["--tasks", tasks] if tasks else [])])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reduce", default="max:max,max:mean,mean:mean,vote:sum",
@@ -308,7 +363,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="runs/stream_tuning_reconstruction")
     ap.add_argument("--saturation", action="store_true",
                     help="only print how flat the blocks' scores are (two tasks, ~1 min)")
+    ap.add_argument("--head", action="store_true",
+                    help=f"head granularity on the report set ({HEAD_CONFIG}) into "
+                         "--out (default runs/stream_head_reconstruction)")
+    ap.add_argument("--tasks", default=None, help="with --head: one task of it")
     args = ap.parse_args(argv)
+    if args.head:
+        out = args.out if args.out != ap.get_default("out") \
+            else "runs/stream_head_reconstruction"
+        run_head(Path(out), args.tasks)
+        return
     if args.saturation:
         saturation(["niah_single_prose", "niah_multikey"])
         return

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ._validate import ConfigError, check_choice, check_float, check_int
+from .head_paged import GRANULARITIES, check_head_group, load_head_profile
 from .policies import METHODS, POLICIES, EvictionPolicy, forced_count
 from .scoring import ATTENTION_REDUCES, cdiv
 
@@ -118,6 +119,22 @@ class EvictionConfig:
         (:meth:`policy_knobs`); top-level ``prefill_<knob>`` keys land here.
     seed : int
         Global seed; each request's generator is seeded from (seed, request seed).
+    granularity : {"block", "head"}
+        What an event keeps or drops. ``block``: one block set for every layer and KV
+        head. ``head``: each (layer, KV head) keeps its own tokens, chosen by one threshold
+        over every (layer, head, token) unit of the policy's per-head score
+        (:mod:`~nexus_vllm.core.head_paged`), packed into head-blocks within the same
+        memory as ``block``; every full-attention layer is scored (``skip_layers`` and
+        ``layer_stride`` are block granularity's). The transformers path runs it; the
+        vLLM server does not yet.
+    head_group : int
+        Under ``head``: tokens scored as one unit (aligned logical positions; a divisor of
+        ``block_size``). 1: every token on its own.
+    head_profile : str, optional
+        Under ``head``: a fixed allocation over (layer, KV head), calibrated offline for
+        the model (a shipped profile's name or a JSON file,
+        :func:`~nexus_vllm.core.head_paged.load_head_profile`); each head then keeps its
+        share of the budget, its own best entries in it. None: one threshold per event.
     """
 
     method: str = "nexus"
@@ -141,6 +158,9 @@ class EvictionConfig:
     policy_args: Mapping[str, Any] = field(default_factory=dict)
     prefill_args: Mapping[str, Any] = field(default_factory=dict)
     seed: int = 0
+    granularity: str = "block"
+    head_group: int = 1
+    head_profile: str | None = None
 
     def __post_init__(self) -> None:
         check_choice("method", self.method, METHODS)
@@ -179,6 +199,13 @@ class EvictionConfig:
         check_int("skip_layers", self.skip_layers, low=0)
         check_int("layer_stride", self.layer_stride, low=1)
         check_int("seed", self.seed)
+        check_choice("granularity", self.granularity, GRANULARITIES)
+        check_head_group(self.head_group, self.block_size)
+        if self.head_profile is not None:
+            if self.granularity != "head":
+                raise ConfigError("head_profile", "head_profile allocates per (layer, KV "
+                                  "head): it needs granularity 'head'")
+            load_head_profile(self.head_profile)
         for name in ("policy_args", "prefill_args"):
             value = getattr(self, name)
             if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
@@ -205,8 +232,12 @@ class EvictionConfig:
                                       f"{name}.{knob}: {_not_a_knob(knob, self.method)}")
         for prefill, prompt_end in ((False, False), (True, False), (True, True)):
             try:
-                self.policy(prefill=prefill, prompt_end=prompt_end)
+                policy = self.policy(prefill=prefill, prompt_end=prompt_end)
+                if self.granularity == "head" and not policy.head_needs:
+                    raise ConfigError("granularity", _no_head_score(policy))
             except (TypeError, ValueError) as exc:
+                if getattr(exc, "field", None) == "granularity":
+                    raise
                 knob = str(getattr(exc, "field", ""))
                 source = "prefill_args" if prefill and knob in self.prefill_args \
                     else "policy_args"
@@ -577,6 +608,12 @@ def window_blocks(window: int, block_size: int, total_tokens: int,
 def _owners(knob: str) -> list[str]:
     """The registered policies that take ``knob``."""
     return [name for name, cls in POLICIES.items() if knob in cls.knobs()]
+
+
+def _no_head_score(policy: EvictionPolicy) -> str:
+    takes = sorted(m for m in POLICIES if POLICIES[m]().head_needs)
+    return (f"granularity 'head' needs a policy with a per-head score; {policy.name!r} has "
+            f"none (with one: {', '.join(takes)})")
 
 
 def _not_a_knob(knob: str, method: str) -> str:

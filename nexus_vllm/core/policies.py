@@ -34,6 +34,7 @@ import torch
 
 from ._validate import ConfigError, check_choice, check_float, check_int
 from .evidence import Evidence
+from .head_paged import HeadEvidence
 from .sampling import SAMPLERS, sample_blocks, top_k_indices
 from .scoring import normalize_rows
 from .weights import DIRECT_MODES, WALK_ROWS, check_indirect, nexus_weights
@@ -60,6 +61,7 @@ __all__ = [
     "forced_tail",
     "get_policy",
     "register_policy",
+    "standardized_head_norms",
     "standardized_key_norms",
 ]
 
@@ -121,6 +123,18 @@ def key_norms_are_flat(norms: torch.Tensor) -> bool:
     of their mean: every key the same length up to rounding, so their order is noise."""
     x = norms.to(torch.float64).flatten()
     return bool(x.std(unbiased=False) < KNORM_SPREAD_FLOOR * x.mean().abs())
+
+
+def standardized_head_norms(norms: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """Key norms ``[L, H, T]`` standardised within each (layer, head) over its live
+    entries (0 on dead ones, and where a head's norms are flat:
+    :data:`KNORM_SPREAD_FLOOR`)."""
+    w = live.float()
+    count = w.sum(dim=-1, keepdim=True).clamp_min(1.0)
+    mean = (norms * w).sum(dim=-1, keepdim=True) / count
+    std = (((norms - mean) * w).square().sum(dim=-1, keepdim=True) / count).sqrt()
+    std = torch.maximum(std, KNORM_SPREAD_FLOOR * mean.abs()).clamp_min(1e-12)
+    return ((norms - mean) / std * w).float()
 
 
 def carry_forward(weights: torch.Tensor, carry: int) -> torch.Tensor:
@@ -217,6 +231,24 @@ class EvictionPolicy:
         ``state`` is the caller-owned per-request dict (None when the caller keeps none).
         """
         raise NotImplementedError
+
+    @property
+    def head_needs(self) -> frozenset[str]:
+        """The per-head evidence (:data:`~nexus_vllm.core.head_paged.HEAD_KINDS`) that
+        :meth:`head_score` reads; empty: the policy has no per-head score and cannot run
+        at ``granularity`` ``head``."""
+        return frozenset()
+
+    @property
+    def head_sampler(self) -> str:
+        """How head granularity picks units past the forced set (one threshold: topk)."""
+        return "topk"
+
+    def head_score(self, evidence: HeadEvidence) -> torch.Tensor:
+        """Keep weight of every (layer, KV head, token) unit, Tensor[L, Hkv, T]; one
+        threshold over all of them spends the budget (:mod:`~nexus_vllm.core.head_paged`)."""
+        raise ValueError(f"policy {self.name!r} has no per-head score: granularity 'head' "
+                         f"takes {sorted(m for m in POLICIES if POLICIES[m]().head_needs)}")
 
     def reweight(self, weights: torch.Tensor, evidence: Evidence) -> torch.Tensor:
         """Factors that belong to each block itself, applied after ``carry`` (the
@@ -444,6 +476,34 @@ class NexusPolicy(EvictionPolicy):
             needs.discard("mass")
         return frozenset(needs)
 
+    @property
+    def head_needs(self) -> frozenset[str]:
+        needs = {"mass"} if self.expected < 1 else set()
+        if self.expected > 0:
+            needs.add("expected_attention")
+        if self.knorm_prior > 0:
+            needs.add("key_norms")
+        return frozenset(needs)
+
+    @property
+    def head_sampler(self) -> str:
+        return self.sampler
+
+    def head_score(self, evidence: HeadEvidence) -> torch.Tensor:
+        """Per unit: the window's attention mixed with expected attention by
+        :attr:`expected`, times the key-norm prior standardised within each (layer, head).
+        The walk does not run per head: a unit's weight is its direct evidence."""
+        alpha = float(self.expected)
+        score = torch.zeros(evidence.live.shape, dtype=torch.float32)
+        if alpha < 1:
+            score = score + (1.0 - alpha) * evidence["mass"]
+        if alpha > 0:
+            score = score + alpha * evidence["expected_attention"]
+        if self.knorm_prior > 0:
+            score = score * torch.exp(-self.knorm_prior * standardized_head_norms(
+                evidence["key_norms"], evidence.live))
+        return score
+
     def combined_mass(self, evidence: Evidence) -> torch.Tensor:
         """The rows the walk and the sampler read: the window's mass mixed with expected
         attention by :attr:`expected` (``[W, N]``; one row when ``expected`` is 1)."""
@@ -524,6 +584,13 @@ class SnapKVPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "snapkv"
 
+    @property
+    def head_needs(self) -> frozenset[str]:
+        return frozenset({"mass"})
+
+    def head_score(self, evidence: HeadEvidence) -> torch.Tensor:
+        return evidence["mass"]
+
     def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
         return evidence.mass.detach().to("cpu", torch.float64).sum(dim=0)
 
@@ -535,6 +602,13 @@ class TOVAPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "tova"
     query_rows: ClassVar[int | None] = 1
+
+    @property
+    def head_needs(self) -> frozenset[str]:
+        return frozenset({"mass"})
+
+    def head_score(self, evidence: HeadEvidence) -> torch.Tensor:
+        return evidence["mass"]
 
     def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
         mass = evidence.mass
@@ -583,6 +657,13 @@ class KNormPolicy(EvictionPolicy):
     name: ClassVar[str] = "knorm"
     evidence: ClassVar[frozenset[str]] = frozenset({"key_norms"})
 
+    @property
+    def head_needs(self) -> frozenset[str]:
+        return frozenset({"key_norms"})
+
+    def head_score(self, evidence: HeadEvidence) -> torch.Tensor:
+        return -evidence["key_norms"]
+
     def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
         assert evidence.key_norms is not None  # select() checks what the policy needs
         norms = evidence.key_norms.detach().to("cpu", torch.float64)
@@ -603,6 +684,13 @@ class ExpectedAttentionPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "expected"
     evidence: ClassVar[frozenset[str]] = frozenset({"expected_attention"})
+
+    @property
+    def head_needs(self) -> frozenset[str]:
+        return frozenset({"expected_attention"})
+
+    def head_score(self, evidence: HeadEvidence) -> torch.Tensor:
+        return evidence["expected_attention"]
 
     def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
         return evidence["expected_attention"].detach().to("cpu", torch.float64)

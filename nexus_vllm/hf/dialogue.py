@@ -125,7 +125,7 @@ def run_probes(model: Any, ids: torch.Tensor, probes: list[Probe] | tuple[Probe,
             pieces = teacher_force(req, ids[probe.prompt_end:probe.forced_end])
             logits = pieces[-1][-1]
         events = req.num_events
-        cache_tokens = req.cache_len
+        cache_tokens = req.held_tokens
         greedy = greedy_ids(req.clone(), logits, probe.max_new_tokens, eos)
         answer = ids[probe.forced_end:probe.answer_end]
         # The last answer token predicts nothing scored: it is not fed.

@@ -285,7 +285,7 @@ def finish_sample(state: PromptState, tokenizer: Any, *, max_new_tokens: int) ->
     session, split, ids = state.session, state.split, state.ids
     _prompt_end(session)
     prefill_events = session.num_events
-    cache_tokens = session.cache_len
+    cache_tokens = session.held_tokens
     forced = session.clone()
     text = _decode_greedy(session, tokenizer, state.q_logits[-1], max_new_tokens)
 

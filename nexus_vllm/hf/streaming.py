@@ -56,10 +56,22 @@ from nexus_vllm.core import (
     num_blocks_for,
 )
 from nexus_vllm.core.evidence import DenseLayer, DenseSequence
+from nexus_vllm.core.head_paged import (
+    HeadEvidence,
+    forced_positions,
+    head_budget_blocks,
+    head_expected_attention,
+    head_key_norms,
+    head_tokens_held,
+    head_window_attention,
+    load_head_profile,
+    select_head_units,
+)
 from nexus_vllm.hf.mla import is_mla_attention, latent_keys, latent_query, latent_rotary
 
 __all__ = ["CAPTURE_ATTENTION", "CAPTURE_ATTENTION_SINKS", "EvictionEvent", "StreamingSession",
-           "has_attention_sinks", "make_config", "rotary_of", "use_capture_attention"]
+           "has_attention_sinks", "make_config", "rotary_of", "use_capture_attention",
+           "with_head_mask"]
 
 # The attention implementation of a session's model (see the module docstring).
 CAPTURE_ATTENTION = "nexus_capture_sdpa"
@@ -76,22 +88,49 @@ _UNKNOWN = 1 << 62
 
 def _capture_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: Any, *,
-                       nexus_capture: Callable[[int, torch.Tensor], None] | None = None,
+                       nexus_capture: Callable[[int, torch.Tensor], torch.Tensor | None]
+                       | None = None,
                        **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """SDPA that first hands the layer's post-RoPE queries ``[1, Hq, n, D]`` to the
-    forward's ``nexus_capture`` callback (one session's), when there is one."""
+    forward's ``nexus_capture`` callback (one session's), when there is one; a callback
+    that returns a per-KV-head live mask of the cached slots (head granularity) has the
+    dead entries masked out of this layer's attention (:func:`with_head_mask`)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if nexus_capture is not None:
         # MLA (DeepSeek): the query absorbed into the latent the cache holds (hf/mla.py).
-        nexus_capture(int(module.layer_idx),
-                      latent_query(module, query) if is_mla_attention(module) else query)
+        live = nexus_capture(int(module.layer_idx),
+                             latent_query(module, query) if is_mla_attention(module) else query)
+        if live is not None:
+            attention_mask = with_head_mask(attention_mask, live, query.shape[1],
+                                            query.shape[2], key.shape[2])
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def with_head_mask(attention_mask: torch.Tensor | None, live: torch.Tensor,
+                   num_query_heads: int, num_queries: int, num_keys: int) -> torch.Tensor:
+    """SDPA's boolean mask ``[1, Hq, n, S]`` with each KV head's dead cached entries
+    masked: ``live`` (BoolTensor[Hkv, C]) covers the ``C = S - n`` cached slots, the
+    ``n`` new tokens attend causally (transformers' own mask when it built one)."""
+    cached = num_keys - num_queries
+    base = attention_mask
+    if base is None:
+        base = torch.ones(num_queries, num_keys, dtype=torch.bool, device=live.device)
+        base[:, cached:] = torch.ones(num_queries, num_queries, dtype=torch.bool,
+                                      device=live.device).tril()
+        base = base.view(1, 1, num_queries, num_keys)
+    elif base.dtype != torch.bool:
+        raise ValueError("per-head masks apply to SDPA's boolean masks only")
+    per_head = torch.ones(live.shape[0], num_keys, dtype=torch.bool, device=live.device)
+    per_head[:, :cached] = live
+    per_head = per_head.repeat_interleave(num_query_heads // live.shape[0], dim=0)
+    return base[..., :num_keys] & per_head.view(1, num_query_heads, 1, num_keys)
 
 
 def _capture_attention_sinks(module: Any, query: torch.Tensor, key: torch.Tensor,
                              value: torch.Tensor, attention_mask: Any, *,
-                             nexus_capture: Callable[[int, torch.Tensor], None] | None = None,
+                             nexus_capture: Callable[[int, torch.Tensor], torch.Tensor | None]
+                             | None = None,
                              **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """:func:`_capture_attention` for a layer with learned sinks: the callback, then the
     layer's own ``eager_attention_forward`` (its modeling module's, which adds the sink
@@ -212,6 +251,8 @@ class EvictionEvent:
     live_blocks: torch.Tensor | None = None
     gathered: dict[str, torch.Tensor] = field(default_factory=dict)
     prompt_end: bool = False  # the event after the prompt's last token
+    # Head granularity: BoolTensor[full layers, Hkv, T_after], what each head holds.
+    head_live: torch.Tensor | None = None
 
     @property
     def mass(self) -> torch.Tensor | None:
@@ -273,17 +314,23 @@ class StreamingSession:
         # Multi-head latent attention: the cache holds latent rows, scored with latent
         # queries (hf/mla.py).
         self._latent = any(is_mla_attention(m) for m in model.modules())
+        # Head granularity: which entries each (full layer, KV head) holds over the cache
+        # slots, and the best score each entry has had (core/head_paged.py).
+        self._heads: HeadLedger | None = None
+        if config is not None and config.granularity == "head":
+            self._heads = HeadLedger.start(model, self._full, self._latent, config.head_profile)
 
     # ------------------------------------------------------------------ forward
-    def _record_queries(self, layer_idx: int, query: torch.Tensor) -> None:
+    def _record_queries(self, layer_idx: int, query: torch.Tensor) -> torch.Tensor | None:
         # Sliding-window layers are never scored: their queries are not kept.
         if self._query_keep == 0 or self._sliding[layer_idx]:
-            return
+            return None
         q = query[0, :, -self._query_keep:, :].detach()  # [Hq, w, D]
         prev = self._queries[layer_idx]
         if prev is not None and q.shape[1] < self._query_keep:
             q = torch.cat([prev, q], dim=1)[:, -self._query_keep:]
         self._queries[layer_idx] = q
+        return self._heads.live_of(layer_idx) if self._heads is not None else None
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, *, logits_to_keep: int = 1) -> torch.Tensor:
@@ -300,6 +347,8 @@ class StreamingSession:
                          nexus_capture=self._record_queries)
         self.seen += n
         self.positions = torch.cat([self.positions, pos[0].cpu()])
+        if self._heads is not None:
+            self._heads.append(n)
         return out.logits[0].float()
 
     # ------------------------------------------------------------------ eviction
@@ -310,6 +359,20 @@ class StreamingSession:
         sliding layer holds at most ``sliding_window - 1`` of them."""
         layer = self._full[0] if self._full else 0
         return int(self.cache.layers[layer].get_seq_length())
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens the budget counts: :attr:`cache_len` at block granularity; under head
+        granularity the mean a (full layer, KV head) holds, rounded up."""
+        if self._heads is None:
+            return self.cache_len
+        return head_tokens_held(self._heads.live)
+
+    @property
+    def head_live(self) -> torch.Tensor | None:
+        """Under head granularity, BoolTensor[full layers, Hkv, cache_len]: the entries
+        each (layer, KV head) holds; None at block granularity."""
+        return None if self._heads is None else self._heads.live
 
     @property
     def full_attention_layers(self) -> list[int]:
@@ -392,7 +455,7 @@ class StreamingSession:
         cfg = self.config
         if cfg is None:
             return False
-        n_blocks = num_blocks_for(self.cache_len, cfg.block_size)
+        n_blocks = num_blocks_for(self.held_tokens, cfg.block_size)
         # The trigger's prefill rule (every token since it last moved is this chunk's): an
         # event when over the target, and the decode clock restarts (``prefill`` only
         # picks the policy and window of the event).
@@ -410,6 +473,9 @@ class StreamingSession:
         policy = cfg.policy(prefill=prefill, prompt_tokens=self.prompt_tokens,
                             prompt_end=prompt_end)
         window = policy.window(cfg.prompt_window if prefill else cfg.window)
+        if self._heads is not None:
+            return self._head_event(policy, window, prefill=prefill, n_blocks=n_blocks,
+                                    budget_blocks=budget_blocks, prompt_end=prompt_end)
         gathered = self.gather(policy.needs, window) if policy.needs else {}
         evidence = Evidence.from_gathered(gathered, attention_reduce=cfg.attention_reduce,
                                           num_blocks=n_blocks)
@@ -418,15 +484,7 @@ class StreamingSession:
             evidence, budget_blocks, generator=self.generator, state=self.state
         )
         token_idx = (keep.view(-1, 1) * b + torch.arange(b)).view(-1)
-        token_idx = token_idx[token_idx < t]
-        # Only full-attention layers: a sliding layer's window is transformers' to keep,
-        # as vLLM keeps its sliding groups' blocks.
-        for li in self._full:
-            layer = self.cache.layers[li]
-            dev = layer.keys.device
-            layer.keys = layer.keys.index_select(-2, token_idx.to(dev))
-            layer.values = layer.values.index_select(-2, token_idx.to(dev))
-        self.positions = self.positions[token_idx]
+        self.keep_slots(token_idx[token_idx < t])
         self.num_events += 1
         if self.record_events:
             self.events.append(EvictionEvent(
@@ -435,6 +493,75 @@ class StreamingSession:
                 kept_positions=self.positions.clone(), live_blocks=live_blocks,
                 gathered={k: v.detach().cpu() for k, v in gathered.items()},
                 prompt_end=prompt_end))
+        return True
+
+    def keep_slots(self, token_idx: torch.Tensor) -> None:
+        """Keep only the cache slots ``token_idx`` (LongTensor, ascending) in every
+        full-attention layer; a sliding layer's window is transformers' to keep, as vLLM
+        keeps its sliding groups' blocks."""
+        for li in self._full:
+            layer = self.cache.layers[li]
+            dev = layer.keys.device
+            layer.keys = layer.keys.index_select(-2, token_idx.to(dev))
+            layer.values = layer.values.index_select(-2, token_idx.to(dev))
+        self.positions = self.positions[token_idx]
+        if self._heads is not None:
+            self._heads.keep_slots(token_idx)
+
+    def head_evidence(self, kinds: frozenset[str], window: int) -> HeadEvidence:
+        """Each per-head kind in ``kinds`` over every full-attention layer's live entries
+        (:mod:`nexus_vllm.core.head_paged`), from the newest ``window`` query rows."""
+        heads = self._heads
+        assert heads is not None
+        live = heads.live
+        per_kind: dict[str, list[torch.Tensor]] = {k: [] for k in sorted(kinds)}
+        rotary = self.rotary() if "expected_attention" in kinds else None
+        for i, li in enumerate(self._full):
+            q = self._queries[li]
+            if q is None:
+                raise RuntimeError("no queries recorded yet: feed tokens before evicting")
+            rows = q[:, -window:].transpose(0, 1)  # [W, Hq, D]
+            keys = self.cache.layers[li].keys[0].transpose(0, 1)  # [T, Hkv, D]
+            if "mass" in per_kind:
+                per_kind["mass"].append(head_window_attention(
+                    rows, keys, live[i], scale=heads.scales.get(li)))
+            if "expected_attention" in per_kind:
+                assert rotary is not None
+                w = int(rows.shape[0])
+                per_kind["expected_attention"].append(head_expected_attention(
+                    rows, torch.arange(self.seen - w, self.seen), keys, live[i], self.seen,
+                    rotary))
+            if "key_norms" in per_kind:
+                per_kind["key_norms"].append(head_key_norms(keys))
+        return HeadEvidence(live=live, kinds={k: torch.stack(v) for k, v in per_kind.items()})
+
+    def _head_event(self, policy: Any, window: int, *, prefill: bool, n_blocks: int,
+                    budget_blocks: int, prompt_end: bool) -> bool:
+        """One event at head granularity: score every live (layer, KV head, token) unit,
+        keep by one threshold within ``budget_blocks`` x layers x KV heads head-blocks,
+        then drop the cache slots no head holds any more."""
+        cfg = self.config
+        heads = self._heads
+        assert cfg is not None and heads is not None
+        evidence = self.head_evidence(policy.head_needs, window)
+        scores = heads.remember(policy.head_score(evidence))
+        forced = forced_positions(self.positions, self.seen, cfg.block_size,
+                                  policy.sink_blocks, policy.recent_blocks)
+        live = heads.live
+        keep = select_head_units(
+            scores, live, forced,
+            head_budget_blocks(budget_blocks, live.shape[0], live.shape[1]), cfg.block_size,
+            positions=self.positions, group=cfg.head_group, sampler=policy.head_sampler,
+            n=int(getattr(policy, "n", 1)), generator=self.generator, shares=heads.shares)
+        heads.live = keep
+        self.keep_slots(torch.nonzero(keep.any(dim=1).any(dim=0)).view(-1))
+        self.num_events += 1
+        if self.record_events:
+            self.events.append(EvictionEvent(
+                seen=self.seen, prefill=prefill, blocks_before=n_blocks,
+                blocks_after=num_blocks_for(self.held_tokens, cfg.block_size),
+                budget_blocks=budget_blocks, kept_positions=self.positions.clone(),
+                prompt_end=prompt_end, head_live=heads.live.clone()))
         return True
 
     def decode_step_done(self, n: int = 1) -> None:
@@ -448,7 +575,7 @@ class StreamingSession:
         cfg = self.config
         if cfg is None:
             return
-        n_blocks = num_blocks_for(self.cache_len, cfg.block_size)
+        n_blocks = num_blocks_for(self.held_tokens, cfg.block_size)
         if self.trigger.advance(self.seen, n_blocks, n) is not None:
             self._event(prefill=False, n_blocks=n_blocks,
                         budget_blocks=cfg.target_blocks(self.seen, self.prompt_tokens))
@@ -461,7 +588,7 @@ class StreamingSession:
         if cfg is None:
             return limit
         for j in range(1, limit + 1):
-            n_blocks = num_blocks_for(self.cache_len + j, cfg.block_size)
+            n_blocks = num_blocks_for(self.held_tokens + j, cfg.block_size)
             # On a copy: asking must not move the session's clock.
             if copy.copy(self.trigger).advance(self.seen + j, n_blocks, j) is not None:
                 return j
@@ -491,6 +618,10 @@ class StreamingSession:
         other.generator = config.generator(request_seed)
         other.state = {}
         other.trigger = EvictionTrigger(config, self.prompt_tokens)
+        if config.granularity == "head":
+            other._heads = HeadLedger.start(self.model, self._full, self._latent,
+                                            config.head_profile)
+            other._heads.append(self.cache_len)
         return other
 
     def clone(self) -> StreamingSession:
@@ -509,7 +640,87 @@ class StreamingSession:
         other.events = list(self.events)
         other._queries = [q.clone() if q is not None else None for q in self._queries]
         other.positions = self.positions.clone()
+        other._heads = self._heads.copy() if self._heads is not None else None
         return other
+
+
+@dataclass
+class HeadLedger:
+    """A session's per-head bookkeeping at head granularity.
+
+    Attributes
+    ----------
+    layers : list of int
+        The full-attention layers (the ones evicted), in order.
+    live : BoolTensor[len(layers), Hkv, T]
+        Which cache slots each (layer, KV head) still attends to.
+    best : Tensor[len(layers), Hkv, T]
+        The largest score each entry has had at any event (-inf before its first): an
+        entry keeps what its own chunk's queries saw in it once later rows look away.
+    scales : dict of int to float
+        Each layer's attention logit scale (the module's ``scaling``).
+    shares : Tensor[len(layers), Hkv] or None
+        The config's ``head_profile``: a fixed allocation over the heads.
+    """
+
+    layers: list[int]
+    live: torch.Tensor
+    best: torch.Tensor
+    scales: dict[int, float]
+    shares: torch.Tensor | None = None
+
+    @classmethod
+    def start(cls, model: Any, full_layers: list[int], latent: bool,
+              profile: str | None = None) -> HeadLedger:
+        if latent:
+            raise ValueError("granularity 'head' needs KV heads; an MLA model caches one "
+                             "latent row per token (use granularity 'block')")
+        if has_attention_sinks(model):
+            raise ValueError("granularity 'head' masks SDPA's attention; a model with "
+                             "attention sinks attends eagerly (use granularity 'block')")
+        text = model.config.get_text_config(decoder=True)
+        hkv = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+        scales = {int(m.layer_idx): float(m.scaling) for m in model.modules()
+                  if hasattr(m, "q_proj") and hasattr(m, "scaling")
+                  and getattr(m, "layer_idx", None) is not None}
+        shape = (len(full_layers), hkv, 0)
+        shares = None
+        if profile is not None:
+            shares = load_head_profile(profile).tensor()
+            if tuple(shares.shape) != shape[:2]:
+                raise ValueError(f"head_profile {profile!r} allocates over "
+                                 f"{tuple(shares.shape)} (layers, KV heads); this model has "
+                                 f"{shape[:2]}")
+        return cls(layers=list(full_layers), live=torch.zeros(shape, dtype=torch.bool),
+                   best=torch.zeros(shape), scales=scales, shares=shares)
+
+    def live_of(self, layer_idx: int) -> torch.Tensor | None:
+        """The live mask ``[Hkv, T]`` of one layer (None for a sliding layer)."""
+        if layer_idx not in self.layers:
+            return None
+        return self.live[self.layers.index(layer_idx)]
+
+    def append(self, n: int) -> None:
+        """``n`` new slots, live in every head, not scored yet."""
+        layers, heads, _ = self.live.shape
+        self.live = torch.cat([self.live, torch.ones(layers, heads, n, dtype=torch.bool)],
+                              dim=-1)
+        self.best = torch.cat([self.best, torch.full((layers, heads, n), float("-inf"))],
+                              dim=-1)
+
+    def remember(self, scores: torch.Tensor) -> torch.Tensor:
+        """Raise each live entry's best score to ``scores`` (``[L, Hkv, T]``); return it."""
+        self.best = torch.where(self.live, torch.maximum(self.best, scores.float()),
+                                self.best)
+        return self.best
+
+    def keep_slots(self, token_idx: torch.Tensor) -> None:
+        self.live = self.live.index_select(-1, token_idx)
+        self.best = self.best.index_select(-1, token_idx)
+
+    def copy(self) -> HeadLedger:
+        return HeadLedger(layers=list(self.layers), live=self.live.clone(),
+                          best=self.best.clone(), scales=dict(self.scales), shares=self.shares)
 
 
 def _sliding_layers(cache: Any, model_config: Any, *, evicting: bool) -> list[bool]:

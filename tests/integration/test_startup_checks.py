@@ -160,6 +160,13 @@ def test_check_model_names_the_model_then_the_limits() -> None:
         check_model(CFG, "m", AttentionTraits(), 4096, 2)
 
 
+def test_check_model_refuses_head_granularity_naming_the_field() -> None:
+    heads = CFG.replace(granularity="head")
+    with pytest.raises(ValueError, match="^--kv-eviction nexus: nexus.granularity 'head' is "
+                                         "not served yet"):
+        check_model(heads, "m", AttentionTraits(), 4096, 4)
+
+
 # -- through vLLM's EngineArgs on a pretend CUDA platform ---------------------------------
 @pytest.fixture
 def cuda(monkeypatch):  # noqa: ANN001, ANN201

@@ -32,7 +32,7 @@ from ..scoring import normalize_rows, num_blocks_for
 from .base import DenseSequence, EvidenceKind, PagedBatch, register_evidence
 
 __all__ = ["EXPECTED_ATTENTION", "HORIZON", "ExpectedAttention", "expected_attention",
-           "future_query_statistics"]
+           "future_query_statistics", "token_logits"]
 
 # Future positions the rotation is averaged over (kvpress's default).
 HORIZON = 512
@@ -74,7 +74,7 @@ def future_query_statistics(queries: torch.Tensor, positions: torch.Tensor,
     return mean, centred
 
 
-def _token_logits(keys: torch.Tensor, mean: torch.Tensor, centred: torch.Tensor
+def token_logits(keys: torch.Tensor, mean: torch.Tensor, centred: torch.Tensor
                   ) -> torch.Tensor:
     """``k.mu'/sqrt(D) + k^T Sigma' k/(2D)`` for keys ``[R, T, Hkv, D]``: ``[R, Hq, T]``
     (each query head reads its KV head's keys; no copy of the keys per query head)."""
@@ -117,7 +117,7 @@ def expected_attention(queries: torch.Tensor, positions: torch.Tensor, keys: tor
     mean, centred = future_query_statistics(
         queries[None], positions.view(1, w), torch.ones(1, w, dtype=torch.bool),
         torch.tensor([int(next_position)]), rotary)
-    probs = torch.softmax(_token_logits(keys[None], mean, centred), dim=-1)  # [1, Hq, T]
+    probs = torch.softmax(token_logits(keys[None], mean, centred), dim=-1)  # [1, Hq, T]
     t = int(keys.shape[0])
     n = num_blocks_for(t, block_size)
     padded = torch.nn.functional.pad(probs, (0, n * block_size - t))
@@ -163,7 +163,7 @@ class ExpectedAttention(EvidenceKind):
             _, hkv, bs, d = cache.shape
             keys = cache.index_select(0, tables.reshape(-1)).view(r, n_max, hkv, bs, d)
             keys = keys.transpose(2, 3).reshape(r, n_max * bs, hkv, d)
-            logits = _token_logits(keys, means[li], centred[li]).masked_fill_(
+            logits = token_logits(keys, means[li], centred[li]).masked_fill_(
                 beyond, float("-inf"))  # [R, Hq, T]
             probs = torch.softmax(logits, dim=-1).view(r, -1, n_max, bs).sum(dim=-1)
             if batch.attention_reduce == "mean":

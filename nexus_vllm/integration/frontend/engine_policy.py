@@ -309,6 +309,13 @@ def check_model(cfg: EvictionConfig, model: str, traits: AttentionTraits, max_mo
     ValueError
         Prefixed ``--kv-eviction <method>:``, naming what the model uses or the flag.
     """
+    if cfg.granularity != "block":
+        # Head-paged KV is measured on the transformers path; the worker's attention and
+        # block tables are still one set per request.
+        raise ValueError(
+            f"--kv-eviction {cfg.method}: nexus.granularity {cfg.granularity!r} is not "
+            "served yet (the transformers path runs it: nexus_vllm.hf); serve with "
+            "granularity 'block'")
     reasons = unsupported_attention(traits)
     if reasons:
         raise ValueError(
