@@ -5,6 +5,8 @@ Seeded; shapes at module level."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from nexus_vllm.core import (
 )
 from nexus_vllm.core.evidence import DenseLayer, DenseSequence, EvidenceKind, PagedBatch
 from nexus_vllm.core.evidence.key_norms import block_key_norms
+from nexus_vllm.kernels import block_attention_mass_paged_layers
 
 # (query heads, KV heads, head size, block size)
 HEAD_SHAPES = [(4, 2, 16, 8), (6, 3, 8, 4), (2, 2, 32, 16)]
@@ -167,7 +170,9 @@ def test_paged_gatherer_split_over_ranks_matches_dense(kind_name, shape, batch, 
             next_positions=torch.tensor(lens),
             key_caches=[c[:, rank * hk:(rank + 1) * hk] for c in caches],
             tables=tables, seq_lens=torch.tensor(lens, dtype=torch.int32),
-            attention_reduce=attention_reduce, layers_divisor=layers * tp, rotary=rotary), part)
+            attention_reduce=attention_reduce, layers_divisor=layers * tp, rotary=rotary,
+            paged_mass=functools.partial(block_attention_mass_paged_layers, backend="torch")),
+            part)
         if total is None:
             total = part
         else:

@@ -21,7 +21,7 @@ registry says; the scheduler and the transformers path build :class:`Evidence` w
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -113,8 +113,10 @@ class PagedBatch:
     layers_divisor : int
         Scored layers of the whole model x TP ranks: a kind whose ranks sum shares divides
         by it, so the sum over every rank of every stage is the mean over the model.
-    backend : str
-        ``nexus_vllm.kernels`` backend for kinds with a kernel.
+    paged_mass : callable, optional
+        The paged block-mass kernel the ``mass`` kind runs over every scored layer
+        (``nexus_vllm.kernels.block_attention_mass_paged_layers`` with its backend bound):
+        the worker hands it in, so this reference package imports no kernel.
     rotary : Rotary or None
     """
 
@@ -127,7 +129,7 @@ class PagedBatch:
     seq_lens: torch.Tensor
     attention_reduce: str
     layers_divisor: int
-    backend: str = "torch"
+    paged_mass: Callable[..., object] | None = None
     rotary: Rotary | None = None
 
 

@@ -4,7 +4,8 @@ Rows per query ``[W, N]``; over heads and layers the mean (rows stay distributio
 sum their shares) or the maximum (rows of maxima, renormalised by :meth:`finish`, which
 keeps each row's total as ``row_scale``; ranks take the maximum). The reference is
 :func:`nexus_vllm.core.scoring.block_attention_mass`; the worker runs the Triton kernel
-``nexus_vllm.kernels.block_attention_mass_paged_layers`` over every scored layer at once.
+``nexus_vllm.kernels.block_attention_mass_paged_layers`` over every scored layer at once,
+handed in with the batch (``PagedBatch.paged_mass``: core imports no kernel).
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ class Mass(EvidenceKind):
         return combine_layer_masses(masses, seq.attention_reduce)
 
     def gather_paged(self, batch: PagedBatch, out: torch.Tensor) -> None:
-        from nexus_vllm.kernels import block_attention_mass_paged_layers
-
+        if batch.paged_mass is None:
+            raise ValueError("the mass kind's worker gatherer runs the paged kernel the batch "
+                             "carries (PagedBatch.paged_mass); none was given")
         r, w, n_max = out.shape
-        block_attention_mass_paged_layers(
+        batch.paged_mass(
             batch.queries, batch.key_caches, batch.tables[:, :n_max], batch.seq_lens,
-            kv_layout="HND", backend=batch.backend, out=out, attention_reduce=batch.attention_reduce)
+            kv_layout="HND", out=out, attention_reduce=batch.attention_reduce)
         if batch.attention_reduce == "mean":
             out.div_(batch.layers_divisor)
 

@@ -20,6 +20,7 @@ scheduling) waits for that copy and returns the per-request evidence for the rep
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -45,6 +46,7 @@ from nexus_vllm.integration.worker.wire import (
     wire_layout,
 )
 from nexus_vllm.integration.worker.worker_step import Batch, SelfCheckError, Staging
+from nexus_vllm.kernels import block_attention_mass_paged_layers
 
 __all__ = ["BlockScorer", "GatheredEvidence", "PendingScores"]
 
@@ -267,7 +269,9 @@ class BlockScorer:
             tables=batch.tables.index_select(0, rows_dev)[:, :seg.cols],
             seq_lens=batch.seq_lens.index_select(0, rows_dev),
             attention_reduce=self.attention_reduce, layers_divisor=self._layers_divisor(),
-            backend=self.backend, rotary=self.rotary)
+            paged_mass=functools.partial(block_attention_mass_paged_layers,
+                                         backend=self.backend),
+            rotary=self.rotary)
 
     def _self_check_mass(self, paged: PagedBatch, out: torch.Tensor) -> None:
         """``NEXUS_VLLM_SELF_CHECK``: the first scoring steps' mass recomputed with the
@@ -276,7 +280,9 @@ class BlockScorer:
             return
         self._checks += 1
         ref = torch.zeros_like(out)
-        evidence_kind("mass").gather_paged(dataclasses.replace(paged, backend="torch"), ref)
+        torch_mass = functools.partial(block_attention_mass_paged_layers, backend="torch")
+        evidence_kind("mass").gather_paged(dataclasses.replace(paged, paged_mass=torch_mass),
+                                           ref)
         err = float((ref - out).abs().max())
         if err > 1e-3:
             raise SelfCheckError(f"nexus-vllm self-check: the scoring kernel differs "
