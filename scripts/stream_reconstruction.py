@@ -6,6 +6,7 @@ the transformers path against the streaming tuning set's long documents.
         [--out runs/stream_tuning_reconstruction]
     .venv/bin/python scripts/stream_reconstruction.py --saturation
     .venv/bin/python scripts/stream_reconstruction.py --head [--tasks TASK] [--out DIR]
+        [other `nexus-vllm eval` flags, e.g. --methods, --samples]
 
 About 25 minutes per reduction on one core (36 evaluations of ~2k-token documents, each
 with its reconstruction pass). ``--head`` reads the score per (layer, KV head, token) at
@@ -143,7 +144,7 @@ def reconstruct(session: Any) -> None:
         store[:, session.positions[first:total]] = per_head
         scores[li] = store
     session._recon_scores = scores
-    session.cache.crop(total)
+    session.cache.crop(-r)  # the reconstruction's r entries
     session._recon_scored_to = need
 
 
@@ -329,7 +330,7 @@ def saturation(tasks: list[str]) -> None:
     uninstall()
 
 
-def run_head(out: Path, tasks: str | None) -> None:
+def run_head(out: Path, tasks: str | None, eval_args: list[str]) -> None:
     """Head granularity on the report set's long documents (``HEAD_CONFIG``), the
     reconstruction score standing in for expected attention, into ``out`` (seeded with
     the published baselines of those samples)."""
@@ -348,7 +349,7 @@ def run_head(out: Path, tasks: str | None) -> None:
             os.remove(part)
     install()
     cli.main(["eval", "--config", HEAD_CONFIG, "--out", str(out),
-              *(["--tasks", tasks] if tasks else [])])
+              *(["--tasks", tasks] if tasks else []), *eval_args])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -367,11 +368,13 @@ def main(argv: list[str] | None = None) -> None:
                     help=f"head granularity on the report set ({HEAD_CONFIG}) into "
                          "--out (default runs/stream_head_reconstruction)")
     ap.add_argument("--tasks", default=None, help="with --head: one task of it")
-    args = ap.parse_args(argv)
+    args, eval_args = ap.parse_known_args(argv)
+    if eval_args and not args.head:
+        ap.error(f"unrecognized arguments: {' '.join(eval_args)}")
     if args.head:
         out = args.out if args.out != ap.get_default("out") \
             else "runs/stream_head_reconstruction"
-        run_head(Path(out), args.tasks)
+        run_head(Path(out), args.tasks, eval_args)
         return
     if args.saturation:
         saturation(["niah_single_prose", "niah_multikey"])

@@ -331,6 +331,11 @@ def test_sdist_and_wheel_ship_the_license_and_the_presets(dists):
     assert (REPO / "configs" / "eval").is_dir()
     assert not [n for n in in_wheel if "eval/" in n and n.endswith(".yaml")]
     assert not [n for n in in_wheel if n.startswith("configs/")]
+    # The per-model head profiles load by name from the installed package.
+    profiles = sorted(p.name for p in (REPO / "nexus_vllm/core/head_profiles").glob("*.json"))
+    assert profiles
+    for name in profiles:
+        assert f"nexus_vllm/core/head_profiles/{name}" in in_wheel
 
 
 @pytest.mark.slow

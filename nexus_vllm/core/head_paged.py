@@ -22,7 +22,8 @@ tested against):
 * :class:`HeadEvidence`: those, stacked over layers, with the live mask;
 * :func:`forced_positions`: the sinks and the newest tokens every head keeps;
 * :func:`select_head_units`: one threshold (or pps draws) over the units, then the
-  head-block rounding.
+  head-block rounding; or a fixed allocation, a :class:`HeadProfile` calibrated offline
+  per model (``head_profiles/``), with each head's own best entries in its share.
 """
 
 from __future__ import annotations
@@ -43,14 +44,18 @@ from .scoring import cdiv
 
 __all__ = [
     "GRANULARITIES",
-    "apportion_head_blocks",
     "HEAD_KINDS",
+    "PROFILES_DIR",
+    "apportion_head_blocks",
+    "check_head_group",
     "HeadEvidence",
     "HeadProfile",
     "forced_positions",
     "head_blocks_held",
+    "head_budget_blocks",
     "head_expected_attention",
     "head_key_norms",
+    "head_tokens_held",
     "head_window_attention",
     "load_head_profile",
     "select_head_units",
