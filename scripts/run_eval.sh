@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces docs/results.md on a CPU box (the numbers there come from these commands).
-#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep|stream_sweep_longdoc|stream_sweep_chat|stream_sweep_multiturn|stream_sweep_longgen|stream_end|stream_end_chat|stream_end_multiturn|gemma3_report|stream_head_longdoc|stream_head_reconstruction|docs|all]
+#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep|stream_sweep_longdoc|stream_sweep_chat|stream_sweep_multiturn|stream_sweep_longgen|stream_end|stream_end_chat|stream_end_multiturn|gemma3_report|stream_head_longdoc|stream_head_profile_longdoc|stream_head_reconstruction|docs|all]
 #   (default: all)
 # Each run resumes from its records.jsonl if interrupted. 1 torch thread per run.
 set -euo pipefail
@@ -32,7 +32,7 @@ seed_defaults() {  # report, out: the earlier default's records from the committ
 }
 want() { [ "$what" = all ] || [ "$what" = "$1" ]; }
 case "$what" in
-  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep|stream_sweep_longdoc|stream_sweep_chat|stream_sweep_multiturn|stream_sweep_longgen|stream_end|stream_end_chat|stream_end_multiturn|gemma3_report|stream_head_longdoc|stream_head_reconstruction|docs|all) ;;
+  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep|stream_sweep_longdoc|stream_sweep_chat|stream_sweep_multiturn|stream_sweep_longgen|stream_end|stream_end_chat|stream_end_multiturn|gemma3_report|stream_head_longdoc|stream_head_profile_longdoc|stream_head_reconstruction|docs|all) ;;
   *) echo "unknown target $what" >&2; exit 2 ;;
 esac
 want calibration && run calibration
@@ -267,14 +267,16 @@ want gemma3_report && run gemma3_report
 HEAD_SEEDS=(--exclude-method-prefix expected --exclude-method-prefix nexus:expected=0,
             --exclude-method-prefix nexus:expected=0.5,knorm_prior=4,sampler
             --exclude-method-prefix nexus:knorm_prior)
-for task in niah_single_prose niah_multikey; do
-  want stream_head_longdoc || continue
-  "$PY" -m nexus_vllm.cli records docs/figures/stream_longdoc/records.jsonl --if-missing \
-    --where "task=$task" "${HEAD_SEEDS[@]}" --out "$OUT/stream_head_longdoc_$task/records.jsonl"
-  run stream_head_longdoc --tasks "$task" --out "$OUT/stream_head_longdoc_$task" &
+for name in stream_head_longdoc stream_head_profile_longdoc; do
+  want "$name" || continue
+  for task in niah_single_prose niah_multikey; do
+    "$PY" -m nexus_vllm.cli records docs/figures/stream_longdoc/records.jsonl --if-missing \
+      --where "task=$task" "${HEAD_SEEDS[@]}" --out "$OUT/${name}_$task/records.jsonl"
+    run "$name" --tasks "$task" --out "$OUT/${name}_$task" &
+  done
+  wait
+  merge_report "$name" niah_single_prose niah_multikey
 done
-wait
-want stream_head_longdoc && merge_report stream_head_longdoc niah_single_prose niah_multikey
 for task in niah_single_prose niah_multikey; do
   want stream_head_reconstruction || continue
   "$PY" scripts/stream_reconstruction.py --head --tasks "$task" \
@@ -292,7 +294,7 @@ if want docs; then
       --report-only --publish docs/figures/peer_compare
   fi
   # Rebuild each run's reports from its records and copy them into docs/figures.
-  for name in calibration headline ablation prefill knorm_prior paired dialogues dialogues_pps scoring_cost scoring_cost_report scoring_cost_dialogues kvpress sweep prompt_end_tuning prompt_modes prompt_modes_capped prompt_modes_multiturn prompt_modes_longgen chat_tuning completion_tuning chat_report completion_report stream_tuning_multiturn stream_tuning_longdoc stream_multiturn stream_longdoc stream_longgen stream_chat stream_sweep_longdoc stream_sweep_chat stream_sweep_multiturn stream_sweep_longgen stream_end_chat stream_end_multiturn gemma3_report stream_head_longdoc stream_head_reconstruction; do
+  for name in calibration headline ablation prefill knorm_prior paired dialogues dialogues_pps scoring_cost scoring_cost_report scoring_cost_dialogues kvpress sweep prompt_end_tuning prompt_modes prompt_modes_capped prompt_modes_multiturn prompt_modes_longgen chat_tuning completion_tuning chat_report completion_report stream_tuning_multiturn stream_tuning_longdoc stream_multiturn stream_longdoc stream_longgen stream_chat stream_sweep_longdoc stream_sweep_chat stream_sweep_multiturn stream_sweep_longgen stream_end_chat stream_end_multiturn gemma3_report stream_head_longdoc stream_head_profile_longdoc stream_head_reconstruction; do
     [ -d "$OUT/$name" ] || continue
     "$PY" -m nexus_vllm.cli eval --config "configs/eval/$name.yaml" --out "$OUT/$name" \
       --report-only --publish "docs/figures/$name"
