@@ -12,12 +12,14 @@ One event gathers every request due over its live blocks in 28 of SmolLM2's 30 l
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
 
 from nexus_vllm.core import EVIDENCE_KINDS, Rotary, evidence_kind
 from nexus_vllm.core.evidence import PagedBatch
+from nexus_vllm.kernels import block_attention_mass_paged_layers
 
 LAYERS, HQ, HKV, D, BS = 28, 9, 3, 64, 32
 # (requests due, live blocks each, window rows): a prefill event of one request at the
@@ -38,7 +40,8 @@ def make_batch(requests: int, blocks: int, rows: int, seed: int = 0) -> PagedBat
         queries=torch.randn(LAYERS, requests, rows, HQ, D, generator=g),
         rows=torch.full((requests,), rows), query_positions=ends[:, None] - rows
         + torch.arange(rows)[None, :], next_positions=ends, key_caches=caches, tables=tables,
-        seq_lens=lens, attention_reduce="max", layers_divisor=LAYERS, backend="batched",
+        seq_lens=lens, attention_reduce="max", layers_divisor=LAYERS,
+        paged_mass=functools.partial(block_attention_mass_paged_layers, backend="batched"),
         rotary=Rotary.from_inv_freq(inv_freq, 8192, head_size=D))
 
 
