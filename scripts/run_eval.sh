@@ -283,8 +283,44 @@ for task in niah_single_prose niah_multikey; do
     --out "$OUT/stream_head_reconstruction_$task" &
 done
 wait
-want stream_head_reconstruction && merge_report stream_head_reconstruction niah_single_prose \
-  niah_multikey
+# Merged with the reconstruction's methods relabelled: there `expected` reads KVzip's score
+# (its own script's process), not expected attention.
+RECON="reconstruction, one threshold over (layer, head, token)"
+RECON_PROFILE="reconstruction, head profile"
+if want stream_head_reconstruction; then
+  "$PY" -m nexus_vllm.cli records "$OUT"/stream_head_reconstruction_niah_single_prose/records.jsonl \
+    "$OUT"/stream_head_reconstruction_niah_multikey/records.jsonl \
+    --rename-method "expected:granularity=head" "$RECON" \
+    --rename-method "expected:granularity=head,head_profile=smollm2-135m-instruct" "$RECON_PROFILE" \
+    --rename-method "expected:granularity=head,head_group=16" \
+    "reconstruction, one threshold over 16-token units" \
+    --rename-method "nexus:granularity=head,expected=1,knorm_prior=0" \
+    "reconstruction, pps over (layer, head, token)" \
+    --out "$OUT/stream_head_reconstruction/records.jsonl"
+  run stream_head_reconstruction --report-only
+fi
+# The paired comparisons the docs quote (compare.json beside each table).
+HEAD_PROFILE=head_profile=smollm2-135m-instruct
+if want stream_head_longdoc && [ -d docs/figures/stream_head_longdoc ]; then
+  "$PY" -m nexus_vllm.cli compare "$OUT/stream_head_longdoc/records.jsonl" \
+    --a "nexus:granularity=head,expected=0.5,knorm_prior=4" \
+    --b "nexus:expected=0.5,knorm_prior=4" --b knorm \
+    --json docs/figures/stream_head_longdoc/compare.json
+fi
+if want stream_head_profile_longdoc && [ -d docs/figures/stream_head_profile_longdoc ]; then
+  "$PY" -m nexus_vllm.cli compare "$OUT/stream_head_profile_longdoc/records.jsonl" \
+    "$OUT/stream_head_longdoc/records.jsonl" \
+    --a "snapkv:granularity=head,prompt_window=512,$HEAD_PROFILE" \
+    --b "snapkv:granularity=head,prompt_window=512" --b knorm \
+    --b "nexus:expected=0.5,knorm_prior=4" \
+    --json docs/figures/stream_head_profile_longdoc/compare.json
+fi
+if want stream_head_reconstruction && [ -d docs/figures/stream_head_reconstruction ]; then
+  "$PY" -m nexus_vllm.cli compare "$OUT/stream_head_reconstruction/records.jsonl" \
+    --a "$RECON" --b knorm --b "nexus:expected=0.5,knorm_prior=4" \
+    --b "$RECON_PROFILE" \
+    --json docs/figures/stream_head_reconstruction/compare.json
+fi
 if want docs; then
   # Ours and kvpress's presses side by side: headline records + the peer's records.
   if [ -e "$OUT/headline/records.jsonl" ] && [ -e "$OUT/kvpress/kvpress_records.jsonl" ]; then
