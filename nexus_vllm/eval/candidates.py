@@ -404,14 +404,7 @@ def evict_to(session: Any, weights: torch.Tensor, budget: int) -> None:
         return
     policy = GivenWeights(sink_blocks=cfg.sink_blocks, recent_blocks=cfg.recent_blocks)
     keep = policy.select(Evidence(num_blocks=n), budget, state={"weights": weights})
-    b = cfg.block_size
-    tok = (keep.view(-1, 1) * b + torch.arange(b)).view(-1)
-    tok = tok[tok < session.cache_len]
-    for li in session.full_attention_layers:
-        layer = session.cache.layers[li]
-        layer.keys = layer.keys.index_select(-2, tok.to(layer.keys.device))
-        layer.values = layer.values.index_select(-2, tok.to(layer.values.device))
-    session.positions = session.positions[tok]
+    session.keep_blocks(keep)
 
 
 def greedy(session: Any, logits: torch.Tensor, n: int, eos: set[int],

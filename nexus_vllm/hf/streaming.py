@@ -468,7 +468,6 @@ class StreamingSession:
         cfg = self.config
         assert cfg is not None
         b = cfg.block_size
-        t = self.cache_len
         prompt_end = self.trigger.ends_prompt(prefill)
         policy = cfg.policy(prefill=prefill, prompt_tokens=self.prompt_tokens,
                             prompt_end=prompt_end)
@@ -483,8 +482,7 @@ class StreamingSession:
         keep = policy.select(
             evidence, budget_blocks, generator=self.generator, state=self.state
         )
-        token_idx = (keep.view(-1, 1) * b + torch.arange(b)).view(-1)
-        self.keep_slots(token_idx[token_idx < t])
+        self.keep_blocks(keep)
         self.num_events += 1
         if self.record_events:
             self.events.append(EvictionEvent(
@@ -494,6 +492,14 @@ class StreamingSession:
                 gathered={k: v.detach().cpu() for k, v in gathered.items()},
                 prompt_end=prompt_end))
         return True
+
+    def keep_blocks(self, keep: torch.Tensor) -> None:
+        """Keep only the blocks ``keep`` (LongTensor of block indices in cache order,
+        ascending, as a policy's ``select`` returns them): :meth:`keep_slots` of their
+        tokens."""
+        b = self.config.block_size if self.config is not None else 1
+        token_idx = (keep.view(-1, 1) * b + torch.arange(b)).view(-1)
+        self.keep_slots(token_idx[token_idx < self.cache_len])
 
     def keep_slots(self, token_idx: torch.Tensor) -> None:
         """Keep only the cache slots ``token_idx`` (LongTensor, ascending) in every
