@@ -18,7 +18,7 @@ import torch
 
 from ._validate import ConfigError, check_choice, check_float, check_int
 from .head_paged import GRANULARITIES, check_head_group, load_head_profile
-from .policies import METHODS, POLICIES, EvictionPolicy, forced_count
+from .policies import METHODS, POLICIES, EvictionPolicy, forced_count, head_granular_methods
 from .scoring import ATTENTION_REDUCES, cdiv
 
 __all__ = ["METHODS", "PROMPT_MODES", "RENAMED_FIELDS", "EvictionConfig", "window_blocks",
@@ -611,9 +611,8 @@ def _owners(knob: str) -> list[str]:
 
 
 def _no_head_score(policy: EvictionPolicy) -> str:
-    takes = sorted(m for m in POLICIES if POLICIES[m]().head_needs)
     return (f"granularity 'head' needs a policy with a per-head score; {policy.name!r} has "
-            f"none (with one: {', '.join(takes)})")
+            f"none (with one: {', '.join(head_granular_methods())})")
 
 
 def _not_a_knob(knob: str, method: str) -> str:

@@ -444,10 +444,9 @@ def head_budget_blocks(budget_blocks: int, num_layers: int, num_kv_heads: int) -
 
 
 def head_tokens_held(live: torch.Tensor) -> int:
-    """The mean tokens a (layer, head) holds, rounded up (what a budget in tokens counts
-    under head granularity): ``ceil(live entries / heads)``."""
-    heads = int(live.shape[0] * live.shape[1]) if live.dim() == 3 else 1
-    return cdiv(int(live.sum()), max(heads, 1))
+    """The mean tokens a (layer, head) of ``live`` (``[L, Hkv, T]``) holds, rounded up
+    (what a budget in tokens counts under head granularity)."""
+    return cdiv(int(live.sum()), max(int(live.shape[0] * live.shape[1]), 1))
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ __all__ = [
     "forced_count",
     "forced_tail",
     "get_policy",
+    "head_granular_methods",
     "register_policy",
     "standardized_head_norms",
     "standardized_key_norms",
@@ -248,7 +249,7 @@ class EvictionPolicy:
         """Keep weight of every (layer, KV head, token) unit, Tensor[L, Hkv, T]; one
         threshold over all of them spends the budget (:mod:`~nexus_vllm.core.head_paged`)."""
         raise ValueError(f"policy {self.name!r} has no per-head score: granularity 'head' "
-                         f"takes {sorted(m for m in POLICIES if POLICIES[m]().head_needs)}")
+                         f"takes {', '.join(head_granular_methods())}")
 
     def reweight(self, weights: torch.Tensor, evidence: Evidence) -> torch.Tensor:
         """Factors that belong to each block itself, applied after ``carry`` (the
@@ -731,6 +732,11 @@ class MethodNames(Sequence[str]):
 # Every method a config accepts ("none": no eviction). The vLLM plugin serves every one:
 # each evidence kind has a worker gatherer.
 METHODS = MethodNames()
+
+
+def head_granular_methods() -> list[str]:
+    """The registered policies with a per-head score (``granularity: head``), sorted."""
+    return sorted(m for m, cls in POLICIES.items() if cls().head_needs)
 
 
 def get_policy(name: str, **knobs: Any) -> EvictionPolicy:
