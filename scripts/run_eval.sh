@@ -318,7 +318,8 @@ fi
 if want stream_head_reconstruction && [ -d docs/figures/stream_head_reconstruction ]; then
   "$PY" -m nexus_vllm.cli compare "$OUT/stream_head_reconstruction/records.jsonl" \
     --a "$RECON" --b knorm --b "nexus:expected=0.5,knorm_prior=4" \
-    --b "$RECON_PROFILE" \
+    --b "$RECON_PROFILE" --b "reconstruction, pps over (layer, head, token)" \
+    --b "reconstruction, one threshold over 16-token units" \
     --json docs/figures/stream_head_reconstruction/compare.json
 fi
 if want docs; then
