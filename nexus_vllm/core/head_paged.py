@@ -194,8 +194,12 @@ def forced_positions(positions: torch.Tensor, next_position: int, block_size: in
 def head_blocks_held(live: torch.Tensor, block_size: int) -> int:
     """Head-blocks the entries in ``live`` (``[..., T]``) fill when each head's tokens
     are packed: the sum of ``ceil(k / block_size)`` over heads."""
-    counts = live.sum(dim=-1)
-    return int(((counts + block_size - 1) // block_size).sum())
+    return int(_blocks_per_head(live, block_size).sum())
+
+
+def _blocks_per_head(entries: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``ceil(k / block_size)`` for each head's ``k`` entries in ``entries`` (``[..., T]``)."""
+    return (entries.sum(dim=-1) + block_size - 1) // block_size
 
 
 def _group_scores(scores: torch.Tensor, live: torch.Tensor, positions: torch.Tensor,
@@ -270,7 +274,7 @@ def select_head_units(scores: torch.Tensor, live: torch.Tensor, forced: torch.Te
     t = shape[2]
     live = live.bool()
     must = live & forced.view(1, 1, t)
-    floor_blocks = (must.sum(dim=-1) + block_size - 1) // block_size  # [L, H]
+    floor_blocks = _blocks_per_head(must, block_size)  # [L, H]
     if int(floor_blocks.sum()) > budget_head_blocks:
         raise ValueError(f"the forced entries need {int(floor_blocks.sum())} head-blocks; the "
                          f"budget is {budget_head_blocks}")
@@ -280,14 +284,14 @@ def select_head_units(scores: torch.Tensor, live: torch.Tensor, forced: torch.Te
         positions = torch.arange(t)
     unit = _group_scores(scores.float(), live, positions, group)
     if shares is not None:
-        held_blocks = (live.sum(dim=-1) + block_size - 1) // block_size
-        blocks = apportion_head_blocks(shares, budget_head_blocks, floor_blocks, held_blocks)
-        return _keep_best(unit, live, must, torch.zeros_like(live), blocks.view(-1),
-                          block_size).view(shape)
-    chosen, blocks = _threshold_blocks(unit, live, must, floor_blocks.view(-1),
-                                       budget_head_blocks, block_size, sampler=sampler, n=n,
-                                       generator=generator)
-    return _keep_best(unit, live, must, chosen, blocks, block_size).view(shape)
+        blocks = apportion_head_blocks(shares, budget_head_blocks, floor_blocks,
+                                       _blocks_per_head(live, block_size))
+        _, order = _rank_in_heads(unit, live, must, torch.zeros_like(live))
+        return _keep_best(order, live, blocks.view(-1), block_size).view(shape)
+    order, blocks = _threshold_blocks(unit, live, must, floor_blocks.view(-1),
+                                      budget_head_blocks, block_size, sampler=sampler, n=n,
+                                      generator=generator)
+    return _keep_best(order, live, blocks, block_size).view(shape)
 
 
 def _threshold_blocks(unit: torch.Tensor, live: torch.Tensor, must: torch.Tensor,
@@ -295,8 +299,9 @@ def _threshold_blocks(unit: torch.Tensor, live: torch.Tensor, must: torch.Tensor
                       *, sampler: str, n: int, generator: torch.Generator | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """One threshold (or draws) over the optional entries of every head, then each head's
-    count rounded to whole head-blocks: the chosen entries ``[L, Hkv, T]`` and the
-    head-blocks of each head ``[L * Hkv]``, summing to at most the budget."""
+    count rounded to whole head-blocks: each head's entries in keep order
+    (:func:`_rank_in_heads`, ``[L * Hkv, T]``) and its head-blocks ``[L * Hkv]``, summing
+    to at most the budget."""
     t = unit.shape[-1]
     capacity = budget_head_blocks * block_size - int(must.sum())
     chosen = _choose(unit, live & ~must, capacity, sampler=sampler, n=n, generator=generator)
@@ -315,7 +320,7 @@ def _threshold_blocks(unit: torch.Tensor, live: torch.Tensor, must: torch.Tensor
         grow = torch.argsort(next_key, descending=True, stable=True)[:spare]
         grow = grow[can_grow[grow]]
         blocks[grow] += 1
-    return chosen, blocks
+    return order, blocks
 
 
 def _rank_in_heads(unit: torch.Tensor, live: torch.Tensor, must: torch.Tensor,
@@ -332,12 +337,11 @@ def _rank_in_heads(unit: torch.Tensor, live: torch.Tensor, must: torch.Tensor,
     return key, order
 
 
-def _keep_best(unit: torch.Tensor, live: torch.Tensor, must: torch.Tensor,
-               chosen: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Each head's first ``blocks x block_size`` entries in keep order
+def _keep_best(order: torch.Tensor, live: torch.Tensor, blocks: torch.Tensor,
+               block_size: int) -> torch.Tensor:
+    """Each head's first ``blocks x block_size`` entries in keep ``order``
     (:func:`_rank_in_heads`), at most what it holds: ``[L * Hkv, T]``."""
-    t = unit.shape[-1]
-    _, order = _rank_in_heads(unit, live, must, chosen)
+    t = order.shape[-1]
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(t).expand_as(order))
     flat_live = live.reshape(-1, t)
     keep_count = torch.minimum(blocks * block_size, flat_live.sum(dim=-1))
