@@ -46,6 +46,8 @@ from nexus_vllm.core import (
     normalize_rows,
 )
 from nexus_vllm.eval.oracle import ORACLE_LEAD
+from nexus_vllm.hf.generate import greedy_ids
+from nexus_vllm.hf.streaming import StreamingSession
 
 __all__ = ["BUDGET_RATIO", "CAPTURE_ROWS", "HEADS", "ORACLE_LEAD", "ROWS", "ROWS_REDUCES",
            "SETS", "Candidate", "CandidateSet", "ChatPrompt", "GivenWeights", "answer_ranks",
@@ -248,7 +250,8 @@ class ChatPrompt:
     score: Callable[[str], float]
     max_new_tokens: int
     answer_blocks: tuple[int, ...] = ()
-    dense_states: dict[int, tuple[Any, torch.Tensor, list[int]]] = field(default_factory=dict)
+    dense_states: dict[int, tuple[StreamingSession, torch.Tensor, list[int]]] = field(
+        default_factory=dict)
 
 
 def chat_prompts(task: str, index: int, seed: int, tokenizer: Any,
@@ -295,25 +298,33 @@ def candidate_config(c: Candidate) -> EvictionConfig:
                           recent_blocks=c.recent)
 
 
-def _scoring_view(session: Any, config: EvictionConfig) -> Any:
+def _config_of(session: StreamingSession) -> EvictionConfig:
+    """The config ``session`` evicts under (a dense session has none to read)."""
+    if session.config is None:
+        raise ValueError("a dense session has no config to score or evict under; "
+                         "StreamingSession.with_config gives it one")
+    return session.config
+
+
+def _scoring_view(session: StreamingSession, config: EvictionConfig) -> StreamingSession:
     """``session`` read under ``config`` (sharing its cache: gathering changes nothing)."""
     view = copy.copy(session)
     view.config = config
     return view
 
 
-def _rows_mass(session: Any, window: int, attention_reduce: str) -> torch.Tensor:
+def _rows_mass(session: StreamingSession, window: int, attention_reduce: str) -> torch.Tensor:
     """The newest ``window`` rows' mass ``[window, N]``, combined over heads and layers by
     ``attention_reduce``."""
-    mass = _scoring_view(session, session.config.replace(attention_reduce=attention_reduce)
-                         ).block_mass(window)
+    config = _config_of(session).replace(attention_reduce=attention_reduce)
+    mass = _scoring_view(session, config).block_mass(window)
     if mass.shape[0] != window:
         raise ValueError(f"the session kept {mass.shape[0]} query rows; {window} asked "
                          f"(a dense prefill keeps {CAPTURE_ROWS})")
     return mass
 
 
-def per_head_mass(session: Any, window: int) -> torch.Tensor:
+def per_head_mass(session: StreamingSession, window: int) -> torch.Tensor:
     """``[layers x heads, window, N]``: each scored layer's and query head's block mass of
     the newest ``window`` query rows, from the session's
     :class:`~nexus_vllm.core.evidence.DenseSequence` (what its gatherers read).
@@ -332,7 +343,7 @@ def per_head_mass(session: Any, window: int) -> torch.Tensor:
     return mass
 
 
-def _row_range(c: Candidate, session: Any, p: ChatPrompt) -> tuple[int, int]:
+def _row_range(c: Candidate, session: StreamingSession, p: ChatPrompt) -> tuple[int, int]:
     """Absolute positions ``[first, last)`` of the rows that score."""
     if c.rows == "question":
         return p.question
@@ -352,7 +363,7 @@ def _read_rows(mass: torch.Tensor, rows_reduce: str) -> torch.Tensor:
     return direct_scores(mass, "max") + direct_scores(mass, "mean")  # "max + mean"
 
 
-def candidate_weights(c: Candidate, session: Any, p: ChatPrompt) -> torch.Tensor:
+def candidate_weights(c: Candidate, session: StreamingSession, p: ChatPrompt) -> torch.Tensor:
     """Each live block's weight under ``c`` (Tensor[N]; larger keeps first).
 
     ``session`` holds the state the event reads, with ``session.config`` its config.
@@ -395,39 +406,29 @@ class GivenWeights(EvictionPolicy):
         return weights
 
 
-def evict_to(session: Any, weights: torch.Tensor, budget: int) -> None:
+def evict_to(session: StreamingSession, weights: torch.Tensor, budget: int) -> None:
     """Keep the forced set and the top-``budget`` blocks by ``weights`` (Tensor[N] over
     the live blocks), dropping the rest from every full-attention layer."""
-    cfg = session.config
     n = weights.numel()
     if n <= budget:
         return
+    cfg = _config_of(session)
     policy = GivenWeights(sink_blocks=cfg.sink_blocks, recent_blocks=cfg.recent_blocks)
     keep = policy.select(Evidence(num_blocks=n), budget, state={"weights": weights})
     session.keep_blocks(keep)
 
 
-def greedy(session: Any, logits: torch.Tensor, n: int, eos: set[int],
+def greedy(session: StreamingSession, logits: torch.Tensor, n: int, eos: set[int],
            decode_events: bool) -> list[int]:
     """Up to ``n`` greedy tokens from ``logits`` on, feeding each but the last (with the
-    session's decode events when ``decode_events``)."""
-    out: list[int] = []
-    for i in range(n):
-        t = int(torch.argmax(logits))
-        out.append(t)
-        if t in eos or i == n - 1:
-            break
-        logits = session.forward(torch.tensor([t]))[-1]
-        if decode_events:
-            session.decode_step_done()
-    return out
+    session's decode events when ``decode_events``): the transformers path's decode loop,
+    :func:`~nexus_vllm.hf.generate.greedy_ids`."""
+    return greedy_ids(session, logits, n, eos, decode_events=decode_events)
 
 
 def dense_states(model: Any, p: ChatPrompt, defers: set[int], eos: set[int]) -> None:
     """Record in ``p.dense_states`` the uncompressed state after the prompt and after
     each deferred answer length in ``defers`` (one the answer ended before is absent)."""
-    from nexus_vllm.hf.streaming import StreamingSession
-
     session = StreamingSession(model, None, prompt_tokens=len(p.ids),
                                capture_rows=CAPTURE_ROWS)
     logits = None
@@ -457,7 +458,7 @@ def run_candidate(c: Candidate, tokenizer: Any, p: ChatPrompt, eos: set[int]) ->
         budget = math.ceil(c.graded * BUDGET_RATIO * cdiv(session.seen, cfg.block_size))
         first = Candidate("graded", heads=c.heads, carry=c.carry)  # the prompt's last rows
         evict_to(session, candidate_weights(first, session, p), budget)
-        generated = greedy(session, logits, c.defer + 1, eos, decode_events=False)
+        generated = greedy_ids(session, logits, c.defer + 1, eos, decode_events=False)
         if len(generated) <= c.defer:  # ended before the deferred event
             return str(tokenizer.decode(generated, skip_special_tokens=True))
         generated, following = generated[:c.defer], generated[c.defer]
@@ -466,7 +467,7 @@ def run_candidate(c: Candidate, tokenizer: Any, p: ChatPrompt, eos: set[int]) ->
     evict_to(session, candidate_weights(c, session, p), cfg.budget_blocks(session.seen))
     # The event just ran: the decode clock starts from it.
     session.trigger = EvictionTrigger(cfg, len(p.ids))
-    rest = greedy(session, logits, p.max_new_tokens - len(generated), eos, decode_events=True)
+    rest = greedy_ids(session, logits, p.max_new_tokens - len(generated), eos)
     return str(tokenizer.decode(generated + rest, skip_special_tokens=True))
 
 

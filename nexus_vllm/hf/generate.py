@@ -152,7 +152,13 @@ def generate(model: Any, tokenizer: Any, context: str, question: str, *, method:
 
 
 def greedy_ids(session: StreamingSession, logits: torch.Tensor, max_new_tokens: int,
-                eos: set[int]) -> list[int]:
+               eos: set[int], *, decode_events: bool = True) -> list[int]:
+    """The greedy decode loop: up to ``max_new_tokens`` argmax tokens from ``logits``
+    (``[V]``, predicting the first) on, stopping after a token in ``eos``. Each token but
+    the last is fed to ``session``, followed by its decode-event clock
+    (:meth:`StreamingSession.decode_step_done`) unless ``decode_events`` is False (a
+    decode with no events, e.g. a dense continuation or answer tokens decoded before a
+    deferred event)."""
     out: list[int] = []
     device = _device_of(session.model)
     for step in range(max_new_tokens):
@@ -161,7 +167,8 @@ def greedy_ids(session: StreamingSession, logits: torch.Tensor, max_new_tokens: 
         if tok in eos or step == max_new_tokens - 1:
             break
         logits = session.forward(torch.tensor([tok], device=device), logits_to_keep=1)[-1]
-        session.decode_step_done()
+        if decode_events:
+            session.decode_step_done()
     return out
 
 
