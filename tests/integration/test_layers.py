@@ -89,3 +89,46 @@ def test_imports_point_down(path: pathlib.Path) -> None:
         if target is not None and target not in allowed:
             wrong.append(f"line {line}: {module} ({own or 'outside'} -> {target})")
     assert not wrong, f"{path.relative_to(PACKAGE)} imports upward or sideways: {wrong}"
+
+
+def _module_graph(root: pathlib.Path) -> dict[str, set[str]]:
+    """Module -> the modules under ``root`` it imports (any depth, as :func:`_imports`;
+    ``from pkg import mod`` counts as ``pkg.mod`` when that is a module, else ``pkg``)."""
+    names = {_module_name(p): p for p in root.rglob("*.py") if "__pycache__" not in p.parts}
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        targets = set()
+        for _, module in _imports(path):
+            while module and module not in names:
+                module = module.rpartition(".")[0]
+            if module and module != name:
+                targets.add(module)
+        graph[name] = targets
+    return graph
+
+
+def test_integration_modules_import_no_circle() -> None:
+    """No two ``integration`` modules import each other, directly or through others
+    (function-level imports count: a lazy import only hides the circle). Packages'
+    ``__init__`` re-exports are left out (they import their own modules by design)."""
+    graph = _module_graph(INTEGRATION)
+    inits = {_module_name(p) for p in INTEGRATION.rglob("__init__.py")}
+    graph = {m: t - inits for m, t in graph.items() if m not in inits}
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        state[module] = 1
+        for nxt in sorted(graph.get(module, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt] if nxt in path else [module, nxt]
+            if nxt not in state:
+                found = visit(nxt, [*path, nxt])
+                if found:
+                    return found
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            circle = visit(module, [module])
+            assert circle is None, f"import circle: {' -> '.join(circle)}"

@@ -750,7 +750,7 @@ def test_worker_methods(src: VllmSource, worker: str) -> None:
     assert _params(_worker_method(src, worker, "load_model"))[:1] == ["self"]
 
 
-# -- 10. attention metadata (compaction.Compactor.compact, attention.NexusMetadataBuilderMixin)
+# -- 10. attention metadata (compaction.Compactor.compact, backend_mixins.NexusMetadataBuilderMixin)
 BACKEND_FILES = {
     "CPU_ATTN": ("v1/attention/backends/cpu_attn.py", "CPUAttentionMetadataBuilder",
                  "CPUAttentionBackendImpl"),

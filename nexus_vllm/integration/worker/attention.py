@@ -11,7 +11,11 @@ created here, so whichever backend the platform picks (``CPU_ATTN`` on CPU;
   lengths of rows with evicted blocks into persistent buffers, before the stock
   ``build``;
 * :class:`NexusAttentionImplMixin` hands the newest queries of tracked requests to the
-  worker's query ring (``query_ring.py``) before the stock ``forward``.
+  worker's query ring (``query_ring.py``) before the stock ``forward``
+  (:class:`~nexus_vllm.integration.worker.mla.NexusMLAImplMixin` on an MLA backend).
+
+Both mixins live in ``backend_mixins.py``, which ``mla.py`` builds on too; this module
+imports both and the mixins import neither.
 
 Neither mixin knows which backend it wraps: compaction works on the backend-neutral
 metadata, and the query arrives as ``[tokens, heads, head_size]`` on every backend. The
@@ -25,15 +29,13 @@ resolves them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 import torch
 
-if TYPE_CHECKING:
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    from nexus_vllm.integration.worker.compaction import Compactor
-    from nexus_vllm.integration.worker.query_ring import QueryRing
+from nexus_vllm.integration.worker.backend_mixins import (
+    NexusAttentionImplMixin,
+    NexusMetadataBuilderMixin,
+)
+from nexus_vllm.integration.worker.mla import MLA_BACKENDS, NexusMLAImplMixin, latent_key_view
 
 __all__ = [
     "CPU_BACKENDS",
@@ -55,42 +57,6 @@ _INNER_NAME = "nexus_inner_name"
 _CLASSES: dict[str, type] = {}
 
 
-class NexusMetadataBuilderMixin:
-    """Compacts evicted blocks out of the metadata before the stock ``build``."""
-
-    # Always build (never patch a cached build's block table): compaction runs in build.
-    supports_update_block_table = False
-    nexus_compactor: Compactor | None = None
-
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              *args: Any, **kwargs: Any) -> object:
-        compactor = self.nexus_compactor
-        if compactor is not None:
-            common_attn_metadata = compactor.compact(common_attn_metadata)
-        return super().build(common_prefix_len, common_attn_metadata, *args,  # type: ignore[misc]
-                             **kwargs)
-
-
-class NexusAttentionImplMixin:
-    """Copies the newest queries of tracked requests before the stock ``forward``."""
-
-    nexus_ring: QueryRing | None = None
-    nexus_layer: int = -1
-    nexus_self_check: bool = False
-
-    def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: object,
-                *args: Any, **kwargs: Any) -> torch.Tensor:
-        ring = self.nexus_ring
-        if ring is not None and attn_metadata is not None:
-            ring.capture(self.nexus_layer, query)
-        out = super().forward(layer, query, key, value, kv_cache,  # type: ignore[misc]
-                              attn_metadata, *args, **kwargs)
-        if ring is not None and self.nexus_self_check and attn_metadata is not None:
-            ring.check_keys(self.nexus_layer, key)
-        return out
-
-
 def key_view(backend_name: str, kv_cache: torch.Tensor, head_size: int,
              isa: str | None = None) -> torch.Tensor:
     """The keys of one layer's KV cache as a ``[num_blocks, Hkv, block_size, D]`` view.
@@ -101,8 +67,6 @@ def key_view(backend_name: str, kv_cache: torch.Tensor, head_size: int,
     as ``block_size`` rows followed by the values, transposed inside the block for its
     vectorised ISAs; :func:`_cpu_key_view` finds out which with vLLM's own writer.
     """
-    from nexus_vllm.integration.worker.mla import MLA_BACKENDS, latent_key_view
-
     if backend_name in MLA_BACKENDS:
         return latent_key_view(kv_cache)
     if backend_name in CUDA_BACKENDS:
@@ -163,8 +127,6 @@ def nexus_backend(inner_name: str) -> type:
                          f"{inner_name!r}; supported: {', '.join(CPU_BACKENDS + CUDA_BACKENDS)}")
     from vllm.utils.import_utils import resolve_obj_by_qualname
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    from nexus_vllm.integration.worker.mla import MLA_BACKENDS, NexusMLAImplMixin
 
     inner = resolve_obj_by_qualname(AttentionBackendEnum[inner_name].value)
     inner_builder = inner.get_builder_cls()

@@ -1,6 +1,6 @@
 """Compaction: evicted blocks taken out of the attention metadata (fed to the builders).
 
-The metadata builder mixin (``attention.NexusMetadataBuilderMixin``) hands every
+The metadata builder mixin (``backend_mixins.NexusMetadataBuilderMixin``) hands every
 ``CommonAttentionMetadata`` to :meth:`Compactor.compact` before the stock ``build``. For a
 batch with evicted blocks it rewrites ``block_table_tensor``, ``seq_lens``,
 ``seq_lens_cpu_upper_bound``, ``max_seq_len`` and clears ``_num_computed_tokens_cache``;

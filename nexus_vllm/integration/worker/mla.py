@@ -7,7 +7,7 @@ it is one KV head of size 576 in a full-attention KV cache group (vLLM's
 ``MLAAttentionSpec`` subclasses ``FullAttentionSpec``). RoPE is applied at logical
 positions before the row is written, so compacted block tables keep their meaning, and
 the metadata builder (``MLACommonMetadataBuilder``) is compacted before ``build`` as every
-other builder (``attention.NexusMetadataBuilderMixin``).
+other builder (``backend_mixins.NexusMetadataBuilderMixin``).
 
 Scores need a query against the latent rows. vLLM's ``MLAAttention.forward_impl``
 (model_executor/layers/attention/mla_attention.py in 0.32) hands the impl:
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from nexus_vllm.core import Rotary
-from nexus_vllm.integration.worker.attention import NexusAttentionImplMixin
+from nexus_vllm.integration.worker.backend_mixins import NexusAttentionImplMixin
 
 __all__ = ["MLA_BACKENDS", "NexusMLAImplMixin", "absorbed_query", "latent_key_view",
            "latent_rotary", "latent_rows"]

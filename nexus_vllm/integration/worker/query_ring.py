@@ -2,7 +2,7 @@
 
 A preallocated ``[scored layers, slots, W, Hq, D]`` tensor; each tracked request owns a
 slot (``request_table.RequestTable``), and its query at logical position ``p`` lives in
-row ``p % W``. The impl mixin (``attention.NexusAttentionImplMixin``) calls
+row ``p % W``. The impl mixin (``backend_mixins.NexusAttentionImplMixin``) calls
 :meth:`QueryRing.capture` for every layer; the first call of a step works out, from the
 batch compaction built, which query rows go where (the ring's own :class:`StepCapture`),
 and every scored layer then copies them with one ``index_copy_``.
