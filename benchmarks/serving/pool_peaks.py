@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig
     from vllm import LLM, SamplingParams
 
-    from nexus_vllm.integration.scheduler.pool_watch import PoolWatch
+    from nexus_vllm.integration.testing.pool_watch import PoolWatch
 
     model = args.model
     if model is None:

@@ -15,6 +15,9 @@ The folders are the processes the code runs in; imports only point down this lis
   and each request's ``EvictionConfig`` as every process decodes it), ``metrics`` (the
   scheduler's counters and their ``/metrics`` export), ``faults`` (test-only fault
   injection);
+* ``testing/``: test instruments that run inside a server (the fault doubles, which
+  ``faults.with_doubles`` loads by name, and the pool watch); no production module imports
+  them;
 * ``compat/``: vLLM's own code as the plugin relies on it (supported versions, the patch
   catalogue, private internals, the model-runner adapters), and no eviction policy.
 

@@ -4,8 +4,10 @@ The reliability tests start real servers with faults switched on to show that ev
 fails closed (nothing freed that a worker may still read, no deadlock across tensor-
 parallel ranks, the server keeps serving). The production classes never ask: when the
 variable names a fault, the scheduler or the worker is built with a test double of the
-part that fails (``scheduler/fault_doubles.py``, ``worker/fault_doubles.py``), and only
-the double calls :func:`fires`. Unset, no double is built. (:class:`FaultLog`, which
+part that fails (:func:`with_doubles`; the doubles live in ``integration/testing/``,
+which no production module imports: :data:`DOUBLES` names them, and a double's module is
+imported only when its fault is named), and only the double calls :func:`fires`. Unset,
+no double is built. (:class:`FaultLog`, which
 counts the faults a server absorbs, real or injected, is production code.)
 
 Format: a comma-separated list of ``KIND[@RANK][/EVERY]``:
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import logging
 import os
 import threading
@@ -31,12 +34,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["ENV", "KINDS", "FaultLog", "FaultSpec", "fires", "parse", "with_doubles"]
+__all__ = ["DOUBLES", "ENV", "KINDS", "FaultLog", "FaultSpec", "fires", "parse",
+           "with_doubles"]
 
 Parts = TypeVar("Parts")
 
 ENV = "NEXUS_VLLM_FAULTS"
-KINDS = ("score_error", "policy_error", "plan_lost", "plan_duplicate")
+_TESTING = "nexus_vllm.integration.testing"
+# Each fault's double: the part it stands in for (a field of the scheduler's
+# ``SchedulerParts`` or the worker's ``WorkerParts``) and the double's class, by name.
+DOUBLES: Mapping[str, tuple[str, str]] = {
+    "score_error": ("scorer", f"{_TESTING}.worker_doubles.FailingScorer"),
+    "policy_error": ("evictor", f"{_TESTING}.scheduler_doubles.FailingEvictor"),
+    "plan_lost": ("plan_check", f"{_TESTING}.worker_doubles.LosingPlanCheck"),
+    "plan_duplicate": ("sender", f"{_TESTING}.scheduler_doubles.DuplicatingSender"),
+}
+KINDS = tuple(DOUBLES)
 
 
 @dataclass(frozen=True)
@@ -80,14 +93,18 @@ def fires(kind: str, *, rank: int | None = None) -> bool:
     return _SEEN[kind] % spec.every == 0
 
 
-def with_doubles(parts: Parts, doubles: Mapping[str, tuple[str, Callable[..., Any]]]) -> Parts:
-    """``parts`` (a frozen dataclass of part factories) with, for each fault kind
-    ``NEXUS_VLLM_FAULTS`` names, its part replaced by the double: ``doubles[kind]`` is
-    ``(field, double)``, and the double is built with ``fires`` bound to that kind
-    (``fires(rank=...)`` for a per-rank fault)."""
+def with_doubles(parts: Parts) -> Parts:
+    """``parts`` (a frozen dataclass of part factories: ``SchedulerParts``,
+    ``WorkerParts``) with, for each fault kind ``NEXUS_VLLM_FAULTS`` names whose part is
+    one of its fields, that part replaced by the double (:data:`DOUBLES`), built with
+    ``fires`` bound to that kind (``fires(rank=...)`` for a per-rank fault). Unset, or
+    naming none of ``parts``' faults, ``parts`` unchanged and no double imported."""
     specs = parse(os.environ.get(ENV, ""))
-    for kind, (name, double) in doubles.items():
-        if kind in specs:
+    fields = {f.name for f in dataclasses.fields(parts)}  # type: ignore[arg-type]
+    for kind, (name, where) in DOUBLES.items():
+        if kind in specs and name in fields:
+            module, _, cls = where.rpartition(".")
+            double: Callable[..., Any] = getattr(importlib.import_module(module), cls)
             parts = dataclasses.replace(  # type: ignore[type-var]
                 parts, **{name: functools.partial(double, fires=functools.partial(fires, kind))})
     return parts

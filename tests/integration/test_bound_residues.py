@@ -108,7 +108,7 @@ class PoolLoop:
     def __init__(self, scheduler: Any) -> None:
         self.sched = scheduler
         self.k = int(scheduler.nexus_manager.steps_in_flight)
-        from nexus_vllm.integration.scheduler.pool_watch import PoolWatch
+        from nexus_vllm.integration.testing.pool_watch import PoolWatch
 
         # vLLM's pool read after every schedule(), and the plugin's self-check (PoolPeaks).
         self.watch = PoolWatch(scheduler, check=True).wrap()

@@ -47,7 +47,7 @@ def test_pool_peak_within_bound_for_every_residue(tiny_model: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm import LLM, SamplingParams
 
-    from nexus_vllm.integration.scheduler.pool_watch import PoolWatch
+    from nexus_vllm.integration.testing.pool_watch import PoolWatch
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in-process
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")

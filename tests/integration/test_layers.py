@@ -22,6 +22,8 @@ MAY_IMPORT = {
     "frontend": {"frontend", "shared", "compat"},
     "scheduler": {"scheduler", "shared", "compat"},
     "worker": {"worker", "shared", "compat"},
+    # Test instruments run in a server's processes; no production part imports them.
+    "testing": {"testing", "scheduler", "worker", "shared", "compat"},
     "shared": {"compat"},
     "compat": {"compat"},
     "package": set(),

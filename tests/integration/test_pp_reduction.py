@@ -51,11 +51,15 @@ def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: s
 
     from nexus_vllm.core import EvictionConfig
     from nexus_vllm.integration.compat.vllm_compat import StageLink
+    from nexus_vllm.integration.faults import with_doubles
     from nexus_vllm.integration.protocol import ScoreRequest, StepPlan
     from nexus_vllm.integration.worker.attention import key_view
-    from nexus_vllm.integration.worker.fault_doubles import worker_parts
     from nexus_vllm.integration.worker.wire import RankLayout
-    from nexus_vllm.integration.worker.worker_state import LayerKeys, WorkerEvictionState
+    from nexus_vllm.integration.worker.worker_state import (
+        LayerKeys,
+        WorkerEvictionState,
+        WorkerParts,
+    )
     from tests.integration.fakes import (
         BS,
         FakeRunner,
@@ -110,7 +114,7 @@ def _rank_main(rank: int, tp_size: int, pp_size: int, skip_layers: int, fault: s
                                 device=torch.device("cpu"), score_backend="torch",
                                 layout=layout, scored_layers=len(model_scored),
                                 attention_reduce=attention_reduce, stages=stages,
-                                parts=worker_parts())
+                                parts=with_doubles(WorkerParts()))
     state.scorer._tp_reduce = reduced(tp_groups[layout.pp_rank])
     state.allocate_ring(len(local), hq, D, torch.float32)
     state.bind_layers(adapter(runner), layer_keys)

@@ -370,11 +370,11 @@ def test_evictor_frees_nothing_when_the_policy_fails(monkeypatch) -> None:  # no
 
 
 def test_failing_evictor_is_absorbed_as_a_policy_error() -> None:
-    """``fault_doubles.FailingEvictor`` (``NEXUS_VLLM_FAULTS=policy_error``): a firing
+    """``scheduler_doubles.FailingEvictor`` (``NEXUS_VLLM_FAULTS=policy_error``): a firing
     event raises before anything is freed and the evictor counts it; otherwise the real
     event runs."""
     from nexus_vllm.integration.protocol import WorkerReply
-    from nexus_vllm.integration.scheduler.fault_doubles import FailingEvictor
+    from nexus_vllm.integration.testing.scheduler_doubles import FailingEvictor
 
     mgr, pool, plan, reqs = _scored("streaming")
     fire = [True, False]
@@ -390,11 +390,11 @@ def test_failing_evictor_is_absorbed_as_a_policy_error() -> None:
 
 
 def test_duplicating_sender_sends_the_previous_plan() -> None:
-    """``fault_doubles.DuplicatingSender`` (``NEXUS_VLLM_FAULTS=plan_duplicate``): a
+    """``scheduler_doubles.DuplicatingSender`` (``NEXUS_VLLM_FAULTS=plan_duplicate``): a
     firing step carries the previous plan, stamped with its own step id (which is how
     the worker tells it is not the step's plan)."""
     from nexus_vllm.integration.protocol import StepPlan, read_plan, read_step
-    from nexus_vllm.integration.scheduler.fault_doubles import DuplicatingSender
+    from nexus_vllm.integration.testing.scheduler_doubles import DuplicatingSender
 
     fire = iter([True, False, True])  # not asked for the first plan: none before it
     sender = DuplicatingSender(fires=lambda: next(fire))

@@ -90,11 +90,11 @@ def test_step_stats_carry_the_eviction_stats(tiny_model) -> None:  # noqa: ANN00
 def test_faults_swap_in_the_doubles(tiny_model, monkeypatch) -> None:  # noqa: ANN001
     from nexus_vllm.integration import faults
     from nexus_vllm.integration.scheduler.evictor import Evictor
-    from nexus_vllm.integration.scheduler.fault_doubles import (
+    from nexus_vllm.integration.scheduler.manager import PlanSender
+    from nexus_vllm.integration.testing.scheduler_doubles import (
         DuplicatingSender,
         FailingEvictor,
     )
-    from nexus_vllm.integration.scheduler.manager import PlanSender
 
     sched = _scheduler(tiny_model, max_tokens=256)
     assert type(sched.nexus_manager.evictor) is Evictor
@@ -106,11 +106,13 @@ def test_faults_swap_in_the_doubles(tiny_model, monkeypatch) -> None:  # noqa: A
 
 
 def test_production_parts_ask_no_fault() -> None:
-    """No production module of the scheduler or the worker asks whether a fault fires:
-    only the doubles do, through ``faults.with_doubles``."""
-    callers = set()
+    """No production module of the scheduler or the worker asks whether a fault fires
+    (only the doubles do, ``fires`` bound by ``faults.with_doubles``); each process's
+    parts pass ``faults.with_doubles`` once, where they are built."""
+    callers: dict[str, set[str]] = {"fires": set(), "with_doubles": set()}
     for path in [*SCHEDULER_DIR.glob("*.py"), *(SCHEDULER_DIR.parent / "worker").glob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Attribute) and node.attr in ("fires", "with_doubles"):
-                callers.add(f"{path.parent.name}/{path.name}")
-    assert callers == {"scheduler/fault_doubles.py", "worker/fault_doubles.py"}
+            if isinstance(node, ast.Attribute) and node.attr in callers:
+                callers[node.attr].add(f"{path.parent.name}/{path.name}")
+    assert callers == {"fires": set(),
+                       "with_doubles": {"scheduler/scheduler.py", "worker/worker.py"}}

@@ -280,7 +280,7 @@ def test_reset_requests_ignore_old_nulls() -> None:
 def _state_with_parts(runner: FakeRunner, parts: object,  # noqa: ANN202
                       layers: dict[int, torch.Tensor] | None = None):
     """``fakes.make_state`` with the given ``WorkerParts`` (as ``NexusWorker`` passes
-    ``fault_doubles.worker_parts()``)."""
+    ``faults.with_doubles(WorkerParts())``)."""
     from nexus_vllm.integration.worker.worker_state import LayerKeys, WorkerEvictionState
     from tests.integration.fakes import adapter
 
@@ -299,24 +299,25 @@ def test_fault_doubles_are_built_only_when_the_env_names_a_worker_fault(monkeypa
     worker fault, a double for each worker fault it names."""
     import functools
 
-    from nexus_vllm.integration.worker import fault_doubles
+    from nexus_vllm.integration.faults import with_doubles
+    from nexus_vllm.integration.testing import worker_doubles
     from nexus_vllm.integration.worker.block_scorer import BlockScorer
     from nexus_vllm.integration.worker.worker_state import PlanCheck, WorkerParts
 
     monkeypatch.delenv("NEXUS_VLLM_FAULTS", raising=False)
-    assert fault_doubles.worker_parts() == WorkerParts()
+    assert with_doubles(WorkerParts()) == WorkerParts()
     monkeypatch.setenv("NEXUS_VLLM_FAULTS", "policy_error/3,plan_duplicate")
-    parts = fault_doubles.worker_parts()
+    parts = with_doubles(WorkerParts())
     assert parts.scorer is BlockScorer and parts.plan_check is PlanCheck
     monkeypatch.setenv("NEXUS_VLLM_FAULTS", "score_error@1/5,plan_lost/7")
-    parts = fault_doubles.worker_parts()
+    parts = with_doubles(WorkerParts())
     assert isinstance(parts.scorer, functools.partial)
-    assert parts.scorer.func is fault_doubles.FailingScorer
+    assert parts.scorer.func is worker_doubles.FailingScorer
     assert isinstance(parts.plan_check, functools.partial)
-    assert parts.plan_check.func is fault_doubles.LosingPlanCheck
+    assert parts.plan_check.func is worker_doubles.LosingPlanCheck
     monkeypatch.setenv("NEXUS_VLLM_FAULTS", "score_eror")
     with pytest.raises(ValueError, match="unknown fault"):
-        fault_doubles.worker_parts()
+        with_doubles(WorkerParts())
 
 
 def test_scoring_failure_drops_the_event() -> None:
@@ -325,8 +326,8 @@ def test_scoring_failure_drops_the_event() -> None:
     import functools
 
     from nexus_vllm.integration.protocol import ScoreRequest
+    from nexus_vllm.integration.testing.worker_doubles import FailingScorer
     from nexus_vllm.integration.worker.attention import key_view
-    from nexus_vllm.integration.worker.fault_doubles import FailingScorer
     from nexus_vllm.integration.worker.worker_state import WorkerParts
 
     ranks: list[int] = []
@@ -357,7 +358,7 @@ def test_a_lost_plan_is_masked_for_and_not_acknowledged() -> None:
     import functools
 
     from nexus_vllm.integration.protocol import ScoreRequest
-    from nexus_vllm.integration.worker.fault_doubles import LosingPlanCheck
+    from nexus_vllm.integration.testing.worker_doubles import LosingPlanCheck
     from nexus_vllm.integration.worker.worker_state import WorkerParts
 
     lose = iter([False, True, False])

@@ -27,7 +27,7 @@ one part per job:
 The scheduler builds it from :class:`SchedulerParts` (the evictor, and the
 :class:`PlanSender` that puts each plan on vLLM's output): the real parts, or a test
 double of one where ``NEXUS_VLLM_FAULTS`` names a scheduler fault
-(``scheduler/fault_doubles.py``).
+(``faults.with_doubles``, ``integration/testing/scheduler_doubles.py``).
 
 Every budget rule (a request's target and hard limit at each step, its admission bound,
 the blocks its policy must keep, all following its ``prompt_mode``) comes from

@@ -27,6 +27,7 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from nexus_vllm.integration import faults
 from nexus_vllm.integration.compat.vllm_compat import (
     check_vllm_version,
     lone_request_prefill_cap,
@@ -36,8 +37,7 @@ from nexus_vllm.integration.compat.vllm_compat import (
 from nexus_vllm.integration.config import config_from_additional
 from nexus_vllm.integration.metrics import attach_stats, route_open
 from nexus_vllm.integration.protocol import StepPlan, read_reply
-from nexus_vllm.integration.scheduler.fault_doubles import scheduler_parts
-from nexus_vllm.integration.scheduler.manager import EvictionManager
+from nexus_vllm.integration.scheduler.manager import EvictionManager, SchedulerParts
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -85,7 +85,7 @@ class NexusSchedulerMixin(_SchedulerBase):
         # cap (it evicts mid-prompt) needs it kept then (0: nothing to keep).
         self._nexus_lone_cap = chunk if cfg.evicts_mid_prompt else 0
         k = steps_in_flight(self.vllm_config)
-        parts = scheduler_parts()
+        parts = faults.with_doubles(SchedulerParts())
         # Sliding-window groups hold their window plus the tokens of k steps in flight.
         self.nexus_manager = EvictionManager(
             cfg, self.kv_cache_manager, self.block_size, max_model_len=self.max_model_len,

@@ -9,8 +9,7 @@
 * ``attention``: the attention backends re-registered with two mixins (compaction before
   the builder, query capture before the impl);
 * ``compaction``, ``query_ring``, ``block_scorer``: the three parts the mixins and the
-  worker call;
-* ``fault_doubles``: stand-ins for parts when ``NEXUS_VLLM_FAULTS`` names a worker fault.
+  worker call.
 
 Imports only the shared modules (``protocol``, ``config``, ``faults``), ``compat``,
 ``nexus_vllm.core`` and ``nexus_vllm.kernels``: never the API server's or the

@@ -31,6 +31,7 @@ from vllm.platforms import current_platform
 from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from nexus_vllm.core import evidence_kind
+from nexus_vllm.integration import faults
 from nexus_vllm.integration.compat.runners import RunnerAdapter, runner_adapter
 from nexus_vllm.integration.compat.vllm_compat import (
     StageLink,
@@ -59,13 +60,13 @@ from nexus_vllm.integration.worker.attention import (
     wrapped_backend_name,
 )
 from nexus_vllm.integration.worker.block_scorer import PendingScores
-from nexus_vllm.integration.worker.fault_doubles import worker_parts
 from nexus_vllm.integration.worker.mla import MLA_BACKENDS, NexusMLAImplMixin, latent_rotary
 from nexus_vllm.integration.worker.wire import RankLayout
 from nexus_vllm.integration.worker.worker_state import (
     LayerKeys,
     ReplyToken,
     WorkerEvictionState,
+    WorkerParts,
     layer_index,
 )
 from nexus_vllm.integration.worker.worker_step import Step
@@ -204,7 +205,8 @@ class NexusWorker(_BaseWorker):  # type: ignore[misc,valid-type]
             device=torch.device(self.model_runner.device),
             score_backend="batched" if current_platform.is_cpu() else "auto",
             layout=layout, scored_layers=len(model_scored), attention_reduce=cfg.attention_reduce,
-            steps_in_flight=k, stages=stages, rotary=rotary, parts=worker_parts())
+            steps_in_flight=k, stages=stages, rotary=rotary,
+            parts=faults.with_doubles(WorkerParts()))
         dtype = self.model_runner.dtype
         assert isinstance(dtype, torch.dtype), dtype
         # A stage without scored layers gets an empty ring (it still joins every

@@ -155,8 +155,8 @@ class PlanCheck:
 @dataclass(frozen=True)
 class WorkerParts:
     """How :class:`WorkerEvictionState` builds the parts a test double may stand in for
-    (``fault_doubles.worker_parts``): a class or factory taking the real one's
-    arguments."""
+    (``faults.with_doubles``, ``integration/testing/worker_doubles.py``): a class or
+    factory taking the real one's arguments."""
 
     scorer: Callable[..., BlockScorer] = BlockScorer
     plan_check: Callable[[faults.FaultLog], PlanCheck] = PlanCheck

@@ -2,9 +2,10 @@
 
 The reliability tests switch faults on by environment variable (``integration/faults.py``
 parses it). The production parts carry no fault checks: when the variable names a
-scheduler fault, :func:`scheduler_parts` gives
+scheduler fault, :func:`~nexus_vllm.integration.faults.with_doubles` gives
 :class:`~nexus_vllm.integration.scheduler.scheduler.NexusScheduler` a double of the part
-instead, which fails the way the real part may and is absorbed by the same code:
+instead (imported from here then only), which fails the way the real part may and is
+absorbed by the same code:
 
 * ``policy_error``: :class:`FailingEvictor`, whose eviction event raises before it frees
   anything (the evictor skips the event, ``policy_error`` counted);
@@ -20,14 +21,13 @@ from typing import Any
 
 import torch
 
-from nexus_vllm.integration import faults
 from nexus_vllm.integration.compat.vllm_types import EngineRequest
 from nexus_vllm.integration.protocol import ScoreRequest, StepPlan, attach_plan
 from nexus_vllm.integration.scheduler.evictor import Evictor
-from nexus_vllm.integration.scheduler.manager import PlanSender, SchedulerParts
+from nexus_vllm.integration.scheduler.manager import PlanSender
 from nexus_vllm.integration.scheduler.request_state import RequestEvictionState
 
-__all__ = ["DuplicatingSender", "FailingEvictor", "scheduler_parts"]
+__all__ = ["DuplicatingSender", "FailingEvictor"]
 
 
 class FailingEvictor(Evictor):
@@ -73,10 +73,3 @@ class DuplicatingSender(PlanSender):
         else:
             super().send(scheduler_output, plan)
 
-
-def scheduler_parts() -> SchedulerParts:
-    """The scheduler's parts: the real ones, with a double for each scheduler fault
-    ``NEXUS_VLLM_FAULTS`` names; the doubles fire as
-    :func:`~nexus_vllm.integration.faults.fires` says."""
-    return faults.with_doubles(SchedulerParts(), {"policy_error": ("evictor", FailingEvictor),
-                                                  "plan_duplicate": ("sender", DuplicatingSender)})

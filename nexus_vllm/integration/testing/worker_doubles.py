@@ -2,8 +2,9 @@
 
 The reliability tests switch faults on by environment variable (``integration/faults.py``
 parses it). The production parts carry no fault checks: when the variable names a worker
-fault, :func:`worker_parts` gives :class:`~nexus_vllm.integration.worker.worker.NexusWorker`
-a double of the part instead, which fails the way the real part may and is absorbed by
+fault, :func:`~nexus_vllm.integration.faults.with_doubles` gives
+:class:`~nexus_vllm.integration.worker.worker.NexusWorker` a double of the part instead
+(imported from here then only), which fails the way the real part may and is absorbed by
 the same code:
 
 * ``score_error``: :class:`FailingScorer`, whose gathering raises inside the scorer's own
@@ -19,14 +20,13 @@ from typing import Any
 
 import torch
 
-from nexus_vllm.integration import faults
 from nexus_vllm.integration.protocol import StepPlan
 from nexus_vllm.integration.worker.block_scorer import BlockScorer
 from nexus_vllm.integration.worker.wire import Segment
-from nexus_vllm.integration.worker.worker_state import PlanCheck, WorkerParts
+from nexus_vllm.integration.worker.worker_state import PlanCheck
 from nexus_vllm.integration.worker.worker_step import Batch
 
-__all__ = ["FailingScorer", "LosingPlanCheck", "worker_parts"]
+__all__ = ["FailingScorer", "LosingPlanCheck"]
 
 
 class FailingScorer(BlockScorer):
@@ -72,10 +72,3 @@ class LosingPlanCheck(PlanCheck):
             return None
         return super().usable(plan, own, last_applied)
 
-
-def worker_parts() -> WorkerParts:
-    """The worker's parts: the real ones, with a double for each worker fault
-    ``NEXUS_VLLM_FAULTS`` names; the doubles fire as
-    :func:`~nexus_vllm.integration.faults.fires` says."""
-    return faults.with_doubles(WorkerParts(), {"score_error": ("scorer", FailingScorer),
-                                               "plan_lost": ("plan_check", LosingPlanCheck)})
