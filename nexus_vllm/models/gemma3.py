@@ -13,10 +13,11 @@ base model, so serve it for completions (``/v1/chat/completions`` answers 400).
 from __future__ import annotations
 
 import importlib
-import json
 import pathlib
 import shutil
 from typing import Any
+
+from nexus_vllm.models._gguf import plain_model, save_checkpoint
 
 __all__ = ["GGUF_FILE", "NAME", "PIP_PACKAGE", "build", "check_config", "gguf_package",
            "prepare_tokenizer"]
@@ -153,7 +154,6 @@ def build(out: pathlib.Path) -> str:
         AutoTokenizer,
         Gemma3ForCausalLM,
         Gemma3TextConfig,
-        GenerationConfig,
     )
 
     pkg = gguf_package()
@@ -166,38 +166,13 @@ def build(out: pathlib.Path) -> str:
             str(src.parent), gguf_file=src.name, dtype=torch.float32)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    # Rebuild as a plain Gemma3ForCausalLM: the GGUF-loaded model carries a quantization
-    # config that blocks save_pretrained and would make vLLM look for a GGUF file.
-    cfg = gguf_model.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "architectures",
-                "transformers_version"):
-        cfg.pop(key, None)
-    cfg.update(bos_token_id=_IDS[_BOS], eos_token_id=_IDS[_EOS], pad_token_id=_IDS[_PAD],
-               dtype="float32")
-    config = Gemma3TextConfig(**cfg)
-    config.architectures = ["Gemma3ForCausalLM"]
-    check_config(config)
-    model = Gemma3ForCausalLM(config).float()
-    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
-    # Tied embeddings legitimately lack lm_head.weight in the GGUF state dict.
-    missing = [m for m in missing if m != "lm_head.weight"]
-    if missing or unexpected:
-        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    ids = {"bos_token_id": _IDS[_BOS], "eos_token_id": _IDS[_EOS], "pad_token_id": _IDS[_PAD]}
+    # check_config requires tied embeddings (the tied lm_head.weight is not in the GGUF).
+    model = plain_model(gguf_model, Gemma3TextConfig, Gemma3ForCausalLM, ids, check_config)
     del gguf_model
-    # No sampling defaults: vLLM applies a generation config's top_k/top_p to every request.
-    model.generation_config = GenerationConfig(
-        bos_token_id=_IDS[_BOS], eos_token_id=_IDS[_EOS], pad_token_id=_IDS[_PAD],
-        do_sample=False)
-    model.save_pretrained(str(out), safe_serialization=True)
-    tok.save_pretrained(str(out))
     # "GemmaTokenizer" loads in transformers 4.x (as GemmaTokenizerFast) and 5.x; the
     # flags are written out because 5.x keeps them only in tokenizer.json's post-processor.
-    tok_cfg_path = out / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text())
-    for key in ("is_local", "local_files_only"):
-        tok_cfg.pop(key, None)
-    tok_cfg.update(tokenizer_class="GemmaTokenizer", add_bos_token=True, add_eos_token=False,
-                   model_max_length=int(config.max_position_embeddings))
-    tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    save_checkpoint(model, tok, out, ids, {"tokenizer_class": "GemmaTokenizer",
+                                           "add_bos_token": True, "add_eos_token": False})
     _check_round_trip(tok, out)
     return src.name

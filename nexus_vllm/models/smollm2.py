@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import pathlib
 from typing import Any
+
+from nexus_vllm.models._gguf import plain_model, save_checkpoint
 
 __all__ = ["GGUF_FILE", "NAME", "PIP_PACKAGE", "build", "fix_tokenizer", "gguf_source"]
 
@@ -91,48 +92,19 @@ def build(out: pathlib.Path) -> str:
         The GGUF file name (recorded in the cache marker).
     """
     import torch
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        GenerationConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-    )
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     src = gguf_source()
     tok = fix_tokenizer(AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name))
     gguf_model = AutoModelForCausalLM.from_pretrained(
         str(src.parent), gguf_file=src.name, dtype=torch.float32
     )
-    # Rebuild as a plain LlamaForCausalLM: the GGUF-loaded model carries a quantization
-    # config that blocks save_pretrained and would confuse vLLM's loader.
-    cfg = gguf_model.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "architectures"):
-        cfg.pop(key, None)
     eos_id = tok.convert_tokens_to_ids(_EOS)
-    bos_id = tok.convert_tokens_to_ids(_BOS)
-    cfg.update(eos_token_id=eos_id, bos_token_id=bos_id, pad_token_id=eos_id, dtype="float32")
-    config = LlamaConfig(**cfg)
-    config.architectures = ["LlamaForCausalLM"]
-    model = LlamaForCausalLM(config).float()
-    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
-    # Tied embeddings legitimately lack lm_head.weight in the GGUF state dict.
-    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
-    model.generation_config = GenerationConfig(
-        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False
-    )
-    model.save_pretrained(str(out), safe_serialization=True)
-    tok.save_pretrained(str(out))
-    # A class name every transformers major version knows (4.x lacks "TokenizersBackend",
-    # and the kvpress peer runs transformers < 5.3), and the model's real context length.
-    tok_cfg_path = out / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text())
-    for key in ("is_local", "local_files_only"):
-        tok_cfg.pop(key, None)
-    tok_cfg["tokenizer_class"] = "GPT2Tokenizer"
-    tok_cfg["model_max_length"] = int(config.max_position_embeddings)
-    tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    ids = {"bos_token_id": tok.convert_tokens_to_ids(_BOS), "eos_token_id": eos_id,
+           "pad_token_id": eos_id}
+    model = plain_model(gguf_model, LlamaConfig, LlamaForCausalLM, ids)
     del gguf_model
+    # A class name every transformers major version knows (4.x lacks "TokenizersBackend",
+    # and the kvpress peer runs transformers < 5.3).
+    save_checkpoint(model, tok, out, ids, {"tokenizer_class": "GPT2Tokenizer"})
     return src.name
