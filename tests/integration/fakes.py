@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from nexus_vllm.core import cdiv
+
 BS = 32
 
 
@@ -158,6 +160,22 @@ def scheduler_side(num_blocks: int = 64, *, window: int | None = None,
     cfg = resolve_config(flags={"method": "nexus", "seed": 3, "prompt_mode": "stream",
                                 **flags})
     return EvictionManager(cfg, kvm, BS, step_tokens=step_tokens), single, pool
+
+
+def live_indices(mgr: Any, req_id: str, num_tokens: int | None = None) -> list[int]:
+    """Logical indices of an evicting request's live blocks, as ``mgr`` (an
+    ``EvictionManager``) keeps them: among the first ``ceil(num_tokens / block_size)``
+    when given (``LiveBlocks.live_indices``)."""
+    st = mgr.states.get(req_id)
+    if st is None:
+        raise KeyError(f"{req_id!r} is not an evicting request seen by the scheduler")
+    num_blocks = None if num_tokens is None else cdiv(num_tokens, mgr.block_size)
+    return list(mgr.blocks.live_indices(st, num_blocks))
+
+
+def live_count(mgr: Any, req_id: str, num_tokens: int | None = None) -> int:
+    """How many of :func:`live_indices`."""
+    return len(live_indices(mgr, req_id, num_tokens))
 
 
 def fake_evidence(kinds: Iterable[str], rows: int, live: int,

@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import HAS_VLLM
+from tests.integration.fakes import live_indices
 
 pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 
@@ -185,7 +186,7 @@ class PoolLoop:
         mgr = self.sched.nexus_manager
         evidence: dict[str, dict[str, np.ndarray]] = {}
         for req_id, sreq in plan.score.items():
-            live = len(mgr.live_indices(req_id, sreq.tokens_after))
+            live = len(live_indices(mgr, req_id, sreq.tokens_after))
             for kind in sreq.kinds:
                 # A rows kind: row-normalised rows; a blocks kind: positive values.
                 if evidence_kind(kind).layout == "rows":

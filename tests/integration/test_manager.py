@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import HAS_VLLM
-from tests.integration.fakes import engine_request, scheduler_side
+from tests.integration.fakes import engine_request, live_count, live_indices, scheduler_side
 
 pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 
@@ -51,7 +51,7 @@ def _reply(plan, mgr, req_ids=None, seed: int = 0, ack: int | None = -1):  # noq
     evidence: dict[str, dict[str, np.ndarray]] = {}
     for req_id in req_ids if req_ids is not None else plan.score:
         sreq = plan.score[req_id]
-        live = [j for j in mgr.live_indices(req_id) if j < sreq.num_logical_blocks]
+        live = [j for j in live_indices(mgr, req_id) if j < sreq.num_logical_blocks]
         g = torch.Generator().manual_seed(seed)
         for kind, values in fake_evidence(sorted(sreq.kinds), sreq.window, len(live),
                                           g).items():
@@ -72,14 +72,14 @@ def test_chunked_prefill_stays_within_budget_plus_chunk_and_frees_blocks() -> No
                      {"r": min(128, 1000 - reqs["r"].num_computed_tokens)},
                      new=("r",) if first else ())
         first = False
-        live = mgr.live_count("r")
+        live = live_count(mgr, "r")
         assert live <= budget_blocks + chunk_blocks
         if "r" in plan.score:
             sreq = plan.score["r"]
             assert sreq.prefill
             before = pool.get_num_free_blocks()
             mgr.apply_reply(plan, _reply(plan, mgr), reqs)
-            assert mgr.live_count("r") == budget_blocks
+            assert live_count(mgr, "r") == budget_blocks
             freed = pool.get_num_free_blocks() - before
             evicted = sorted(mgr.channel.unacked["r"])
             assert freed == len(evicted) > 0
@@ -138,7 +138,7 @@ def test_decode_interval_and_restart_reset() -> None:
     for _ in range(64):
         plan = _step(mgr, single, reqs, {"r": 1})
         # Between events a decoding request may hold one block over its budget.
-        assert mgr.live_count("r") <= 8 + 1
+        assert live_count(mgr, "r") <= 8 + 1
         if "r" in plan.score:
             assert not plan.score["r"].prefill and plan.score["r"].window == 16
             events += 1
@@ -277,12 +277,12 @@ def _drive(mgr, single, reqs, rid, decode: int, chunk: int = 128):  # noqa: ANN0
         plan = _step(mgr, single, reqs, {rid: n}, new=(rid,) if first else ())
         first = False
         cfg = mgr.states.get(rid).cfg
-        live = mgr.live_count(rid)
+        live = live_count(mgr, rid)
         peak = max(peak, live)
         assert live <= cfg.hard_limit(r.num_computed_tokens, prompt)
         mgr.apply_reply(plan, _reply(plan, mgr, seed=len(events)), reqs)
         if rid in plan.score:
-            events.append((r.num_computed_tokens, plan.score[rid], live, mgr.live_count(rid)))
+            events.append((r.num_computed_tokens, plan.score[rid], live, live_count(mgr, rid)))
     assert mgr.counters.over_budget_peak <= 0
     return events, peak
 
@@ -431,7 +431,7 @@ def test_admission_releases_an_end_request_prompt_peak_after_its_event() -> None
     plan = _step(mgr, single, a, {"a": 1000 - 7 * 128})
     assert "a" in plan.score and plan.score["a"].prefill
     mgr.apply_reply(plan, _reply(plan, mgr), a)
-    assert mgr.live_count("a") == 8
+    assert live_count(mgr, "a") == 8
     # a may still grow to 8 + 4 blocks: 55 free - 4 outstanding >= 32.
     assert mgr.may_admit(reqs["b"])
 
@@ -527,7 +527,7 @@ def test_window_groups_are_counted_never_evicted() -> None:
         assert held == sum(1 for b in blocks if not b.is_null)
         assert held <= mgr.windows.allowance(computed)
         mgr.apply_reply(plan, _reply(plan, mgr), reqs)
-        assert mgr.live_count("r") <= 12
+        assert live_count(mgr, "r") <= 12
     assert mgr.counters.evicted_blocks > 0 and mgr.counters.over_budget_peak <= 0
     assert mgr.windows.allowance(1500) == 7  # cdiv(64 - 1 + 128, 32) + 1
     assert mgr.windows.allowance(40) == 2  # never more than the sequence's blocks

@@ -25,6 +25,7 @@ from tests.integration.fakes import (
     common_metadata,
     engine_request,
     fake_evidence,
+    live_indices,
     make_state,
     scheduler_side,
 )
@@ -95,7 +96,7 @@ def test_worker_never_reads_a_freed_block(seed: int, fault_rate: float) -> None:
         if reply.step_id is not None:
             evidence: dict[str, dict[str, np.ndarray]] = {}
             for rid, sreq in plan.score.items():
-                live = mgr.live_indices(rid, requests[rid].num_computed_tokens)
+                live = live_indices(mgr, rid, requests[rid].num_computed_tokens)
                 for kind, values in fake_evidence(sorted(sreq.kinds), sreq.window, len(live),
                                                   torch.default_generator).items():
                     evidence.setdefault(kind, {})[rid] = values

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import HAS_VLLM
-from tests.integration.fakes import BS, engine_request, scheduler_side
+from tests.integration.fakes import BS, engine_request, live_count, scheduler_side
 
 pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 
@@ -343,7 +343,7 @@ def test_evictor_runs_a_scoreless_policy_without_masses() -> None:
     assert not plan.score["r"].kinds
     free = pool.get_num_free_blocks()
     mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id), reqs)
-    assert mgr.live_count("r") == 8
+    assert live_count(mgr, "r") == 8
     nulled = sorted(mgr.channel.unacked["r"])
     assert pool.get_num_free_blocks() - free == len(nulled) == 16 - 8
     # Streaming keeps the sinks and the newest blocks: the oldest non-sinks go.
@@ -364,7 +364,7 @@ def test_evictor_frees_nothing_when_the_policy_fails(monkeypatch) -> None:  # no
     monkeypatch.setattr(StreamingPolicy, "select", fail)
     free = pool.get_num_free_blocks()
     mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id), reqs)
-    assert pool.get_num_free_blocks() == free and mgr.live_count("r") == 16
+    assert pool.get_num_free_blocks() == free and live_count(mgr, "r") == 16
     assert mgr.channel.unacked == {} and mgr.caching_limit(reqs["r"]) is None
     assert mgr.counters.faults["policy_error"] == 1
 
@@ -386,7 +386,7 @@ def test_failing_evictor_is_absorbed_as_a_policy_error() -> None:
     assert pool.get_num_free_blocks() == free and mgr.channel.unacked == {}
     assert mgr.counters.faults["policy_error"] == 1
     double.apply(plan, WorkerReply(step_id=plan.step_id), reqs)
-    assert mgr.live_count("r") == 8 and mgr.counters.eviction_events == 1
+    assert live_count(mgr, "r") == 8 and mgr.counters.eviction_events == 1
 
 
 def test_duplicating_sender_sends_the_previous_plan() -> None:
@@ -415,7 +415,7 @@ def test_evictor_skips_a_request_whose_evidence_the_worker_dropped() -> None:
     assert pool.get_num_free_blocks() == free and mgr.channel.unacked == {}
     norms = torch.linspace(1.0, 2.0, 16).numpy()
     mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id, evidence={"key_norms": {"r": norms}}), reqs)
-    assert mgr.live_count("r") == 8
+    assert live_count(mgr, "r") == 8
 
 
 def test_evictor_reads_rows_of_maxima_as_softmax_gave_them() -> None:
@@ -437,6 +437,6 @@ def test_evictor_reads_rows_of_maxima_as_softmax_gave_them() -> None:
     mgr.evictor.apply(plan, WorkerReply(step_id=plan.step_id,
                                         evidence={"mass": {"r": rows.numpy()}}), reqs)
     sinks, forced_recent = int(mgr.server_cfg.sink_blocks), [13, 14, 15]
-    assert mgr.live_count("r") == 8
+    assert live_count(mgr, "r") == 8
     kept = sorted(set(range(16)) - set(mgr.channel.unacked["r"]))
     assert kept == [*range(sinks), 1, 2, 3, 4, *forced_recent]

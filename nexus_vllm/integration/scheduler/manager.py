@@ -46,7 +46,7 @@ the pipeline busy meanwhile. Only the sliding-window groups' allowance counts ``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -185,21 +185,6 @@ class EvictionManager:
     def may_admit(self, request: EngineRequest) -> bool:
         """Whether the pool can take the request now (:meth:`AdmissionGate.may_admit`)."""
         return self.admission.may_admit(request)
-
-    def live_indices(self, req_id: str, num_tokens: int | None = None) -> Sequence[int]:
-        """Logical indices of an evicting request's live blocks (among the first
-        ``ceil(num_tokens / block_size)`` when given; :meth:`LiveBlocks.live_indices`)."""
-        num_blocks = None if num_tokens is None else cdiv(num_tokens, self.block_size)
-        return self.blocks.live_indices(self._state(req_id), num_blocks)
-
-    def live_count(self, req_id: str, num_tokens: int | None = None) -> int:
-        return len(self.live_indices(req_id, num_tokens))
-
-    def _state(self, req_id: str) -> RequestEvictionState:
-        st = self.states.get(req_id)
-        if st is None:
-            raise KeyError(f"{req_id!r} is not an evicting request seen by the scheduler")
-        return st
 
     # -- request lifecycle ---------------------------------------------------------------
     def record_finished(self, req_ids: Iterable[str]) -> None:
