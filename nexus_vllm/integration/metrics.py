@@ -10,7 +10,9 @@ and is taken out there (:func:`take_stats`) before vLLM's loggers run, by the
 Why that field: it is the one ``SchedulerStats`` field vLLM carries as an opaque payload
 (``dict[str, Any]``) and never interprets itself; it belongs to a KV connector, and
 eviction refuses KV connectors (``frontend/engine_policy.py``), so on an evicting server
-it is always empty. No field of our own survives the trip: vLLM sends ``SchedulerStats``
+it is always empty. Where a connector's stats do hold it, ours ride beside them under
+their own key, in a copy of the connector's dict, and taking ours out leaves the
+connector's as vLLM made them. No field of our own survives the trip: vLLM sends ``SchedulerStats``
 with msgspec and decodes it into vLLM's own dataclass (``vllm/v1/serial_utils.py``,
 ``MsgpackDecoder(EngineCoreOutputs)`` in ``vllm/v1/engine/core_client.py``), which drops
 attributes and subclass fields it does not declare. The payload is taken out before
@@ -219,17 +221,25 @@ def route_open() -> bool:
 
 
 def attach_stats(scheduler_stats: SchedulerStats, stats: NexusStats) -> bool:
-    """Engine core: put ``stats`` on vLLM's stats of this step. False (nothing attached)
-    where a KV connector's stats hold the field."""
-    if scheduler_stats.kv_connector_stats is not None:
+    """Engine core: put ``stats`` on vLLM's stats of this step, beside a KV connector's
+    stats if they hold the field (in a new dict: ``KVConnectorStats.to_dict`` hands out
+    the connector's own). False (nothing attached) where the field holds something
+    :func:`take_stats` could not give back exactly: an empty dict (which it would turn
+    into None), one that already has :data:`STATS_KEY`, or not a dict."""
+    data = scheduler_stats.kv_connector_stats
+    if data is None:
+        scheduler_stats.kv_connector_stats = {STATS_KEY: stats.to_dict()}
+        return True
+    if not isinstance(data, dict) or not data or STATS_KEY in data:
         return False
-    scheduler_stats.kv_connector_stats = {STATS_KEY: stats.to_dict()}
+    scheduler_stats.kv_connector_stats = {**data, STATS_KEY: stats.to_dict()}
     return True
 
 
 def take_stats(scheduler_stats: SchedulerStats) -> NexusStats | None:
     """API server: remove the payload :func:`attach_stats` put on vLLM's stats (None:
-    there is none), leaving the field as vLLM's loggers expect it."""
+    there is none), leaving the field as vLLM's loggers expect it: None, or the KV
+    connector's stats that were there."""
     data = scheduler_stats.kv_connector_stats
     if not isinstance(data, dict) or STATS_KEY not in data:
         return None

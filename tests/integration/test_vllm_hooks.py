@@ -129,8 +129,19 @@ def test_eviction_stats_cross_the_engine_core_wire() -> None:
     got = wire(stats)
     assert take_stats(got) == sent and got.kv_connector_stats is None
     assert take_stats(got) is None  # taken once
-    # A KV connector's stats are never mixed with ours.
-    assert not attach_stats(SchedulerStats(kv_connector_stats={"x": 1}), sent)
+    # A KV connector's stats: ours ride beside them, and taking ours out gives back
+    # theirs as they were (the connector's own dict never written).
+    theirs = {"num_transfers": 3, "bytes": [1, 2]}
+    stats = SchedulerStats(kv_connector_stats=theirs)
+    assert attach_stats(stats, sent)
+    assert theirs == {"num_transfers": 3, "bytes": [1, 2]}
+    got = wire(stats)
+    assert take_stats(got) == sent and got.kv_connector_stats == theirs
+    assert take_stats(got) is None and got.kv_connector_stats == theirs
+    # What could not be given back exactly is left alone: an empty dict, our own key.
+    for held in ({}, {"nexus_vllm": {}, "x": 1}):
+        stats = SchedulerStats(kv_connector_stats=dict(held))
+        assert not attach_stats(stats, sent) and stats.kv_connector_stats == held
     own = SchedulerStats()
     own.nexus = {"a": 1}  # type: ignore[attr-defined]
     assert not hasattr(wire(own), "nexus")

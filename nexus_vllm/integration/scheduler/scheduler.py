@@ -152,8 +152,9 @@ class NexusSchedulerMixin(_SchedulerBase):
             self.nexus_manager.record_finished(getattr(self, "finished_req_ids", ()))
             update = self.nexus_manager.stats(self.requests)
             if self._nexus_stats_route and not attach_stats(stats, update):
-                self.nexus_manager.fault("stats_field_taken", "a KV connector's stats "
-                                         "hold the field eviction stats ride in; this "
+                self.nexus_manager.fault("stats_field_taken", "kv_connector_stats, where "
+                                         "eviction stats ride, holds a payload they cannot "
+                                         "ride beside (empty, or with their key); this "
                                          "update is dropped", count=False)
         return stats
 
