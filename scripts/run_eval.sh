@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces docs/results.md on a CPU box (the numbers there come from these commands).
-#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep|stream_sweep_longdoc|stream_sweep_chat|stream_sweep_multiturn|stream_sweep_longgen|stream_end|stream_end_chat|stream_end_multiturn|gemma3_report|stream_head_longdoc|stream_head_profile_longdoc|stream_head_reconstruction|docs|all]
+#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep|stream_sweep_longdoc|stream_sweep_chat|stream_sweep_multiturn|stream_sweep_longgen|stream_end|stream_end_chat|stream_end_multiturn|gemma3_report|stream_head_longdoc|stream_head_profile_longdoc|stream_head_reconstruction|stream_head_learned_longdoc|stream_head_learned_chat|stream_head_learned_multiturn|stream_head_learned_longgen|docs|all]
 #   (default: all)
 # Each run resumes from its records.jsonl if interrupted. 1 torch thread per run.
 set -euo pipefail
@@ -32,7 +32,7 @@ seed_defaults() {  # report, out: the earlier default's records from the committ
 }
 want() { [ "$what" = all ] || [ "$what" = "$1" ]; }
 case "$what" in
-  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep|stream_sweep_longdoc|stream_sweep_chat|stream_sweep_multiturn|stream_sweep_longgen|stream_end|stream_end_chat|stream_end_multiturn|gemma3_report|stream_head_longdoc|stream_head_profile_longdoc|stream_head_reconstruction|docs|all) ;;
+  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep|stream_sweep_longdoc|stream_sweep_chat|stream_sweep_multiturn|stream_sweep_longgen|stream_end|stream_end_chat|stream_end_multiturn|gemma3_report|stream_head_longdoc|stream_head_profile_longdoc|stream_head_reconstruction|stream_head_learned_longdoc|stream_head_learned_chat|stream_head_learned_multiturn|stream_head_learned_longgen|docs|all) ;;
   *) echo "unknown target $what" >&2; exit 2 ;;
 esac
 want calibration && run calibration
@@ -267,7 +267,7 @@ want gemma3_report && run gemma3_report
 HEAD_SEEDS=(--exclude-method-prefix expected --exclude-method-prefix nexus:expected=0,
             --exclude-method-prefix nexus:expected=0.5,knorm_prior=4,sampler
             --exclude-method-prefix nexus:knorm_prior)
-for name in stream_head_longdoc stream_head_profile_longdoc; do
+for name in stream_head_longdoc stream_head_profile_longdoc stream_head_learned_longdoc; do
   want "$name" || continue
   for task in niah_single_prose niah_multikey; do
     "$PY" -m nexus_vllm.cli records docs/figures/stream_longdoc/records.jsonl --if-missing \
@@ -321,6 +321,37 @@ if want stream_head_reconstruction && [ -d docs/figures/stream_head_reconstructi
     --b "$RECON_PROFILE" --b "reconstruction, pps over (layer, head, token)" \
     --b "reconstruction, one threshold over 16-token units" \
     --json docs/figures/stream_head_reconstruction/compare.json
+fi
+# The stand-in on the other stream families, each seeded with its published report set's
+# dense, oracle, KNorm and shipped-default records (identical keys, not rerun).
+for fam in chat multiturn longgen; do
+  name=stream_head_learned_$fam
+  want "$name" || continue
+  if [ ! -e "$OUT/$name/records.jsonl" ]; then
+    mkdir -p "$OUT/$name"
+    for m in dense oracle knorm "$STREAM_SHIPPED"; do
+      "$PY" -m nexus_vllm.cli records "docs/figures/stream_$fam/records.jsonl" \
+        --where "method=$m" --out "$OUT/$name.seed_${m%%:*}.jsonl"
+    done
+    "$PY" -m nexus_vllm.cli records "$OUT/$name".seed_*.jsonl --out "$OUT/$name/records.jsonl"
+  fi
+  run "$name" &
+done
+wait
+for fam in chat multiturn longgen; do
+  name=stream_head_learned_$fam
+  if want "$name" && [ -d "docs/figures/$name" ]; then
+    "$PY" -m nexus_vllm.cli compare "$OUT/$name/records.jsonl" \
+      --a "reconstruction:granularity=head" --b "$STREAM_SHIPPED" --b knorm --b oracle \
+      --json "docs/figures/$name/compare.json"
+  fi
+done
+if want stream_head_learned_longdoc && [ -d docs/figures/stream_head_learned_longdoc ]; then
+  "$PY" -m nexus_vllm.cli compare "$OUT/stream_head_learned_longdoc/records.jsonl" \
+    docs/figures/stream_head_reconstruction/records.jsonl \
+    --a "reconstruction:granularity=head" --b "nexus:expected=0.5,knorm_prior=4" \
+    --b knorm --b "$RECON" --b "reconstruction:granularity=head,head_group=16" \
+    --json docs/figures/stream_head_learned_longdoc/compare.json
 fi
 if want docs; then
   # Ours and kvpress's presses side by side: headline records + the peer's records.

@@ -336,6 +336,11 @@ def test_sdist_and_wheel_ship_the_license_and_the_presets(dists):
     assert profiles
     for name in profiles:
         assert f"nexus_vllm/core/head_profiles/{name}" in in_wheel
+    # So do the learned stand-ins for the reconstruction score.
+    scorers = sorted(p.name for p in (REPO / "nexus_vllm/core/head_scorers").glob("*.pt"))
+    assert scorers
+    for name in scorers:
+        assert f"nexus_vllm/core/head_scorers/{name}" in in_wheel
 
 
 @pytest.mark.slow

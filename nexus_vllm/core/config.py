@@ -18,6 +18,7 @@ import torch
 
 from ._validate import ConfigError, check_choice, check_float, check_int
 from .head_paged import GRANULARITIES, check_head_group, load_head_profile
+from .head_scorer import load_head_scorer
 from .policies import METHODS, POLICIES, EvictionPolicy, forced_count, head_granular_methods
 from .scoring import ATTENTION_REDUCES, cdiv
 
@@ -135,6 +136,11 @@ class EvictionConfig:
         the model (a shipped profile's name or a JSON file,
         :func:`~nexus_vllm.core.head_paged.load_head_profile`); each head then keeps its
         share of the budget, its own best entries in it. None: one threshold per event.
+    head_scorer : str, optional
+        Under ``head``, for a policy that reads the ``reconstruction`` evidence: the
+        learned stand-in for KVzip's reconstruction score (a shipped scorer's name or a
+        ``.pt`` file, :func:`~nexus_vllm.core.head_scorer.load_head_scorer`). None: the
+        one shipped for the model, by the model's name.
     """
 
     method: str = "nexus"
@@ -161,6 +167,7 @@ class EvictionConfig:
     granularity: str = "block"
     head_group: int = 1
     head_profile: str | None = None
+    head_scorer: str | None = None
 
     def __post_init__(self) -> None:
         check_choice("method", self.method, METHODS)
@@ -206,6 +213,11 @@ class EvictionConfig:
                 raise ConfigError("head_profile", "head_profile allocates per (layer, KV "
                                   "head): it needs granularity 'head'")
             load_head_profile(self.head_profile)
+        if self.head_scorer is not None:
+            if self.granularity != "head":
+                raise ConfigError("head_scorer", "head_scorer scores per (layer, KV head): "
+                                  "it needs granularity 'head'")
+            load_head_scorer(self.head_scorer)
         for name in ("policy_args", "prefill_args"):
             value = getattr(self, name)
             if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
@@ -235,8 +247,12 @@ class EvictionConfig:
                 policy = self.policy(prefill=prefill, prompt_end=prompt_end)
                 if self.granularity == "head" and not policy.head_needs:
                     raise ConfigError("granularity", _no_head_score(policy))
+                if self.granularity != "head" and policy.head_only:
+                    raise ConfigError("method", f"policy {policy.name!r} scores "
+                                      "(layer, KV head, token) units only: it needs "
+                                      "granularity 'head'")
             except (TypeError, ValueError) as exc:
-                if getattr(exc, "field", None) == "granularity":
+                if getattr(exc, "field", None) in ("granularity", "method"):
                     raise
                 knob = str(getattr(exc, "field", ""))
                 source = "prefill_args" if prefill and knob in self.prefill_args \

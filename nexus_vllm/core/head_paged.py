@@ -65,7 +65,7 @@ __all__ = [
 # (layer, KV head) keeps its own tokens, packed into head-blocks.
 GRANULARITIES = ("block", "head")
 # Evidence a per-head score may read, each ``[L, Hkv, T]``.
-HEAD_KINDS = ("mass", "expected_attention", "key_norms")
+HEAD_KINDS = ("mass", "expected_attention", "key_norms", "reconstruction")
 # The shipped per-model allocations (``head_profile`` by name): scripts/calibrate_head_profile.py
 PROFILES_DIR = pathlib.Path(__file__).with_name("head_profiles")
 

@@ -52,6 +52,7 @@ __all__ = [
     "MethodNames",
     "NexusPolicy",
     "RandomPolicy",
+    "ReconstructionPolicy",
     "SnapKVPolicy",
     "StreamingPolicy",
     "TOVAPolicy",
@@ -192,6 +193,8 @@ class EvictionPolicy:
     evidence: ClassVar[frozenset[str]] = frozenset({"mass"})
     # Newest rows of the window's mass that score() reads (None: all of them).
     query_rows: ClassVar[int | None] = None
+    # A policy whose score exists per (layer, KV head, token) only: granularity "head".
+    head_only: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_int("sink_blocks", self.sink_blocks, low=1)
@@ -695,6 +698,31 @@ class ExpectedAttentionPolicy(EvictionPolicy):
 
     def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
         return evidence["expected_attention"].detach().to("cpu", torch.float64)
+
+
+@register_policy
+@dataclass(frozen=True)
+class ReconstructionPolicy(EvictionPolicy):
+    """KVzip's reconstruction score per (layer, KV head, token), top-K by one threshold
+    over all of them, read from a learned stand-in
+    (:class:`~nexus_vllm.core.head_scorer.HeadScorer`, the config's ``head_scorer``): each
+    token's predicted ``log`` score, computed once when it is fed. Granularity ``head``
+    only; the transformers path runs it."""
+
+    name: ClassVar[str] = "reconstruction"
+    evidence: ClassVar[frozenset[str]] = frozenset()
+    head_only: ClassVar[bool] = True
+
+    @property
+    def head_needs(self) -> frozenset[str]:
+        return frozenset({"reconstruction"})
+
+    def head_score(self, evidence: HeadEvidence) -> torch.Tensor:
+        return evidence["reconstruction"]
+
+    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+        raise ValueError("policy 'reconstruction' scores (layer, KV head, token) units only: "
+                         "it needs granularity 'head'")
 
 
 class MethodNames(Sequence[str]):

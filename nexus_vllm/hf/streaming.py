@@ -38,11 +38,13 @@ its share of the row's mass over the cached keys.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +57,7 @@ from nexus_vllm.core import (
     evidence_kind,
     num_blocks_for,
 )
+from nexus_vllm.core._validate import ConfigError
 from nexus_vllm.core.evidence import DenseLayer, DenseSequence
 from nexus_vllm.core.head_paged import (
     HeadEvidence,
@@ -67,6 +70,7 @@ from nexus_vllm.core.head_paged import (
     load_head_profile,
     select_head_units,
 )
+from nexus_vllm.core.head_scorer import HeadScorer, load_head_scorer, shipped_head_scorers
 from nexus_vllm.hf.mla import is_mla_attention, latent_keys, latent_query, latent_rotary
 
 __all__ = ["CAPTURE_ATTENTION", "CAPTURE_ATTENTION_SINKS", "EvictionEvent", "StreamingSession",
@@ -318,7 +322,7 @@ class StreamingSession:
         # slots, and the best score each entry has had (core/head_paged.py).
         self._heads: HeadLedger | None = None
         if config is not None and config.granularity == "head":
-            self._heads = HeadLedger.start(model, self._full, self._latent, config.head_profile)
+            self._heads = HeadLedger.start(model, self._full, self._latent, config)
 
     # ------------------------------------------------------------------ forward
     def _record_queries(self, layer_idx: int, query: torch.Tensor) -> torch.Tensor | None:
@@ -342,13 +346,20 @@ class StreamingSession:
         n = ids.shape[1]
         pos = torch.arange(self.seen, self.seen + n, device=ids.device).unsqueeze(0)
         use_capture_attention(self.model)  # in case the model was switched back since
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=logits_to_keep,
-                         nexus_capture=self._record_queries)
+        scorer = self._heads.scorer if self._heads is not None else None
+        with _attention_inputs(self.model, self._full if scorer is not None else []
+                               ) as inputs:
+            out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache,
+                             use_cache=True, logits_to_keep=logits_to_keep,
+                             nexus_capture=self._record_queries)
         self.seen += n
         self.positions = torch.cat([self.positions, pos[0].cpu()])
         if self._heads is not None:
-            self._heads.append(n)
+            estimate = None
+            if scorer is not None:
+                estimate = torch.stack([scorer.score(i, inputs[li]).cpu()
+                                        for i, li in enumerate(self._full)])
+            self._heads.append(n, estimate)
         return out.logits[0].float()
 
     # ------------------------------------------------------------------ eviction
@@ -539,6 +550,9 @@ class StreamingSession:
                     rotary))
             if "key_norms" in per_kind:
                 per_kind["key_norms"].append(head_key_norms(keys))
+            if "reconstruction" in per_kind:
+                assert heads.estimate is not None  # HeadLedger.start loads the scorer
+                per_kind["reconstruction"].append(heads.estimate[i].masked_fill(~live[i], 0.0))
         return HeadEvidence(live=live, kinds={k: torch.stack(v) for k, v in per_kind.items()})
 
     def _head_event(self, policy: Any, window: int, *, prefill: bool, n_blocks: int,
@@ -625,8 +639,11 @@ class StreamingSession:
         other.state = {}
         other.trigger = EvictionTrigger(config, self.prompt_tokens)
         if config.granularity == "head":
-            other._heads = HeadLedger.start(self.model, self._full, self._latent,
-                                            config.head_profile)
+            other._heads = HeadLedger.start(self.model, self._full, self._latent, config)
+            if other._heads.scorer is not None:
+                # Its estimates are made as tokens are fed, from inputs not kept after.
+                raise ValueError("the reconstruction stand-in scores tokens as they are "
+                                 "fed: run the session under its config from the start")
             other._heads.append(self.cache_len)
         return other
 
@@ -667,6 +684,11 @@ class HeadLedger:
         Each layer's attention logit scale (the module's ``scaling``).
     shares : Tensor[len(layers), Hkv] or None
         The config's ``head_profile``: a fixed allocation over the heads.
+    scorer : HeadScorer or None
+        When an event's policy reads the ``reconstruction`` evidence: the learned
+        stand-in (the config's ``head_scorer``, or the one shipped for the model).
+    estimate : Tensor[len(layers), Hkv, T] or None
+        The scorer's prediction for every slot, made when its token was fed.
     """
 
     layers: list[int]
@@ -674,10 +696,12 @@ class HeadLedger:
     best: torch.Tensor
     scales: dict[int, float]
     shares: torch.Tensor | None = None
+    scorer: HeadScorer | None = None
+    estimate: torch.Tensor | None = None
 
     @classmethod
     def start(cls, model: Any, full_layers: list[int], latent: bool,
-              profile: str | None = None) -> HeadLedger:
+              config: EvictionConfig) -> HeadLedger:
         if latent:
             raise ValueError("granularity 'head' needs KV heads; an MLA model caches one "
                              "latent row per token (use granularity 'block')")
@@ -691,14 +715,20 @@ class HeadLedger:
                   and getattr(m, "layer_idx", None) is not None}
         shape = (len(full_layers), hkv, 0)
         shares = None
+        profile = config.head_profile
         if profile is not None:
             shares = load_head_profile(profile).tensor()
             if tuple(shares.shape) != shape[:2]:
                 raise ValueError(f"head_profile {profile!r} allocates over "
                                  f"{tuple(shares.shape)} (layers, KV heads); this model has "
                                  f"{shape[:2]}")
+        scorer = None
+        if any("reconstruction" in config.policy(prefill=p, prompt_end=e).head_needs
+               for p, e in ((False, False), (True, False), (True, True))):
+            scorer = _head_scorer_for(model, config.head_scorer, len(full_layers), hkv)
         return cls(layers=list(full_layers), live=torch.zeros(shape, dtype=torch.bool),
-                   best=torch.zeros(shape), scales=scales, shares=shares)
+                   best=torch.zeros(shape), scales=scales, shares=shares, scorer=scorer,
+                   estimate=torch.zeros(shape) if scorer is not None else None)
 
     def live_of(self, layer_idx: int) -> torch.Tensor | None:
         """The live mask ``[Hkv, T]`` of one layer (None for a sliding layer)."""
@@ -706,13 +736,17 @@ class HeadLedger:
             return None
         return self.live[self.layers.index(layer_idx)]
 
-    def append(self, n: int) -> None:
-        """``n`` new slots, live in every head, not scored yet."""
+    def append(self, n: int, estimate: torch.Tensor | None = None) -> None:
+        """``n`` new slots, live in every head, not scored yet; ``estimate``
+        ``[L, Hkv, n]``: the scorer's prediction for them."""
         layers, heads, _ = self.live.shape
         self.live = torch.cat([self.live, torch.ones(layers, heads, n, dtype=torch.bool)],
                               dim=-1)
         self.best = torch.cat([self.best, torch.full((layers, heads, n), float("-inf"))],
                               dim=-1)
+        if self.estimate is not None:
+            assert estimate is not None and estimate.shape[-1] == n
+            self.estimate = torch.cat([self.estimate, estimate.float()], dim=-1)
 
     def remember(self, scores: torch.Tensor) -> torch.Tensor:
         """Raise each live entry's best score to ``scores`` (``[L, Hkv, T]``); return it."""
@@ -723,10 +757,52 @@ class HeadLedger:
     def keep_slots(self, token_idx: torch.Tensor) -> None:
         self.live = self.live.index_select(-1, token_idx)
         self.best = self.best.index_select(-1, token_idx)
+        if self.estimate is not None:
+            self.estimate = self.estimate.index_select(-1, token_idx)
 
     def copy(self) -> HeadLedger:
         return HeadLedger(layers=list(self.layers), live=self.live.clone(),
-                          best=self.best.clone(), scales=dict(self.scales), shares=self.shares)
+                          best=self.best.clone(), scales=dict(self.scales), shares=self.shares,
+                          scorer=self.scorer,
+                          estimate=None if self.estimate is None else self.estimate.clone())
+
+
+def _head_scorer_for(model: Any, ref: str | None, layers: int, heads: int) -> HeadScorer:
+    """The config's ``head_scorer``, or the one shipped under the model's name (its
+    checkpoint folder's, lower-cased), checked against the model's shape."""
+    name = ref or Path(str(model.config.name_or_path)).name.lower()
+    if ref is None and name not in shipped_head_scorers():
+        raise ConfigError("head_scorer", f"policy 'reconstruction' needs a head scorer; "
+                          f"none is shipped for {name!r} (shipped: "
+                          f"{', '.join(shipped_head_scorers()) or 'none'}): train one with "
+                          "scripts/train_head_scorer.py and set head_scorer to its file")
+    scorer = load_head_scorer(name)
+    text = model.config.get_text_config(decoder=True)
+    scorer.check_model(layers, int(text.hidden_size), heads, name)
+    return scorer
+
+
+@contextlib.contextmanager
+def _attention_inputs(model: Any, layers: list[int]) -> Iterator[dict[int, torch.Tensor]]:
+    """While the block runs: each of ``layers``' attention input (its input norm's output,
+    ``[T, D]``) of the one forward inside, by layer index (empty for no layers)."""
+    inputs: dict[int, torch.Tensor] = {}
+    if not layers:
+        yield inputs
+        return
+    decoder = model.get_decoder().layers
+
+    def keep(li: int) -> Callable[..., None]:
+        def hook(_module: Any, _args: Any, out: torch.Tensor) -> None:
+            inputs[li] = out[0].detach()
+        return hook
+
+    handles = [decoder[li].input_layernorm.register_forward_hook(keep(li)) for li in layers]
+    try:
+        yield inputs
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _sliding_layers(cache: Any, model_config: Any, *, evicting: bool) -> list[bool]:

@@ -36,6 +36,9 @@ class PolicyCase:
         hand below); None for a stochastic policy, whose choice must vary with the seed.
     bad_knob : (str, Any), optional
         A knob and a value out of its range, refused when the config is built.
+    head_only : bool
+        The policy scores (layer, KV head, token) units only: no block selection to
+        check, and a block-granular config is refused.
     """
 
     name: str
@@ -45,6 +48,7 @@ class PolicyCase:
     query_rows: int | None = None
     keep: tuple[int, ...] | None = None
     bad_knob: tuple[str, Any] | None = None
+    head_only: bool = False
 
 
 # Eight blocks, one sink and one recent block: the forced set is {0, 6, 7}, so a budget of
@@ -74,4 +78,7 @@ POLICY_CASES: tuple[PolicyCase, ...] = (
     PolicyCase("knorm", needs=frozenset({"key_norms"}), keep=(0, 2, 5, 6, 7)),  # lowest norms
     PolicyCase("expected", needs=frozenset({"expected_attention"}),
                keep=(0, 3, 5, 6, 7)),  # the most expected attention
+    # The learned stand-in for KVzip's score exists per (layer, KV head, token) only
+    # (tests/core/test_head_scorer.py, tests/hf/test_head_granularity.py).
+    PolicyCase("reconstruction", needs=frozenset(), head_only=True),
 )

@@ -190,7 +190,7 @@ def test_every_policy_with_a_head_score_returns_one_weight_per_entry() -> None:
     live = torch.ones(2, 2, 12, dtype=torch.bool)
     g = torch.Generator().manual_seed(0)
     kinds = {k: torch.rand(2, 2, 12, generator=g) for k in
-             ("mass", "expected_attention", "key_norms")}
+             ("mass", "expected_attention", "key_norms", "reconstruction")}
     evidence = HeadEvidence(live=live, kinds=kinds)
     with_score = [m for m in POLICIES if POLICIES[m]().head_needs]
     assert {"nexus", "knorm", "expected", "snapkv", "tova"} <= set(with_score)
@@ -199,6 +199,8 @@ def test_every_policy_with_a_head_score_returns_one_weight_per_entry() -> None:
         assert policy.head_needs <= set(kinds)
         assert policy.head_score(evidence).shape == (2, 2, 12)
     assert torch.equal(POLICIES["knorm"]().head_score(evidence), -kinds["key_norms"])
+    assert torch.equal(POLICIES["reconstruction"]().head_score(evidence),
+                       kinds["reconstruction"])
     with pytest.raises(ValueError, match="has no per-head score"):
         POLICIES["h2o"]().head_score(evidence)
 

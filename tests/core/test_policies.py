@@ -68,6 +68,13 @@ def test_case_declared_properties(case: PolicyCase):
 def test_case_hand_checked_selection(case: PolicyCase):
     policy = get_policy(case.name, sink_blocks=HAND_SINKS, recent_blocks=HAND_RECENT,
                         **case.knobs)
+    if case.head_only:  # no block score: refused by the policy and by the config
+        with pytest.raises(ValueError, match="granularity 'head'"):
+            policy.select(HAND_EVIDENCE, HAND_BUDGET, state={})
+        with pytest.raises(ConfigError, match="granularity 'head'") as err:
+            EvictionConfig.from_dict({"method": case.name, "max_tokens": 1024})
+        assert err.value.field == "method"
+        return
     keeps = {tuple(policy.select(HAND_EVIDENCE, HAND_BUDGET, state={},
                                  generator=torch.Generator().manual_seed(seed)).tolist())
              for seed in range(8)}
@@ -81,7 +88,9 @@ def test_case_hand_checked_selection(case: PolicyCase):
 @pytest.mark.parametrize("case", POLICY_CASES, ids=lambda c: c.name)
 def test_case_knobs_through_the_config(case: PolicyCase):
     """Top-level knobs land in policy_args, build the same policy, and round-trip."""
-    cfg = EvictionConfig.from_dict({"method": case.name, "max_tokens": 1024, **case.knobs})
+    granularity = {"granularity": "head"} if case.head_only else {}
+    cfg = EvictionConfig.from_dict({"method": case.name, "max_tokens": 1024, **granularity,
+                                    **case.knobs})
     assert cfg.policy_args == dict(case.knobs)
     assert cfg.policy() == get_policy(case.name, sink_blocks=cfg.sink_blocks,
                                       recent_blocks=cfg.recent_blocks, carry=cfg.carry,
@@ -102,6 +111,8 @@ def test_case_knobs_through_the_config(case: PolicyCase):
 
 @pytest.mark.parametrize("case", POLICY_CASES, ids=lambda c: c.name)
 def test_case_refuses_evidence_it_needs(case: PolicyCase):
+    if case.head_only:
+        pytest.skip("no block score (its head evidence: tests/core/test_head_paged.py)")
     policy = get_policy(case.name, sink_blocks=HAND_SINKS, recent_blocks=HAND_RECENT,
                         **case.knobs)
     mass_only = Evidence(HAND_EVIDENCE.mass)
@@ -113,9 +124,12 @@ def test_case_refuses_evidence_it_needs(case: PolicyCase):
         assert policy.select(mass_only, HAND_BUDGET).numel() == HAND_BUDGET
 
 
+BLOCK_CASES = [case for case in POLICY_CASES if not case.head_only]
+
+
 @settings(max_examples=40, deadline=None)
 @given(
-    case=st.sampled_from(POLICY_CASES),
+    case=st.sampled_from(BLOCK_CASES),
     w=st.integers(1, 16),
     n=st.integers(1, 64),
     sinks=st.integers(1, 4),

@@ -167,3 +167,84 @@ def test_a_head_profile_fixes_each_heads_share(model, tok, tmp_path) -> None:
     wrong.write_text(json.dumps({"model": "tiny", "budget_share": 0.2, "shares": [[1.0]]}))
     with pytest.raises(ValueError, match=r"allocates over \(1, 1\)"):
         StreamingSession(model, make_config("knorm", 64, head_profile=str(wrong), **KNOBS))
+
+
+# -- the learned stand-in for KVzip's reconstruction score (core/head_scorer.py) --------
+def _tiny_scorer(model, path, *, weight_scale: float = 1.0, bias=None):  # noqa: ANN001, ANN202
+    from nexus_vllm.core.head_scorer import HeadScorer
+
+    text = model.config
+    layers, hidden, hkv = (text.num_hidden_layers, text.hidden_size,
+                           text.num_key_value_heads)
+    g = torch.Generator().manual_seed(7)
+    weight = weight_scale * torch.randn(layers, hidden, hkv, generator=g)
+    bias = torch.randn(layers, hkv, generator=g) if bias is None else bias
+    HeadScorer(model="tiny", weight=weight, bias=bias).save(path)
+    return str(path)
+
+
+def test_the_stand_in_scores_each_token_from_its_attention_input(model, tok, tmp_path) -> None:
+    """With nothing evicted, each slot's estimate is the scorer on what the layer's
+    attention read for that token in one plain forward: its input norm's output."""
+    scorer_path = _tiny_scorer(model, tmp_path / "s.pt")
+    cfg = make_config("reconstruction", 4096, head_scorer=scorer_path, **KNOBS)
+    session = StreamingSession(model, cfg)
+    ids = _ids(tok)
+    for start in range(0, ids.numel(), 48):
+        session.forward(ids[start:start + 48])
+        session.evict(prefill=True)
+    from nexus_vllm.core.head_scorer import load_head_scorer
+
+    scorer = load_head_scorer(scorer_path)
+    with torch.no_grad():
+        out = model(input_ids=ids.view(1, -1), output_hidden_states=True)
+    estimate = session._heads.estimate
+    assert estimate is not None and estimate.shape[-1] == ids.numel()
+    for li in range(model.config.num_hidden_layers):
+        attn_in = model.model.layers[li].input_layernorm(out.hidden_states[li])[0]
+        torch.testing.assert_close(estimate[li], scorer.score(li, attn_in),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_the_stand_in_spends_the_budget_where_it_scores_highest(model, tok, tmp_path) -> None:
+    """A scorer that gives every token of a head the same score (its bias): one threshold
+    keeps the best-scoring head whole and the worst only its forced set."""
+    layers, hkv = model.config.num_hidden_layers, model.config.num_key_value_heads
+    bias = torch.arange(layers * hkv, dtype=torch.float32).view(layers, hkv)
+    scorer_path = _tiny_scorer(model, tmp_path / "s.pt", weight_scale=0.0, bias=bias)
+    cfg = make_config("reconstruction", 64, head_scorer=scorer_path, **KNOBS)
+    session = StreamingSession(model, cfg, record_events=True)
+    ids = _ids(tok)
+    for start in range(0, ids.numel(), 48):
+        session.forward(ids[start:start + 48])
+        session.evict(prefill=True)
+    event = session.events[-1]
+    counts = event.head_live.sum(dim=-1)
+    forced = forced_positions(event.kept_positions, event.seen, 8, 1, 1)
+    assert int(counts[-1, -1]) == event.kept_positions.numel()  # the best head: all
+    # The worst: the forced set, packed into whole head-blocks (a partial head-block's
+    # free slots cost nothing, so its best entries fill them).
+    assert int(counts[0, 0]) == int(counts.min())
+    assert int(counts[0, 0]) == -(-int(forced.sum()) // 8) * 8
+    heads = layers * hkv
+    assert head_blocks_held(event.head_live, 8) <= event.budget_blocks * heads
+
+
+def test_the_stand_in_is_found_by_model_name_or_refused(model, tok, tmp_path) -> None:
+    with pytest.raises(ValueError, match="none is shipped for") as err:
+        StreamingSession(model, make_config("reconstruction", 64, **KNOBS))
+    assert getattr(err.value, "field", None) == "head_scorer"
+    wrong = tmp_path / "wrong.pt"
+    from nexus_vllm.core.head_scorer import HeadScorer
+
+    HeadScorer(model="other", weight=torch.zeros(1, 4, 1), bias=torch.zeros(1, 1)).save(wrong)
+    with pytest.raises(ValueError, match="trained on other"):
+        StreamingSession(model, make_config("reconstruction", 64, head_scorer=str(wrong),
+                                            **KNOBS))
+    # A dense session cannot become one: its tokens' attention inputs are gone.
+    dense = StreamingSession(model, None, capture_rows=32)
+    dense.forward(_ids(tok)[:48])
+    cfg = make_config("reconstruction", 64, head_scorer=_tiny_scorer(model, tmp_path / "s.pt"),
+                      **{**KNOBS, "prompt_mode": "end"})
+    with pytest.raises(ValueError, match="scores tokens as they are fed"):
+        dense.with_config(cfg)

@@ -27,6 +27,7 @@ import types
 
 import pytest
 
+from nexus_vllm.core.policies import POLICIES
 from nexus_vllm.integration.frontend.request_args import RequestArgError, validate_request_args
 from nexus_vllm.integration.frontend.server_config import METHODS, add_cli_flags, resolve_config
 from tests.integration.conftest import HAS_VLLM
@@ -117,6 +118,8 @@ REQUEST_CASES = [
      "33 is above the 32 query rows this server keeps per request"),
     ({"kv_question_tokens": 10**9}, "kv_question_tokens", "allowed: 1..32"),
     ({"kv_question_tokenz": 12}, "kv_question_tokenz", "did you mean 'kv_question_tokens'?"),
+    # A policy with a per-head score only: the server pages blocks.
+    ({"kv_eviction": "reconstruction"}, "kv_eviction", "needs granularity 'head'"),
 ]
 # On a server started with --kv-eviction none.
 OFF_SERVER_CASES = [
@@ -131,7 +134,7 @@ OFF_SERVER_CASES = [
 ]
 GOOD_XARGS = [
     {"kv_budget": FLOOR}, {"kv_budget": MAX_LEN}, {"kv_budget": 512.0},
-    *({"kv_eviction": m} for m in METHODS),
+    *({"kv_eviction": m} for m in METHODS if m == "none" or not POLICIES[m].head_only),
     {"kv_eviction": "h2o", "kv_budget": 1024},
     {"kv_eviction": "none", "kv_budget": 10**9},  # opted out: the budget is moot
     {"kv_prompt_mode": "stream"}, {"kv_prompt_mode": "end"}, {"kv_prompt_mode": "keep"},
@@ -353,6 +356,9 @@ BUILD_CASES = [
      "--kv-prefill-budget: prefill_budget must be at least the budget (1024 tokens)"),
     (["--kv-budget", "1024", "--kv-prompt-mode", "stream", "--kv-prefill-budget", "2048"],
      "--kv-prefill-budget: prefill_budget applies to prompt_mode 'end' only"),
+    # A per-head score only, and the server pages blocks.
+    (["--kv-eviction", "reconstruction", "--kv-budget", "256"],
+     "--kv-eviction: policy 'reconstruction' scores (layer, KV head, token) units only"),
 ]
 
 
