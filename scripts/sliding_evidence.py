@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from nexus_vllm.core import EvictionConfig
+from nexus_vllm.hf import capture as hf_capture
 from nexus_vllm.hf import make_config
 from nexus_vllm.hf import streaming as hf_streaming
 from nexus_vllm.hf.streaming import StreamingSession
@@ -174,7 +175,7 @@ def sliding_sessions(include_sliding: bool) -> Iterator[None]:
     attention hands it the sliding layers' keys too."""
     from transformers import AttentionInterface
 
-    hf_streaming._register()
+    hf_capture._register()
     mapping = AttentionInterface._global_mapping
     original = mapping[hf_streaming.CAPTURE_ATTENTION]
     saved = getattr(hf_generate, _SESSION), SlidingEvidenceSession.include_sliding

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ._validate import ConfigError, check_choice, check_float, check_int
+from .event_policies import EVENT_KINDS, EventPolicies, EventPolicyKind, build_event_policy
 from .head_paged import GRANULARITIES, check_head_group, load_head_profile
 from .head_scorer import load_head_scorer
 from .policies import METHODS, POLICIES, EvictionPolicy, forced_count, head_granular_methods
@@ -117,7 +118,8 @@ class EvictionConfig:
     prefill_args : Mapping[str, Any]
         Knob overrides at prefill events (after prompt chunks, and the prompt-end event),
         over ``policy_args`` and the policy's declared prefill defaults
-        (:meth:`policy_knobs`); top-level ``prefill_<knob>`` keys land here.
+        (:func:`~nexus_vllm.core.event_policies.event_knobs`); top-level
+        ``prefill_<knob>`` keys land here.
     seed : int
         Global seed; each request's generator is seeded from (seed, request seed).
     granularity : {"block", "head"}
@@ -227,9 +229,9 @@ class EvictionConfig:
         self._check_policy_args()
 
     def _check_policy_args(self) -> None:
-        """Validate every knob now, decode and prefill, by building the policy: a bad one
-        fails at startup, naming ``policy_args.<knob>`` or ``prefill_args.<knob>``, not
-        at every eviction event."""
+        """Validate every knob now, decode and prefill, by building each event's policy
+        (:meth:`event_policy`): a bad one fails at startup, naming ``policy_args.<knob>``
+        or ``prefill_args.<knob>``, not at every eviction event."""
         if self.method == "none":
             for name in ("policy_args", "prefill_args"):
                 if getattr(self, name):
@@ -242,26 +244,19 @@ class EvictionConfig:
                 if knob not in takes:
                     raise ConfigError(f"{name}.{knob}",
                                       f"{name}.{knob}: {_not_a_knob(knob, self.method)}")
-        for prefill, prompt_end in ((False, False), (True, False), (True, True)):
+        for kind in EVENT_KINDS:
             try:
-                policy = self.policy(prefill=prefill, prompt_end=prompt_end)
-                if self.granularity == "head" and not policy.head_needs:
-                    raise ConfigError("granularity", _no_head_score(policy))
-                if self.granularity != "head" and policy.head_only:
-                    raise ConfigError("method", f"policy {policy.name!r} scores "
-                                      "(layer, KV head, token) units only: it needs "
-                                      "granularity 'head'")
+                policy = self.event_policy(kind)
+            except ConfigError:
+                raise
             except (TypeError, ValueError) as exc:
-                if getattr(exc, "field", None) in ("granularity", "method"):
-                    raise
-                knob = str(getattr(exc, "field", ""))
-                source = "prefill_args" if prefill and knob in self.prefill_args \
-                    else "policy_args"
-                qualified = f"{source}.{knob}" if knob else source
-                msg = str(exc)
-                msg = qualified + msg[len(knob):] if knob and msg.startswith(knob) \
-                    else f"{qualified}: {msg}"
-                raise ConfigError(qualified, msg) from None
+                raise ConfigError("policy_args", f"policy_args: {exc}") from None
+            if self.granularity == "head" and not policy.head_needs:
+                raise ConfigError("granularity", _no_head_score(policy))
+            if self.granularity != "head" and policy.head_only:
+                raise ConfigError("method", f"policy {policy.name!r} scores "
+                                  "(layer, KV head, token) units only: it needs "
+                                  "granularity 'head'")
 
     # -- construction ---------------------------------------------------------------
     @classmethod
@@ -517,46 +512,24 @@ class EvictionConfig:
         as tokens grow, so this is the most it holds while decoding)."""
         return self.hard_limit(max(total_tokens, prompt_tokens + 1), prompt_tokens)
 
-    def policy_knobs(self, *, prefill: bool = False, prompt_end: bool = False
-                     ) -> dict[str, Any]:
-        """The knobs the policy runs with: ``policy_args`` (over the policy's declared
-        ``stream_defaults`` in ``prompt_mode`` ``stream``) at decode events; at prefill
-        events (after a prompt chunk, and the prompt-end event) overridden by the policy's
-        declared defaults for the event (``prompt_end_defaults`` at the prompt-end event,
-        and at every prefill event in ``end``, whose events all see the prompt's end; else
-        ``prefill_defaults``), then by ``prefill_args``. A knob named nowhere takes the
-        policy's own default.
+    def event_policy(self, kind: EventPolicyKind, prompt_tokens: int = 0
+                     ) -> EvictionPolicy:
+        """The policy of events of ``kind`` (:func:`~nexus_vllm.core.event_policies.\
+build_event_policy`; a config that wraps its policies overrides this)."""
+        return build_event_policy(self, kind, prompt_tokens)
 
-        ``prompt_end``: the event after the prompt's last token (in ``stream`` the one
-        prompt event that sees the question; ``end`` and ``keep`` treat every prefill
-        event alike)."""
-        if self.method == "none":
-            raise ValueError("method 'none' has no eviction policy")
-        cls = POLICIES[self.method]
-        knobs = dict(cls.stream_defaults) if self.prompt_mode == "stream" else {}
-        knobs.update(self.policy_args)
-        if prefill:
-            at_end = self.prompt_mode == "end" or (prompt_end and self.prompt_mode == "stream")
-            knobs.update(cls.prompt_end_defaults if at_end else cls.prefill_defaults)
-            knobs.update(self.prefill_args)
-        return knobs
-
-    def policy(self, *, prefill: bool = False, prompt_tokens: int = 0,
-               prompt_end: bool = False) -> EvictionPolicy:
-        """The policy object for decode events, or for prefill events (after a prompt
-        chunk, and the prompt-end event: ``prompt_end``). In ``keep`` mode the prompt's
-        blocks (``prompt_tokens``) join the sinks, so no event evicts them."""
-        knobs = self.policy_knobs(prefill=prefill, prompt_end=prompt_end)
-        sinks = max(self.sink_blocks, self.prompt_blocks(prompt_tokens))
-        return POLICIES[self.method](sink_blocks=sinks, recent_blocks=self.recent_blocks,
-                                     carry=self.carry, **knobs)
+    def event_policies(self, prompt_tokens: int = 0) -> EventPolicies:
+        """The policy of each event kind of a request whose prompt is ``prompt_tokens``
+        long (in ``keep`` mode its blocks join the sinks), resolved once: what a request
+        holds for its life."""
+        return EventPolicies(**{kind: self.event_policy(kind, prompt_tokens)
+                                for kind in EVENT_KINDS})
 
     def evidence_kinds(self) -> frozenset[str]:
         """Every evidence kind this config's events read (decode and prefill events)."""
         if self.method == "none":
             return frozenset()
-        return (self.policy().needs | self.policy(prefill=True).needs
-                | self.policy(prefill=True, prompt_end=True).needs)
+        return self.event_policies().needs
 
     def generator(self, request_seed: int | str = 0) -> torch.Generator:
         """CPU generator seeded from (global seed, request seed): a recomputed (preempted)

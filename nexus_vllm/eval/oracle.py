@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from nexus_vllm.core import EvictionConfig, EvictionPolicy, Evidence
+from nexus_vllm.core.event_policies import EventPolicyKind
 
 __all__ = ["ORACLE", "ORACLE_BASE", "ORACLE_LEAD", "OracleConfig", "OracleFirst",
            "answer_blocks", "oracle_config"]
@@ -159,10 +160,9 @@ class OracleConfig(EvictionConfig):
 
     answer_blocks: tuple[int, ...] = ()
 
-    def policy(self, *, prefill: bool = False, prompt_tokens: int = 0,
-               prompt_end: bool = False) -> EvictionPolicy:
-        base = super().policy(prefill=prefill, prompt_tokens=prompt_tokens,
-                              prompt_end=prompt_end)
+    def event_policy(self, kind: EventPolicyKind, prompt_tokens: int = 0
+                     ) -> EvictionPolicy:
+        base = super().event_policy(kind, prompt_tokens)
         return OracleFirst(sink_blocks=base.sink_blocks, recent_blocks=base.recent_blocks,
                            carry=base.carry, base=base,
                            answer_blocks=frozenset(self.answer_blocks))

@@ -57,7 +57,7 @@ class MethodSpec:
         if self.method in ("dense", "none"):
             return False
         config = EvictionConfig.from_dict({**self.knobs, "method": self.policy_method})
-        return config.policy().stochastic
+        return config.event_policies().decode.stochastic
 
 
 DENSE = MethodSpec("dense", "dense")
@@ -278,7 +278,7 @@ class _SampleJob:
         # the policy reads what is made as tokens are fed (the reconstruction stand-in).
         if self.dense_prompt is not None and config.prompt_mode != "stream" \
                 and config.prefill_budget is None \
-                and "reconstruction" not in config.policy(prefill=True).head_needs:
+                and "reconstruction" not in config.event_policies().prefill.head_needs:
             return self.dense_prompt.fork(config, seed=seed)
         return prefill_sample(self.model, self.tokenizer, s.context, s.question, s.target,
                               config=config, chunk_size=self.cfg.chunk_size,

@@ -58,10 +58,12 @@ class SamplerTrace:
         b = cfg.block_size
         n_blocks_total = 1 + max(int(ev.live_blocks.max()) for ev in events)
         raster = np.full((n_blocks_total, len(events)), -1, dtype=np.int8)
+        # Without the prompt's length (keep mode's prompt sinks): the weights read no sinks.
+        policies = cfg.event_policies()
         for e, ev in enumerate(events):
             live = ev.live_blocks.tolist()
             n = len(live)
-            policy = cfg.policy(prefill=ev.prefill, prompt_end=ev.prompt_end)
+            policy = policies.at(prefill=ev.prefill, prompt_end=ev.prompt_end)
             evidence = Evidence.from_gathered(ev.gathered, attention_reduce=cfg.attention_reduce,
                                               num_blocks=n)
             weights = policy.keep_weights(evidence, None)

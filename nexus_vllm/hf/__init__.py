@@ -10,6 +10,7 @@ such requests over one growing stream (the turns of a conversation) in one pass.
 """
 
 from nexus_vllm.hf.dialogue import Probe, ProbeResult, run_probes
+from nexus_vllm.hf.events import EvictionEvent, make_config
 from nexus_vllm.hf.generate import (
     PromptSplit,
     SampleResult,
@@ -18,7 +19,7 @@ from nexus_vllm.hf.generate import (
     generate_ids,
     run_sample,
 )
-from nexus_vllm.hf.streaming import EvictionEvent, StreamingSession, make_config
+from nexus_vllm.hf.streaming import StreamingSession
 
 __all__ = [
     "EvictionEvent",

@@ -75,7 +75,7 @@ class ScoreRequest:
         The step was a prefill chunk (the policy uses its prefill variant).
     prompt_end : bool
         The step computed the prompt's last token: the prompt-end event, the one prompt
-        event that sees the question (``EvictionConfig.policy(prompt_end=...)``).
+        event that sees the question (``EventPolicies.at(prefill=True, prompt_end=...)``).
     kinds : frozenset of str
         The evidence kinds the policy reads (:data:`nexus_vllm.core.EVIDENCE_KINDS`);
         empty for streaming and random: the worker computes nothing for them (the event

@@ -121,16 +121,17 @@ def test_stream_defaults_apply_in_stream_only_and_a_config_overrides_them():
 
     stream = EvictionConfig(method="nexus", max_tokens=1024, prompt_mode="stream")
     for prefill in (False, True):
-        policy = stream.policy(prefill=prefill)
+        policy = stream.event_policies().at(prefill=prefill)
         assert (policy.expected, policy.knorm_prior) == (0.5, 4.0)
         assert policy.needs == {"mass", "expected_attention", "key_norms"}
-    assert stream.policy(prefill=True).indirect == "walk"  # prefill defaults still apply
+    assert stream.event_policies().prefill.indirect == "walk"  # prefill defaults still apply
     assert stream.evidence_kinds() == {"mass", "expected_attention", "key_norms"}
     end = EvictionConfig(method="nexus", max_tokens=1024, prompt_mode="end")
     assert end.evidence_kinds() == {"mass"}
-    assert (end.policy().expected, end.policy(prefill=True).knorm_prior) == (0.0, 0.0)
+    policies = end.event_policies()
+    assert (policies.decode.expected, policies.prefill.knorm_prior) == (0.0, 0.0)
     before = stream.replace(policy_args={"expected": 0, "knorm_prior": 0})
-    assert before.policy().needs == {"mass"} and before.evidence_kinds() == {"mass"}
+    assert before.event_policies().decode.needs == {"mass"} and before.evidence_kinds() == {"mass"}
     # Another policy's stream mode is untouched.
     assert EvictionConfig(method="snapkv", max_tokens=1024, prompt_mode="stream"
                           ).evidence_kinds() == {"mass"}
@@ -241,18 +242,18 @@ def test_the_stream_prompt_end_event_reads_the_question_as_end_does():
     from nexus_vllm.core import EvictionConfig
 
     stream = EvictionConfig(method="nexus", max_tokens=1024, prompt_mode="stream")
-    chunk = stream.policy(prefill=True)
-    end_event = stream.policy(prefill=True, prompt_end=True)
+    chunk = stream.event_policies().prefill
+    end_event = stream.event_policies().prompt_end
     assert (chunk.direct, chunk.indirect, chunk.sampler) == ("mean", "walk", "pps")
     assert (end_event.direct, end_event.indirect, end_event.sampler) == ("max", "none", "topk")
     # Decode events ignore the flag (the prompt-end defaults are prefill knobs).
-    assert stream.policy(prompt_end=True) == stream.policy()
+    policies = stream.event_policies()
+    assert policies.at(prefill=False, prompt_end=True) == policies.decode
     # end and keep: every prefill event already reads the prompt-end defaults in end; keep
     # treats the prompt-end event like any prefill event.
     end = stream.replace(prompt_mode="end")
-    assert end.policy(prefill=True) == end.policy(prefill=True, prompt_end=True)
+    assert end.event_policies().prefill == end.event_policies().prompt_end
     keep = stream.replace(prompt_mode="keep")
-    assert keep.policy(prefill=True, prompt_end=True) == keep.policy(prefill=True)
-    assert stream.replace(prefill_sampler="pps").policy(
-        prefill=True, prompt_end=True).sampler == "pps"
+    assert keep.event_policies().prompt_end == keep.event_policies().prefill
+    assert stream.replace(prefill_sampler="pps").event_policies().prompt_end.sampler == "pps"
     assert stream.evidence_kinds() >= end_event.needs

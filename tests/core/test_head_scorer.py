@@ -79,7 +79,7 @@ def test_config_reads_head_scorer_under_head_granularity_only(tmp_path) -> None:
     _scorer().save(path)
     cfg = EvictionConfig.from_dict({"method": "reconstruction", "max_tokens": 256,
                                     "granularity": "head", "head_scorer": str(path)})
-    assert cfg.policy().head_needs == {"reconstruction"}
+    assert cfg.event_policies().decode.head_needs == {"reconstruction"}
     with pytest.raises(ConfigError, match="needs granularity 'head'") as err:
         EvictionConfig.from_dict({"method": "expected", "max_tokens": 256,
                                   "head_scorer": str(path)})

@@ -92,7 +92,7 @@ def test_case_knobs_through_the_config(case: PolicyCase):
     cfg = EvictionConfig.from_dict({"method": case.name, "max_tokens": 1024, **granularity,
                                     **case.knobs})
     assert cfg.policy_args == dict(case.knobs)
-    assert cfg.policy() == get_policy(case.name, sink_blocks=cfg.sink_blocks,
+    assert cfg.event_policies().decode == get_policy(case.name, sink_blocks=cfg.sink_blocks,
                                       recent_blocks=cfg.recent_blocks, carry=cfg.carry,
                                       **case.knobs)
     assert EvictionConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
@@ -227,9 +227,10 @@ def test_best_row_reads_the_shares_softmax_gave():
 
 def test_prompt_end_event_reads_each_blocks_best_row():
     cfg = EvictionConfig(method="nexus", max_tokens=1024)
-    assert (cfg.policy().direct, cfg.policy(prefill=True).direct) == ("mean", "max")
-    assert cfg.replace(prompt_mode="stream").policy(prefill=True).direct == "mean"
-    assert cfg.replace(prefill_args={"direct": "mean"}).policy(prefill=True).direct == "mean"
+    policies = cfg.event_policies()
+    assert (policies.decode.direct, policies.prefill.direct) == ("mean", "max")
+    assert cfg.replace(prompt_mode="stream").event_policies().prefill.direct == "mean"
+    assert cfg.replace(prefill_args={"direct": "mean"}).event_policies().prefill.direct == "mean"
     with pytest.raises(ConfigError, match="direct"):
         get_policy("nexus", direct="rows")
 
@@ -328,9 +329,10 @@ def test_eviction_config():
     # The defaults: prompt mode end (direct attention and top-K at the prompt-end event,
     # the walk at decode), heads and layers by their maximum, one block of carry.
     assert (ratio.prompt_mode, ratio.attention_reduce, ratio.carry) == ("end", "max", 1)
-    assert ratio.policy(prefill=True).indirect == "none" and ratio.policy().indirect == "walk"
+    policies = ratio.event_policies()
+    assert policies.prefill.indirect == "none" and policies.decode.indirect == "walk"
     streaming = ratio.replace(prompt_mode="stream")
-    assert streaming.policy(prefill=True).indirect == "walk"
+    assert streaming.event_policies().prefill.indirect == "walk"
     assert EvictionConfig.from_dict({"method": "tova", "max_tokens": 512}).method == "tova"
     g1, g2 = cfg.generator("req-1"), cfg.generator("req-1")
     assert torch.equal(torch.rand(3, generator=g1), torch.rand(3, generator=g2))
@@ -385,20 +387,21 @@ def test_knobs_live_with_the_policy():
                                     "prefill_indirect": "none", "prefill_sampler": None})
     assert cfg.policy_args == {"steps": 5, "eps": 0.0}
     assert cfg.prefill_args == {"indirect": "none"}  # None: the policy's prefill default
-    assert (cfg.policy().eps, cfg.policy().indirect, cfg.policy(prefill=True).indirect) \
+    policies = cfg.event_policies()
+    assert (policies.decode.eps, policies.decode.indirect, policies.prefill.indirect) \
         == (0.0, "walk", "none")
-    assert cfg.policy(prefill=True).steps == 5  # a knob not overridden stays the decode one
+    assert cfg.event_policies().prefill.steps == 5  # a knob not overridden stays the decode one
     # The declared defaults: walk (and the decode sampler) after a prompt chunk; none and
     # top-K at the prompt-end event.
     ares = EvictionConfig.from_dict({"sampler": "ares", "indirect": "none",
                                      "prompt_mode": "stream"})
-    assert (ares.policy(prefill=True).indirect, ares.policy(prefill=True).sampler) \
+    assert (ares.event_policies().prefill.indirect, ares.event_policies().prefill.sampler) \
         == ("walk", "ares")
     end = ares.replace(prompt_mode="end")
-    assert (end.policy(prefill=True).indirect, end.policy(prefill=True).sampler) \
+    assert (end.event_policies().prefill.indirect, end.event_policies().prefill.sampler) \
         == ("none", "topk")
-    assert end.policy().sampler == "ares"  # decode events are the same in every mode
-    assert end.replace(prefill_sampler="pps").policy(prefill=True).sampler == "pps"
+    assert end.event_policies().decode.sampler == "ares"  # decode events: the same in every mode
+    assert end.replace(prefill_sampler="pps").event_policies().prefill.sampler == "pps"
     # Explicit mappings and top-level keys merge (top level wins); replace re-lifts them.
     both = EvictionConfig.from_dict({"policy_args": {"steps": 2, "lam": 1.0}, "steps": 4})
     assert both.policy_args == {"steps": 4, "lam": 1.0}
@@ -442,7 +445,7 @@ def test_carry_forward_keeps_the_block_after_a_found_one():
                        get_policy("knorm").select(Evidence(key_norms=norms), 8))
     # The config carries it to every policy it builds.
     cfg = EvictionConfig(method="tova", carry=1, attention_reduce="max")
-    assert cfg.policy().carry == 1 and cfg.policy(prefill=True).carry == 1
+    assert cfg.event_policies().decode.carry == 1 and cfg.event_policies().prefill.carry == 1
 
 
 def test_eviction_config_rejects_unknown_keys():
@@ -465,7 +468,7 @@ def test_the_forced_set_formula_is_one(sinks: int, recent: int) -> None:
     assert forced[-forced_tail(recent):] == list(range(n - forced_tail(recent), n))
     cfg = EvictionConfig(method="nexus", max_tokens=1024, sink_blocks=sinks,
                          recent_blocks=recent)
-    assert cfg.num_forced == cfg.policy().num_forced == forced_count(sinks, recent)
+    assert cfg.num_forced == cfg.event_policies().decode.num_forced == forced_count(sinks, recent)
 
 
 # -- renamed config keys -------------------------------------------------------------

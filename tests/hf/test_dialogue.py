@@ -134,7 +134,7 @@ def test_only_the_event_after_the_prompts_last_token_is_the_prompt_end_one(model
     flags = [(ev.seen, ev.prompt_end) for ev in session.events]
     assert len(flags) >= 3 and flags[-1] == (200, True)
     assert not any(end for _, end in flags[:-1])
-    last = cfg.policy(prefill=True, prompt_end=True)
+    last = cfg.event_policies().prompt_end
     assert (last.direct, last.indirect, last.sampler) == ("max", "none", "topk")
     # The event kept exactly what that policy picks from what it gathered.
     ev = session.events[-1]

@@ -52,10 +52,10 @@ def test_dense_session_equals_model_generate(deepseek) -> None:  # noqa: ANN001
 def _scored_session(deepseek: Any, monkeypatch: Any, method: str
                     ) -> tuple[StreamingSession, dict[int, torch.Tensor], int]:
     """A session fed 90 tokens, and the queries attention received per layer."""
-    import nexus_vllm.hf.streaming as streaming
+    import nexus_vllm.hf.capture as capture
 
     raw: dict[int, torch.Tensor] = {}
-    latent_query = streaming.latent_query
+    latent_query = capture.latent_query
 
     def recording(module: Any, query: torch.Tensor) -> torch.Tensor:
         prev = raw.get(int(module.layer_idx))
@@ -63,7 +63,7 @@ def _scored_session(deepseek: Any, monkeypatch: Any, method: str
         raw[int(module.layer_idx)] = q if prev is None else torch.cat([prev, q], dim=1)
         return latent_query(module, query)
 
-    monkeypatch.setattr(streaming, "latent_query", recording)
+    monkeypatch.setattr(capture, "latent_query", recording)
     session = StreamingSession(deepseek, EvictionConfig(method=method, max_tokens=48,
                                                         **KNOBS))
     session.forward(_ids(90, 1))

@@ -94,9 +94,9 @@ def test_sliding_mass_adds_only_inside_the_window(script):
 def test_sliding_sessions_restores_the_transformers_path(script):
     from transformers import AttentionInterface
 
-    from nexus_vllm.hf import streaming
+    from nexus_vllm.hf import capture, streaming
 
-    streaming._register()
+    capture._register()
     before = AttentionInterface._global_mapping[streaming.CAPTURE_ATTENTION]
     with script.sliding_sessions(True):
         assert script.hf_generate.StreamingSession is script.SlidingEvidenceSession

@@ -379,9 +379,9 @@ def test_end_preset_holds_the_budget_from_the_prompt_end() -> None:
     path = pathlib.Path(__file__).parents[2] / "configs" / "nexus-end.yaml"
     cfg = resolve_config(file=str(path), flags={"max_tokens": 2048})
     assert (cfg.method, cfg.prompt_mode, cfg.prefill_budget) == ("nexus", "end", None)
-    prompt_end = cfg.policy(prefill=True)
+    prompt_end = cfg.event_policies().prefill
     assert (prompt_end.indirect, prompt_end.sampler) == ("none", "topk")  # the tuned event
-    assert cfg.policy().sampler == "pps"  # decode events keep the paper's sampler
+    assert cfg.event_policies().decode.sampler == "pps"  # decode events keep the paper's sampler
 
 
 def test_shape_presets() -> None:
@@ -399,8 +399,7 @@ def test_shape_presets() -> None:
     assert stream == chat.replace(prompt_mode="stream")
     spelled = resolve_config(file=str(configs / "nexus.yaml"), flags={"max_tokens": 2048})
     assert spelled.replace(policy_args={}) == chat  # the policy's knobs, written out
-    assert (spelled.policy(), spelled.policy(prefill=True)) == (chat.policy(),
-                                                                chat.policy(prefill=True))
+    assert spelled.event_policies() == chat.event_policies()
 
 
 def test_fast_preset_scores_a_quarter() -> None:
@@ -451,6 +450,23 @@ def test_serve_command_maps_a_prepared_models_name(monkeypatch, tmp_path) -> Non
     assert cmd[cmd.index("--served-model-name") + 1] == "gemma3-270m"
     cmd, _ = build_command(["google/gemma-3-270m", "--kv-eviction", "none"], gpu=False)
     assert cmd[4] == "google/gemma-3-270m" and "--served-model-name" not in cmd
+
+
+def test_serve_dry_run_prints_the_event_policies(monkeypatch, capsys) -> None:  # noqa: ANN001
+    from nexus_vllm.integration.frontend import serve
+
+    monkeypatch.setenv("NEXUS_VLLM_DEVICE", "cuda")
+    assert serve.main(["some/model", "--kv-eviction-config", "nexus-stream", "--kv-budget",
+                       "1024", "--block-size", "16", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("[nexus-vllm] ") and "--dry-run" not in out[0]
+    assert "prompt_mode stream" in out[1]
+    cfg = resolve_config(file="nexus-stream", flags={"max_tokens": 1024, "block_size": 16})
+    assert "\n".join(out[2:]) == cfg.event_policies().table()
+    assert serve.main(["some/model", "--kv-eviction", "none", "--dry-run"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1  # no eviction: no table
+    assert serve.main(["some/model", "--kv-eviction", "nexus", "--dry-run"]) == 2
+    assert "--kv-budget" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")

@@ -177,8 +177,7 @@ def test_trigger_fires_after_the_chunk_that_goes_over_budget() -> None:
     live = list(range(12))
     sreq = st.plan_event(384, 128, live, BS)
     assert sreq is not None and sreq.prefill and sreq.num_logical_blocks == 12
-    assert sreq.window == cfg.policy(prefill=True, prompt_tokens=1000).window(
-        int(cfg.prompt_window))
+    assert sreq.window == cfg.event_policies(1000).prefill.window(int(cfg.prompt_window))
     assert sreq.evictable_below == live[-(int(cfg.recent_blocks) + 1)]
     assert st.tokens == 384 and st.peak_live_blocks == 12
 

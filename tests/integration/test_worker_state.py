@@ -459,7 +459,7 @@ def test_scoring_every_request_with_mass_and_key_norms_in_one_step() -> None:
     from nexus_vllm.core import EvictionConfig
 
     policy = EvictionConfig(method="nexus", max_tokens=192,
-                            policy_args={"knorm_prior": 1.0}).policy()
+                            policy_args={"knorm_prior": 1.0}).event_policies().decode
     assert policy.needs == {"mass", "key_norms"}
     reply, _, _ = _score_two_requests(frozenset(policy.needs), seed=3)
     assert reply.faults == {}
@@ -476,7 +476,7 @@ def test_expected_attention_through_the_worker_equals_the_dense_gatherer() -> No
     from nexus_vllm.core.evidence import DenseLayer, DenseSequence
 
     policy = EvictionConfig(method="nexus", max_tokens=192,
-                            policy_args={"expected": 0.5}).policy()
+                            policy_args={"expected": 0.5}).event_policies().decode
     assert policy.needs == {"mass", "expected_attention"}
     inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
     rotary = Rotary.from_inv_freq(inv_freq, 4096, head_size=D)

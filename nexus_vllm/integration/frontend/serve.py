@@ -13,6 +13,8 @@
   (``--enforce-eager --dtype float32 --distributed-executor-backend uni``) and sets
   ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and ``VLLM_CPU_KVCACHE_SPACE=2`` (GiB), each only
   when not given already.
+* ``--dry-run`` prints the command, then the policy each event kind runs (decode, prompt
+  chunk, prompt end) under the eviction config the flags resolve to, and exits.
 * Binds ``127.0.0.1:8000`` unless ``--host``/``--port`` are given (``NEXUS_VLLM_HOST`` /
   ``NEXUS_VLLM_PORT`` change the defaults).
 
@@ -26,7 +28,7 @@ import os
 import shlex
 import sys
 
-__all__ = ["build_command", "main"]
+__all__ = ["build_command", "event_table", "main"]
 
 DEFAULT_BUDGET = 2048
 CPU_FLAGS = {
@@ -98,6 +100,33 @@ def build_command(argv: list[str], *, gpu: bool) -> tuple[list[str], dict[str, s
     return cmd, env
 
 
+def event_table(serve_args: list[str]) -> str:
+    """The policy each event kind runs under the eviction config that ``vllm serve``'s
+    arguments ``serve_args`` resolve to (``--kv-*`` flags, ``--kv-eviction-config``,
+    ``--additional-config``, ``--block-size``), as a table with a title line; empty when
+    they ask for no eviction. What ``--dry-run`` prints after the command."""
+    import argparse
+    import json
+
+    from nexus_vllm.integration.config import config_from_additional
+    from nexus_vllm.integration.frontend.server_config import (
+        add_cli_flags,
+        additional_config_from_cli,
+    )
+
+    parser = add_cli_flags(argparse.ArgumentParser(add_help=False))
+    parser.add_argument("--additional-config", type=json.loads, default=None)
+    parser.add_argument("--block-size", type=int, default=None)
+    args, _ = parser.parse_known_args(serve_args)
+    cfg = config_from_additional(additional_config_from_cli(args, args.additional_config,
+                                                            args.block_size))
+    if cfg is None:
+        return ""
+    return (f"[nexus-vllm] event policies of --kv-eviction {cfg.method} (prompt_mode "
+            f"{cfg.prompt_mode}, granularity {cfg.granularity}):\n"
+            f"{cfg.event_policies().table(cfg.granularity)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     dry_run = "--dry-run" in args
@@ -110,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     env_str = " ".join(f"{k}={v}" for k, v in env.items())
     print(f"[nexus-vllm] {env_str} {shlex.join(cmd)}".replace("]  ", "] "), flush=True)
     if dry_run:
+        try:
+            table = event_table(cmd[5:])  # after python -m MODULE serve MODEL
+        except ValueError as exc:
+            print(f"nexus-vllm serve: error: {exc}", file=sys.stderr)
+            return 2
+        if table:
+            print(table, flush=True)
         return 0
     os.environ.update(env)
     os.execv(cmd[0], cmd)

@@ -109,8 +109,7 @@ class Evictor:
         budget = int(st.cfg.target_blocks(tokens, st.prompt_tokens))
         if len(live) <= budget:
             return
-        policy = st.cfg.policy(prefill=sreq.prefill, prompt_tokens=st.prompt_tokens,
-                               prompt_end=sreq.prompt_end)
+        policy = st.policies.at(prefill=sreq.prefill, prompt_end=sreq.prompt_end)
         keep = policy.select(evidence, budget, generator=st.generator,
                              state=st.policy_state)
         keep_set = {int(i) for i in keep.tolist()}

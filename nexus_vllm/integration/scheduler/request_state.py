@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from nexus_vllm.core import EvictionConfig, EvictionTrigger, cdiv, forced_tail
+from nexus_vllm.core.event_policies import EventPolicies
 from nexus_vllm.integration.compat.vllm_types import EngineRequest, KVBlock
 from nexus_vllm.integration.config import request_config
 from nexus_vllm.integration.protocol import ScoreRequest
@@ -87,6 +88,8 @@ class RequestEvictionState:
     seed : int
         Its sampling seed: the policy's generator is seeded from it.
     prompt_tokens : int
+    policies : EventPolicies
+        The policy of each of its event kinds, resolved once from ``cfg``.
     generator, policy_state, trigger
         Its policy's generator and per-request state, and its event clock.
     tokens : int
@@ -117,6 +120,7 @@ class RequestEvictionState:
     cfg: EvictionConfig
     seed: int
     prompt_tokens: int
+    policies: EventPolicies = field(init=False)
     generator: torch.Generator = field(init=False)
     policy_state: dict[str, Any] = field(init=False)
     trigger: EvictionTrigger = field(init=False)
@@ -130,6 +134,7 @@ class RequestEvictionState:
     event_in_flight: InFlightEvent | None = field(init=False)
 
     def __post_init__(self) -> None:
+        self.policies = self.cfg.event_policies(self.prompt_tokens)
         self.restart()
 
     def restart(self) -> None:
@@ -190,8 +195,7 @@ class RequestEvictionState:
             return None
         prefill = event == "prefill"
         prompt_end = self.trigger.ends_prompt(prefill)
-        policy = cfg.policy(prefill=prefill, prompt_tokens=self.prompt_tokens,
-                            prompt_end=prompt_end)
+        policy = self.policies.at(prefill=prefill, prompt_end=prompt_end)
         # The newest rows, across chunks: the worker's query ring keeps each request's
         # queries continuous over steps (a short last prompt chunk is scored with rows of
         # the chunk before it, as on the transformers path).

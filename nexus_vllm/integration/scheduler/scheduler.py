@@ -107,6 +107,9 @@ class NexusSchedulerMixin(_SchedulerBase):
                     "in flight", type(self).__name__, cfg.method, cfg.max_tokens,
                     cfg.keep_ratio, self.block_size, cfg.chunk_size, cfg.prompt_mode,
                     cfg.prefill_budget, self.nexus_manager.pool.num_usable(), k)
+        # The server's policy per event kind (a request's own overrides resolve their own).
+        logger.info("nexus-vllm scheduler: event policies (granularity %s):\n%s",
+                    cfg.granularity, cfg.event_policies().table(cfg.granularity))
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         started = time.perf_counter()
