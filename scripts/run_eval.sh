@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces docs/results.md on a CPU box (the numbers there come from these commands).
-#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep|stream_sweep_longdoc|stream_sweep_chat|stream_sweep_multiturn|stream_sweep_longgen|stream_end|stream_end_chat|stream_end_multiturn|gemma3_report|stream_head_longdoc|stream_head_profile_longdoc|stream_head_reconstruction|stream_head_learned_longdoc|stream_head_learned_chat|stream_head_learned_multiturn|stream_head_learned_longgen|docs|all]
+#   scripts/run_eval.sh [calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep|stream_sweep_longdoc|stream_sweep_chat|stream_sweep_multiturn|stream_sweep_longgen|stream_end|stream_end_chat|stream_end_multiturn|gemma3_report|stream_head_longdoc|stream_head_profile_longdoc|stream_head_reconstruction|stream_head_learned_longdoc|stream_head_learned_chat|stream_head_learned_multiturn|stream_head_learned_longgen|head_learned_chat_report|docs|all]
 #   (default: all)
 # Each run resumes from its records.jsonl if interrupted. 1 torch thread per run.
 set -euo pipefail
@@ -32,7 +32,7 @@ seed_defaults() {  # report, out: the earlier default's records from the committ
 }
 want() { [ "$what" = all ] || [ "$what" = "$1" ]; }
 case "$what" in
-  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep|stream_sweep_longdoc|stream_sweep_chat|stream_sweep_multiturn|stream_sweep_longgen|stream_end|stream_end_chat|stream_end_multiturn|gemma3_report|stream_head_longdoc|stream_head_profile_longdoc|stream_head_reconstruction|stream_head_learned_longdoc|stream_head_learned_chat|stream_head_learned_multiturn|stream_head_learned_longgen|docs|all) ;;
+  calibration|headline|ablation|prefill|knorm_prior|paired|dialogues|dialogues_pps|scoring_cost|scoring_cost_report|sweep|kvpress|prompt_end_tuning|prompt_modes|prompt_modes_capped|prompt_modes_multiturn|prompt_modes_longgen|chat_tuning|chat_report|completion_tuning|completion_report|stream_tuning|stream_report|stream_tuning_multiturn|stream_tuning_longdoc|stream_multiturn|stream_longdoc|stream_longgen|stream_chat|stream_sweep|stream_sweep_longdoc|stream_sweep_chat|stream_sweep_multiturn|stream_sweep_longgen|stream_end|stream_end_chat|stream_end_multiturn|gemma3_report|stream_head_longdoc|stream_head_profile_longdoc|stream_head_reconstruction|stream_head_learned_longdoc|stream_head_learned_chat|stream_head_learned_multiturn|stream_head_learned_longgen|head_learned_chat_report|docs|all) ;;
   *) echo "unknown target $what" >&2; exit 2 ;;
 esac
 want calibration && run calibration
@@ -346,6 +346,21 @@ for fam in chat multiturn longgen; do
       --json "docs/figures/$name/compare.json"
   fi
 done
+# The same in prompt_mode end, on the chat-shaped report set.
+if want head_learned_chat_report; then
+  "$PY" -m nexus_vllm.cli records docs/figures/chat_report/records.jsonl --if-missing \
+    --where method=dense --out "$OUT/head_learned_chat_report.seed_dense.jsonl"
+  "$PY" -m nexus_vllm.cli records docs/figures/chat_report/records.jsonl --if-missing \
+    --where method=nexus --out "$OUT/head_learned_chat_report.seed_nexus.jsonl"
+  [ -e "$OUT/head_learned_chat_report/records.jsonl" ] || "$PY" -m nexus_vllm.cli records \
+    "$OUT"/head_learned_chat_report.seed_*.jsonl --out "$OUT/head_learned_chat_report/records.jsonl"
+  run head_learned_chat_report
+  if [ -d docs/figures/head_learned_chat_report ]; then
+    "$PY" -m nexus_vllm.cli compare "$OUT/head_learned_chat_report/records.jsonl" \
+      --a "reconstruction:granularity=head" --b nexus \
+      --json docs/figures/head_learned_chat_report/compare.json
+  fi
+fi
 if want stream_head_learned_longdoc && [ -d docs/figures/stream_head_learned_longdoc ]; then
   "$PY" -m nexus_vllm.cli compare "$OUT/stream_head_learned_longdoc/records.jsonl" \
     docs/figures/stream_head_reconstruction/records.jsonl \
