@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from nexus_vllm.core.budget import hard_limit
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
@@ -88,7 +90,7 @@ def make_scheduler(model_dir: pathlib.Path, requests: int, tokens: int) -> Any:
     vllm_config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
                              additional_config={"nexus": cfg.to_dict()})
     # Each request holds at most budget + chunk + one block; one more request's worth spare.
-    num_blocks = (requests + 1) * (cfg.hard_limit(tokens, tokens) + 2) + 1
+    num_blocks = (requests + 1) * (hard_limit(cfg, tokens, tokens) + 2) + 1
     cache.num_gpu_blocks = num_blocks
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=32,
                              dtype=torch.float32)

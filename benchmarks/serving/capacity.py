@@ -62,7 +62,7 @@ requests at once in a 161-block pool, a 256-token budget, ``stream`` (512-token 
 against ``end`` (the prompt chunked as vLLM chunks it), ``keep`` and stock vLLM (the
 modes the README's rule for the default mode compares). There, most of a
 request's life is decoding, so what a decoding request reserves decides how many run at
-once (``EvictionConfig.peak_from``: the budget plus one decode interval).
+once (``budget.peak_from``: the budget plus one decode interval).
 
     python benchmarks/serving/capacity.py --workload gpu      # ~15 min on 2 CPU cores
 """
@@ -82,6 +82,8 @@ import threading
 import time
 from collections.abc import Mapping
 from typing import Any
+
+from nexus_vllm.core.budget import bound_blocks
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # Servers without eviction. ``stock-chunked`` (opt-in) is vLLM with the evicting servers'
@@ -249,8 +251,8 @@ def derive(args: argparse.Namespace) -> dict[str, int]:
     seq_blocks = _cdiv(seq_tokens, bs)
     # The default method's bound (the server's own rule) for a prompt of --input-len
     # tokens; each row's follows its config and the longest prompt it sent.
-    bound = EvictionConfig(block_size=bs, max_tokens=budget_blocks * bs,
-                           chunk_size=args.chunk).bound_blocks(args.input_len, seq_tokens)
+    bound = bound_blocks(EvictionConfig(block_size=bs, max_tokens=budget_blocks * bs,
+                                        chunk_size=args.chunk), args.input_len, seq_tokens)
     return {
         "block_size": bs, "budget_tokens": budget_blocks * bs, "budget_blocks": budget_blocks,
         "chunk_tokens": args.chunk, "bound_blocks": bound, "seq_blocks": seq_blocks,
@@ -268,7 +270,7 @@ def derive(args: argparse.Namespace) -> dict[str, int]:
 def config_bound(name: str, d: dict[str, int], args: argparse.Namespace,
                  prompt_tokens: int | None = None) -> int:
     """Most blocks one request of config ``name`` may hold: the server's own rule
-    (``EvictionConfig.bound_blocks``, which follows the config's ``prompt_mode``), so the
+    (``budget.bound_blocks``, which follows the config's ``prompt_mode``), so the
     benchmark cannot drift from what admission reserves. Stock: the whole sequence
     (the sizing rule, ``nexus_vllm.sizing``). ``prompt_tokens``: the longest prompt
     sent (default ``--input-len``; a prompt's own length sets the bound of ``end``)."""
@@ -283,7 +285,7 @@ def config_bound(name: str, d: dict[str, int], args: argparse.Namespace,
     cfg = EvictionConfig.from_dict({"method": method, "max_tokens": d["budget_tokens"],
                                     "chunk_size": d["chunk_tokens"],
                                     "block_size": d["block_size"], **knobs})
-    return cfg.bound_blocks(prompt, prompt + args.output_len)
+    return bound_blocks(cfg, prompt, prompt + args.output_len)
 
 
 def longest_prompt(res: dict[str, Any], input_len: int, special_tokens: int) -> int:

@@ -9,7 +9,7 @@ beside it for comparison. Per request:
 * ``prompt``: its prompt in tokens as vLLM counts it (``num_prompt_tokens``: after the
   server's tokenizer, special tokens included);
 * ``pool peak``: the most blocks of its full-attention block list that were not null;
-* ``bound``: ``EvictionConfig.bound_blocks`` of its prompt and longest sequence (what
+* ``bound``: ``budget.bound_blocks`` of its prompt and longest sequence (what
   admission reserved for it);
 * ``plugin peak``: the plugin's own per-request peak (``vllm:nexus_request_peak_live_blocks``).
 

@@ -12,11 +12,15 @@ import torch
 
 
 class ConfigError(ValueError):
-    """A bad setting; ``field`` is the argument's name (e.g. ``"max_tokens"``)."""
+    """A bad setting; ``field`` is the argument's name (e.g. ``"max_tokens"``) and
+    ``reads`` the other fields its rule read (a rule between fields: ``max_tokens`` under
+    the forced set reads ``block_size``, ``sink_blocks`` and ``recent_blocks``), so a
+    caller maps ``field`` or one of ``reads`` to the flag or request field that set it."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, *, reads: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.field = field
+        self.reads = tuple(reads)
 
 
 def check_choice(name: str, value: Any, allowed: Iterable[str]) -> None:

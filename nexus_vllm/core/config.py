@@ -1,7 +1,11 @@
 """``EvictionConfig``: the one validated description of an eviction setup.
 
 The vLLM plugin, the transformers path and the evaluation harness all build their
-policies and budgets from this, so a setting means the same thing everywhere.
+policies and budgets from this, so a setting means the same thing everywhere. This module
+is the schema (the fields, their rules and the parsing); what the budget is at each moment
+of a request is :mod:`nexus_vllm.core.budget`, and which policy each event runs
+:mod:`nexus_vllm.core.event_policies`. A rule between fields raises a
+:class:`~nexus_vllm.core.ConfigError` whose ``reads`` names the other fields it read.
 """
 
 from __future__ import annotations
@@ -21,10 +25,9 @@ from .event_policies import EVENT_KINDS, EventPolicies, EventPolicyKind, build_e
 from .head_paged import GRANULARITIES, check_head_group, load_head_profile
 from .head_scorer import load_head_scorer
 from .policies import METHODS, POLICIES, EvictionPolicy, forced_count, head_granular_methods
-from .scoring import ATTENTION_REDUCES, cdiv
+from .scoring import ATTENTION_REDUCES
 
-__all__ = ["METHODS", "PROMPT_MODES", "RENAMED_FIELDS", "EvictionConfig", "window_blocks",
-           "window_in_flight_tokens", "window_max_blocks"]
+__all__ = ["METHODS", "PROMPT_MODES", "RENAMED_FIELDS", "EvictionConfig"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,8 @@ _PREFILL = "prefill_"
 # so that no config written for an earlier release breaks.
 RENAMED_FIELDS = {"head_reduce": "attention_reduce", "prefill_window": "prompt_window"}
 _warned_renamed: set[str] = set()
+# What the budget floor (the forced set in tokens) reads, besides the budget itself.
+_FLOOR_READS = ("block_size", "sink_blocks", "recent_blocks")
 
 
 def _current_names(data: Mapping[Any, Any]) -> dict[Any, Any]:
@@ -101,8 +106,9 @@ class EvictionConfig:
     chunk_size : int
         Prefill chunk in tokens; an event follows each chunk (that leaves the sequence
         over its target). Where no event can fire before the prompt's end
-        (:attr:`evicts_mid_prompt` false) a server leaves the chunking to vLLM and runs
-        with vLLM's own per-step cap here, which bounds nothing but the last chunk.
+        (:func:`~nexus_vllm.core.budget.evicts_mid_prompt` false) a server leaves the
+        chunking to vLLM and runs with vLLM's own per-step cap here, which bounds nothing
+        but the last chunk.
     skip_layers : int
         Layers below this index are not scored.
     layer_stride : int
@@ -174,7 +180,8 @@ class EvictionConfig:
     def __post_init__(self) -> None:
         check_choice("method", self.method, METHODS)
         if self.max_tokens is not None and self.keep_ratio is not None:
-            raise ConfigError("max_tokens", "give at most one of max_tokens and keep_ratio")
+            raise ConfigError("max_tokens", "give at most one of max_tokens and keep_ratio",
+                              reads=("keep_ratio",))
         check_int("block_size", self.block_size, low=1)
         check_int("sink_blocks", self.sink_blocks, low=1)
         check_int("recent_blocks", self.recent_blocks, low=0)
@@ -187,20 +194,21 @@ class EvictionConfig:
                 raise ConfigError(
                     "max_tokens",
                     f"max_tokens must be >= (sink_blocks + recent_blocks + 1) * block_size = "
-                    f"{floor}; got {self.max_tokens}",
-                )
+                    f"{floor}; got {self.max_tokens}", reads=_FLOOR_READS)
         if self.keep_ratio is not None:
             check_float("keep_ratio", self.keep_ratio, low=0.0, high=1.0, low_open=True)
         check_choice("prompt_mode", self.prompt_mode, PROMPT_MODES)
         if self.prefill_budget is not None:
             if self.prompt_mode != "end":
                 raise ConfigError("prefill_budget", f"prefill_budget applies to prompt_mode "
-                                  f"'end' only; prompt_mode is {self.prompt_mode!r}")
+                                  f"'end' only; prompt_mode is {self.prompt_mode!r}",
+                                  reads=("prompt_mode",))
             check_int("prefill_budget", self.prefill_budget, low=1)
             floor = max(self.max_tokens or 0, self.forced_tokens)
             if self.prefill_budget < floor:
                 raise ConfigError("prefill_budget", f"prefill_budget must be at least the "
-                                  f"budget ({floor} tokens); got {self.prefill_budget}")
+                                  f"budget ({floor} tokens); got {self.prefill_budget}",
+                                  reads=("max_tokens", *_FLOOR_READS))
         check_int("interval", self.interval, low=1)
         check_int("window", self.window, low=1)
         check_int("prompt_window", self.prompt_window, low=1)
@@ -213,12 +221,12 @@ class EvictionConfig:
         if self.head_profile is not None:
             if self.granularity != "head":
                 raise ConfigError("head_profile", "head_profile allocates per (layer, KV "
-                                  "head): it needs granularity 'head'")
+                                  "head): it needs granularity 'head'", reads=("granularity",))
             load_head_profile(self.head_profile)
         if self.head_scorer is not None:
             if self.granularity != "head":
                 raise ConfigError("head_scorer", "head_scorer scores per (layer, KV head): "
-                                  "it needs granularity 'head'")
+                                  "it needs granularity 'head'", reads=("granularity",))
             load_head_scorer(self.head_scorer)
         for name in ("policy_args", "prefill_args"):
             value = getattr(self, name)
@@ -236,14 +244,16 @@ class EvictionConfig:
             for name in ("policy_args", "prefill_args"):
                 if getattr(self, name):
                     raise ConfigError(name, f"method 'none' runs no policy, so it takes no "
-                                            f"{name}; got {getattr(self, name)!r}")
+                                            f"{name}; got {getattr(self, name)!r}",
+                                      reads=("method",))
             return
         takes = POLICIES[self.method].knobs()
         for name in ("policy_args", "prefill_args"):
             for knob in getattr(self, name):
                 if knob not in takes:
                     raise ConfigError(f"{name}.{knob}",
-                                      f"{name}.{knob}: {_not_a_knob(knob, self.method)}")
+                                      f"{name}.{knob}: {_not_a_knob(knob, self.method)}",
+                                      reads=("method",))
         for kind in EVENT_KINDS:
             try:
                 policy = self.event_policy(kind)
@@ -252,11 +262,11 @@ class EvictionConfig:
             except (TypeError, ValueError) as exc:
                 raise ConfigError("policy_args", f"policy_args: {exc}") from None
             if self.granularity == "head" and not policy.head_needs:
-                raise ConfigError("granularity", _no_head_score(policy))
+                raise ConfigError("granularity", _no_head_score(policy), reads=("method",))
             if self.granularity != "head" and policy.head_only:
                 raise ConfigError("method", f"policy {policy.name!r} scores "
                                   "(layer, KV head, token) units only: it needs "
-                                  "granularity 'head'")
+                                  "granularity 'head'", reads=("granularity",))
 
     # -- construction ---------------------------------------------------------------
     @classmethod
@@ -386,132 +396,6 @@ class EvictionConfig:
         (empty when ``skip_layers`` leaves none)."""
         return range(self.skip_layers, num_layers, self.layer_stride)
 
-    def budget_blocks(self, num_tokens_seen: int) -> int:
-        """Blocks a sequence that has seen ``num_tokens_seen`` tokens may keep.
-
-        ``max_tokens // block_size`` for a fixed budget, ``ceil(keep_ratio * blocks seen)``
-        for a ratio; never below the forced set. Without a budget, every block.
-        """
-        check_int("num_tokens_seen", num_tokens_seen, low=0)
-        seen_blocks = cdiv(num_tokens_seen, self.block_size)
-        if self.max_tokens is not None:
-            allowed = self.max_tokens // self.block_size
-        elif self.keep_ratio is not None:
-            allowed = math.ceil(self.keep_ratio * seen_blocks - 1e-9)
-        else:
-            return seen_blocks
-        return max(allowed, self.num_forced)
-
-    # -- the budget over a request's life: the one rule for the plugin, the transformers
-    # path, admission and the capacity planner ---------------------------------------
-    def target_blocks(self, tokens: int, prompt_tokens: int) -> int:
-        """Blocks a sequence may keep once ``tokens`` of its tokens are computed, its prompt
-        being ``prompt_tokens`` long (``tokens < prompt_tokens``: mid-prefill).
-
-        ``stream``: :meth:`budget_blocks` throughout. ``end``: ``prefill_budget`` (none:
-        every block) until the prompt is computed, then the budget. ``keep``: every prompt
-        block plus the budget over the generated tokens.
-        """
-        if self.prompt_mode == "stream":
-            return self.budget_blocks(tokens)
-        if tokens < prompt_tokens:
-            if self.prompt_mode == "end" and self.prefill_budget is not None:
-                return max(self.prefill_budget // self.block_size, self.num_forced)
-            return cdiv(tokens, self.block_size)
-        if self.prompt_mode == "end":
-            return self.budget_blocks(tokens)
-        return self.prompt_blocks(prompt_tokens) + self.budget_blocks(tokens - prompt_tokens)
-
-    def prompt_blocks(self, prompt_tokens: int) -> int:
-        """Blocks forced to stay besides the forced set: the prompt's, in ``keep`` mode."""
-        return cdiv(prompt_tokens, self.block_size) if self.prompt_mode == "keep" else 0
-
-    @property
-    def evicts_mid_prompt(self) -> bool:
-        """Whether events can fire before the prompt's end (``stream``, or ``end`` under a
-        ``prefill_budget``): only then does the prompt's chunking bound what a request
-        holds, so only then must a server chunk it at ``chunk_size``."""
-        return self.prompt_mode == "stream" or (self.prompt_mode == "end"
-                                                and self.prefill_budget is not None)
-
-    @property
-    def chunk_blocks(self) -> int:
-        """Blocks one prefill chunk may add before the event that follows it."""
-        return cdiv(self.chunk_size, self.block_size)
-
-    @property
-    def decode_blocks(self) -> int:
-        """Blocks decoding may add before the event that follows: ``interval`` tokens
-        cross at most this many block boundaries."""
-        return cdiv(self.interval, self.block_size)
-
-    def hard_limit(self, tokens: int, prompt_tokens: int) -> int:
-        """Most blocks a sequence may hold once ``tokens`` are computed, before the event
-        that may follow.
-
-        While the prompt is computed (``tokens <= prompt_tokens``): the target it was
-        computed under plus one prefill chunk (an event follows every chunk); in ``end``
-        mode the prompt's last chunk is computed under the prefill target, so at the
-        prompt's end this is the prompt's peak, not the budget's. Once decoding: the
-        target plus :attr:`decode_blocks` (an event follows every ``interval`` tokens, and
-        fires at once on reaching this).
-        """
-        if tokens > prompt_tokens:
-            return self.target_blocks(tokens, prompt_tokens) + self.decode_blocks
-        if self.prompt_mode == "end":
-            return self.target_blocks(min(tokens, prompt_tokens - 1), prompt_tokens) \
-                + self.chunk_blocks
-        return self.target_blocks(tokens, prompt_tokens) + self.chunk_blocks
-
-    def bound_blocks(self, prompt_tokens: int, total_tokens: int, *,
-                     recompute_tokens: int = 0) -> int:
-        """Most blocks a request of ``prompt_tokens`` growing to ``total_tokens`` ever holds
-        (what admission reserves for a new request): the larger of its prompt's peak and
-        its decode peak (:meth:`peak_from` once the prompt is done), never more than the
-        whole sequence.
-
-        ``recompute_tokens``: a request that restarts (vLLM resumes a preempted request
-        by computing its prompt and the tokens it generated again, as one prefill)
-        computes that many tokens before it decodes. A chunk that ends past the prompt
-        holds what it was computed under plus the chunk (in ``end`` and ``keep`` mode
-        the prompt is not evicted before that chunk's event, so without a chunk cap it
-        holds all it recomputed). At most ``prompt_tokens`` (a new request): no change.
-        """
-        bs = self.block_size
-        prompt_limit = self.hard_limit(prompt_tokens, prompt_tokens)
-        prompt_peak = min(cdiv(prompt_tokens, bs), prompt_limit)
-        if recompute_tokens > prompt_tokens:
-            # Chunks that end in the prompt hold at most prompt_limit; a later chunk adds
-            # up to one chunk to a target no larger than the last one's.
-            prompt_peak = max(prompt_peak, min(
-                cdiv(recompute_tokens, bs),
-                max(prompt_limit, self.target_blocks(recompute_tokens, prompt_tokens)
-                    + self.chunk_blocks)))
-        return min(cdiv(total_tokens, bs),
-                   max(prompt_peak, self._decode_peak(prompt_tokens, total_tokens)))
-
-    def peak_from(self, tokens: int, prompt_tokens: int, total_tokens: int) -> int:
-        """Most blocks a request may still come to hold once ``tokens`` are computed (what
-        admission keeps reserved for it). Before the prompt's end, :meth:`bound_blocks`;
-        after it, the decode peak (the target plus :attr:`decode_blocks`): a request
-        that has shed its prompt, or its last prefill chunk, no longer needs their
-        room."""
-        if tokens < prompt_tokens:
-            return self.bound_blocks(prompt_tokens, total_tokens)
-        return self.decode_peak_blocks(prompt_tokens, total_tokens)
-
-    def decode_peak_blocks(self, prompt_tokens: int, total_tokens: int) -> int:
-        """Most blocks a request holds while decoding (what :meth:`peak_from` reserves once
-        its prompt is computed): the decode hard limit at its longest sequence, never more
-        than the whole sequence."""
-        return min(cdiv(total_tokens, self.block_size),
-                   self._decode_peak(prompt_tokens, total_tokens))
-
-    def _decode_peak(self, prompt_tokens: int, total_tokens: int) -> int:
-        """The decode hard limit at the request's longest sequence (targets never shrink
-        as tokens grow, so this is the most it holds while decoding)."""
-        return self.hard_limit(max(total_tokens, prompt_tokens + 1), prompt_tokens)
-
     def event_policy(self, kind: EventPolicyKind, prompt_tokens: int = 0
                      ) -> EvictionPolicy:
         """The policy of events of ``kind`` (:func:`~nexus_vllm.core.event_policies.\
@@ -536,62 +420,6 @@ build_event_policy`; a config that wraps its policies overrides this)."""
         request draws the same evictions."""
         digest = hashlib.blake2b(f"{self.seed}:{request_seed}".encode(), digest_size=8).digest()
         return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
-
-
-def window_in_flight_tokens(step_tokens: int, steps_in_flight: int = 1, *, tokens: int = 0,
-                            prefill_end: int | None = None,
-                            server_cfg: EvictionConfig | None = None) -> int:
-    """Tokens a request may have scheduled and not yet processed at its next allocation,
-    which each sliding-window group holds beyond its window (:func:`window_blocks`).
-
-    ``tokens``: computed as of its last scheduled step; ``prefill_end``: its prompt, or
-    what a resumed request recomputes (None: it has not started). ``server_cfg``: the
-    server's config (None: a server that does not evict, stock vLLM).
-
-    vLLM 0.32 frees a sliding group's blocks on the processed tokens (computed less in
-    flight, ``vllm/v1/core/kv_cache_manager.py:555``) and counts ``max_concurrent_batches``
-    full steps in flight in every phase (``max_in_flight_tokens``,
-    ``vllm/config/vllm.py:577-598``: the pipeline stages, one more with async
-    scheduling). While the prompt is computed a step gives one request at most
-    ``step_tokens``, and at most ``server_cfg.chunk_size`` on a server whose config
-    evicts mid-prompt (:attr:`EvictionConfig.evicts_mid_prompt`): such a server caps
-    every request's prompt tokens per step there, whatever the request's own prompt mode
-    (vLLM's ``long_prefill_token_threshold``, ``engine_policy.forced_engine_args``, and
-    the plugin's ``lone_request_prefill_cap`` where vLLM lifts it for a lone request). A
-    decoding request adds one token a step (speculative decoding is refused): once
-    ``steps_in_flight`` decode steps follow its last prompt step, that step is
-    processed, so from then on ``steps_in_flight`` tokens.
-    """
-    k = max(1, int(steps_in_flight))
-    decoding = prefill_end is not None and int(tokens) >= int(prefill_end) + k
-    if decoding:
-        return k
-    step = int(step_tokens)
-    if server_cfg is not None and server_cfg.evicts_mid_prompt:
-        step = min(step, int(server_cfg.chunk_size))
-    return k * step
-
-
-def window_max_blocks(window: int, block_size: int, in_flight_tokens: int,
-                      max_len: int | None = None) -> int:
-    """Most blocks a request holds in a sliding-window group of ``window`` tokens with
-    ``in_flight_tokens`` scheduled and not yet processed: ``ceil(min(window - 1 +
-    in_flight_tokens, max_len) / block_size) + 1`` (the window may start mid-block;
-    vLLM's ``SlidingWindowSpec.max_admission_blocks_per_request``,
-    ``vllm/v1/kv_cache_interface.py:859``, which ``max_memory_usage_bytes`` at :887 sizes
-    the pool by)."""
-    tokens = int(window) - 1 + int(in_flight_tokens)
-    if max_len is not None:
-        tokens = min(tokens, int(max_len))
-    return cdiv(tokens, block_size) + 1
-
-
-def window_blocks(window: int, block_size: int, total_tokens: int,
-                  in_flight_tokens: int) -> int:
-    """Most blocks a request of ``total_tokens`` holds in a sliding-window group:
-    :func:`window_max_blocks`, never more than its sequence's blocks."""
-    return min(cdiv(int(total_tokens), block_size),
-               window_max_blocks(window, block_size, in_flight_tokens))
 
 
 def _owners(knob: str) -> list[str]:

@@ -1,8 +1,8 @@
 """When an eviction event fires: the one rule shared by the vLLM plugin and the
 transformers path, so both evict at the same moments for the same stream.
 
-The budget at each moment is :meth:`EvictionConfig.target_blocks` (it follows the
-config's ``prompt_mode``), the most a sequence may hold :meth:`EvictionConfig.hard_limit`.
+The budget at each moment is :func:`~nexus_vllm.core.budget.target_blocks` (it follows the
+config's ``prompt_mode``), the most a sequence may hold :func:`~nexus_vllm.core.budget.hard_limit`.
 A step that starts inside the prompt is a prefill step (a prompt chunk); any other is a
 decode step.
 
@@ -12,7 +12,8 @@ decode step.
   prompt-end event, its window ending with the question); in ``keep`` mode none.
 * After a decode step, once the sequence is over its target and ``interval`` decode
   tokens have passed since the last event, or at once when it reaches the hard limit (the
-  target plus the blocks ``interval`` tokens can add, :attr:`EvictionConfig.decode_blocks`).
+  target plus the blocks ``interval`` tokens can add,
+  :func:`~nexus_vllm.core.budget.decode_blocks`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .budget import hard_limit, target_blocks
 from .scoring import cdiv
 
 __all__ = ["EventKind", "EvictionTrigger", "first_prompt_event"]
@@ -81,7 +83,7 @@ class EvictionTrigger:
         new = tokens - self.tokens if new_tokens is None else int(new_tokens)
         before = tokens - new
         self.tokens = tokens
-        over = live_blocks > cfg.target_blocks(tokens, self.prompt_tokens)
+        over = live_blocks > target_blocks(cfg, tokens, self.prompt_tokens)
         kind: EventKind
         if before < self.prompt_tokens:
             kind = "prefill"
@@ -92,7 +94,7 @@ class EvictionTrigger:
         else:
             kind = "decode"
             due = over and (self.decode_tokens + new >= cfg.interval
-                            or live_blocks >= cfg.hard_limit(tokens, self.prompt_tokens))
+                            or live_blocks >= hard_limit(cfg, tokens, self.prompt_tokens))
             counted = new
         if due and may_fire:
             # The event restarts the count; a decode step's own tokens are before it.

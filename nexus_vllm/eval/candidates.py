@@ -45,6 +45,7 @@ from nexus_vllm.core import (
     forced_blocks,
     normalize_rows,
 )
+from nexus_vllm.core.budget import budget_blocks
 from nexus_vllm.eval.oracle import ORACLE_LEAD
 from nexus_vllm.hf.generate import greedy_ids
 from nexus_vllm.hf.streaming import StreamingSession
@@ -464,7 +465,7 @@ def run_candidate(c: Candidate, tokenizer: Any, p: ChatPrompt, eos: set[int]) ->
         generated, following = generated[:c.defer], generated[c.defer]
         logits = torch.zeros_like(logits)
         logits[following] = 1.0  # the token it just predicted, fed next as usual
-    evict_to(session, candidate_weights(c, session, p), cfg.budget_blocks(session.seen))
+    evict_to(session, candidate_weights(c, session, p), budget_blocks(cfg, session.seen))
     # The event just ran: the decode clock starts from it.
     session.trigger = EvictionTrigger(cfg, len(p.ids))
     rest = greedy_ids(session, logits, p.max_new_tokens - len(generated), eos)
@@ -480,7 +481,7 @@ def answer_ranks(c: Candidate, p: ChatPrompt) -> dict[str, Any]:
     w = candidate_weights(c, session, p)
     forced = set(forced_blocks(w.numel(), cfg.sink_blocks, cfg.recent_blocks).tolist())
     order = [b for b in torch.argsort(-w, stable=True).tolist() if b not in forced]
-    budget = cfg.budget_blocks(session.seen)
+    budget = budget_blocks(cfg, session.seen)
     return {"blocks": w.numel(), "budget": budget, "free": max(0, budget - len(forced)),
             "answer_blocks": list(p.answer_blocks),
             "ranks": [None if b in forced else order.index(b) for b in p.answer_blocks]}

@@ -37,6 +37,7 @@ from nexus_vllm.core import (
     evidence_kind,
     num_blocks_for,
 )
+from nexus_vllm.core.budget import evicts_mid_prompt, target_blocks
 from nexus_vllm.core.event_policies import EventPolicies
 from nexus_vllm.core.evidence import DenseLayer, DenseSequence
 from nexus_vllm.core.head_paged import HeadEvidence, head_tokens_held
@@ -266,7 +267,7 @@ class StreamingSession:
 
     def evict(self, *, prefill: bool = True) -> bool:
         """After a prompt chunk: run one eviction event if the trigger says so (the
-        sequence holds more than its target, :meth:`EvictionConfig.target_blocks`); return
+        sequence holds more than its target, :func:`~nexus_vllm.core.budget.target_blocks`); return
         whether it evicted. ``prefill=False`` evicts down to the target whenever over it
         (a decode-style event outside the decode clock)."""
         cfg = self.config
@@ -279,7 +280,7 @@ class StreamingSession:
         if self.trigger.advance(self.seen, n_blocks) is None:
             return False
         return self._event(prefill=prefill, n_blocks=n_blocks,
-                           budget_blocks=cfg.target_blocks(self.seen, self.prompt_tokens))
+                           budget_blocks=target_blocks(cfg, self.seen, self.prompt_tokens))
 
     def _event(self, *, prefill: bool, n_blocks: int, budget_blocks: int) -> bool:
         cfg = self.config
@@ -377,7 +378,7 @@ class StreamingSession:
         n_blocks = num_blocks_for(self.held_tokens, cfg.block_size)
         if self.trigger.advance(self.seen, n_blocks, n) is not None:
             self._event(prefill=False, n_blocks=n_blocks,
-                        budget_blocks=cfg.target_blocks(self.seen, self.prompt_tokens))
+                        budget_blocks=target_blocks(cfg, self.seen, self.prompt_tokens))
 
     def decode_tokens_before_event(self, limit: int) -> int:
         """How many decode tokens (``1..limit``) can be fed in one forward: up to and
@@ -403,7 +404,7 @@ class StreamingSession:
         """
         if self.config is not None or self.num_events:
             raise ValueError("with_config starts from a dense session")
-        if config.evicts_mid_prompt:
+        if evicts_mid_prompt(config):
             raise ValueError("a dense prefix equals an evicting one only in prompt_mode "
                              "'end' without prefill_budget, or 'keep'")
         # What an evicting session refuses at construction (no full-attention layer, ...).

@@ -32,7 +32,7 @@ series                                    type     meaning
 ``vllm:nexus_live_blocks_over_budget``    gauge    high-water mark of live blocks minus
                                                    the request's hard limit (its target under
                                                    its prompt_mode + one chunk,
-                                                   ``EvictionConfig.hard_limit``); <= 0 when
+                                                   ``budget.hard_limit``); <= 0 when
                                                    the budget always held
 ``vllm:nexus_free_blocks``                gauge    free blocks in vLLM's block pool
 ``vllm:nexus_total_blocks``               gauge    usable blocks in vLLM's block pool

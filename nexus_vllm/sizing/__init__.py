@@ -16,8 +16,8 @@ One module per reason to change:
   vLLM's ``--num-gpu-blocks-override``; vLLM keeps block 0 as its null block, so ``N - 1``
   blocks hold requests);
 * :mod:`.burst`: concurrent requests, a burst run step by step through the server's
-  admission (:meth:`EvictionConfig.bound_blocks`, :meth:`EvictionConfig.peak_from`) and
-  stock vLLM's;
+  admission (:func:`~nexus_vllm.core.budget.bound_blocks`,
+  :func:`~nexus_vllm.core.budget.peak_from`) and stock vLLM's;
 * :mod:`.report`: the sizing those make and the text it prints;
 * :mod:`.cli`: the command's flags.
 

@@ -1,8 +1,8 @@
 """A burst of identical requests through the server's admission, step by step.
 
 Concurrent requests come from the rules the server runs, not a formula of their own:
-:meth:`EvictionConfig.bound_blocks` (what admission reserves for a new request) and
-:meth:`EvictionConfig.peak_from` (what an admitted one may still grow to), applied step by
+:func:`~nexus_vllm.core.budget.bound_blocks` (what admission reserves for a new request) and
+:func:`~nexus_vllm.core.budget.peak_from` (what an admitted one may still grow to), applied step by
 step as the plugin's admission (``AdmissionGate.may_admit`` in
 ``integration/scheduler/admission.py``, both through :mod:`nexus_vllm.core.admission`)
 applies them to a burst of identical requests arriving at once (the capacity benchmark's
@@ -36,7 +36,13 @@ from dataclasses import dataclass
 
 from nexus_vllm.core import EvictionConfig, cdiv
 from nexus_vllm.core.admission import admission_room
-from nexus_vllm.core.config import window_blocks, window_in_flight_tokens
+from nexus_vllm.core.budget import (
+    bound_blocks,
+    evicts_mid_prompt,
+    peak_from,
+    window_blocks,
+    window_in_flight_tokens,
+)
 
 from .groups import window_held_blocks, window_max_blocks
 
@@ -82,8 +88,8 @@ def window_allowance(total_tokens: int, block_size: int, windows: Sequence[int],
     where the server's config ``cfg`` evicts mid-prompt: the plugin caps each prompt step
     there) and ``steps_in_flight`` tokens once it decodes, never more than its sequence.
     ``cfg`` None: stock vLLM. The plugin's admission reserves the same
-    (``WindowBlocks.allowance``: both are :func:`nexus_vllm.core.config.window_blocks` of
-    :func:`nexus_vllm.core.config.window_in_flight_tokens`)."""
+    (``WindowBlocks.allowance``: both are :func:`nexus_vllm.core.budget.window_blocks` of
+    :func:`nexus_vllm.core.budget.window_in_flight_tokens`)."""
     in_flight = window_in_flight_tokens(step_tokens, steps_in_flight, tokens=tokens,
                                         prefill_end=prefill_end, server_cfg=cfg)
     return sum(window_blocks(w, block_size, total_tokens, in_flight) for w in windows)
@@ -139,10 +145,10 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
     chunk, or one decode token), then waiting ones in arrival order while the token
     budget and ``max_num_seqs`` allow, stopping at the first one refused. Evicting
     (``cfg`` given): admitted only if the usable blocks, less each running request's
-    :meth:`EvictionConfig.peak_from` its progress, cover :meth:`EvictionConfig.bound_blocks`
-    (``AdmissionGate.may_admit``). Stock (``cfg`` None): admitted only if the free
-    blocks cover its whole prompt; a running request that finds no free block is a
-    preemption. ``max_num_batched_tokens`` None: no token budget a step (the pool alone
+    :func:`~nexus_vllm.core.budget.peak_from` its progress, cover
+    :func:`~nexus_vllm.core.budget.bound_blocks` (``AdmissionGate.may_admit``). Stock
+    (``cfg`` None): admitted only if the free blocks cover its whole prompt; a running
+    request that finds no free block is a preemption. ``max_num_batched_tokens`` None: no token budget a step (the pool alone
     limits).
 
     A hybrid model has ``full_groups`` full-attention groups and one sliding group per
@@ -161,7 +167,7 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
     step_tokens = max_num_batched_tokens or prompt_tokens
     # The plugin caps a request's prompt chunk where events fire mid-prompt; otherwise
     # vLLM's step budget alone does (engine_policy.forced_engine_args).
-    chunk = cfg.chunk_size if cfg is not None and cfg.evicts_mid_prompt else prompt_tokens
+    chunk = cfg.chunk_size if cfg is not None and evicts_mid_prompt(cfg) else prompt_tokens
     k = max(1, steps_in_flight)
 
     def allowance(tokens_seen: int | None = None) -> int:
@@ -169,7 +175,7 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
         return window_allowance(total, bs, windows, step_tokens, k, tokens=tokens_seen or 0,
                                 prefill_end=None if tokens_seen is None else prompt_tokens,
                                 cfg=cfg)
-    bound = (cfg.bound_blocks(prompt_tokens, total) + allowance() if cfg is not None
+    bound = (bound_blocks(cfg, prompt_tokens, total) + allowance() if cfg is not None
              else stock_admission_blocks(
                  prompt_tokens, bs, full_groups=full_groups, windows=windows,
                  in_flight_tokens=k * step_tokens if in_flight_tokens is None
@@ -188,7 +194,7 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
 
     def reserve(r: _Request) -> int:
         assert cfg is not None
-        return cfg.peak_from(r.tokens_seen, prompt_tokens, total) + allowance(r.tokens_seen)
+        return peak_from(cfg, r.tokens_seen, prompt_tokens, total) + allowance(r.tokens_seen)
 
     while waiting or running:
         if cfg is not None and not waiting:

@@ -27,7 +27,7 @@ the tokens in flight for the request's phase: vLLM's steps in flight x the step 
 while the prompt is computed (x the chunk, where smaller, when the prompt mode evicts
 during the prompt: the server then caps each request's prompt step there), one token per
 step in flight once it decodes
-(:func:`nexus_vllm.core.config.window_in_flight_tokens`, run by ``WindowBlocks.allowance``
+(:func:`nexus_vllm.core.budget.window_in_flight_tokens`, run by ``WindowBlocks.allowance``
 in ``integration/scheduler/live_blocks.py`` and by :func:`.burst.window_allowance`).
 """
 
@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nexus_vllm.core import cdiv
-from nexus_vllm.core.config import window_max_blocks
+from nexus_vllm.core.budget import window_max_blocks
 
 from .shape import ModelShape
 

@@ -12,7 +12,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from nexus_vllm.core import ConfigError, EvictionConfig, cdiv
-from nexus_vllm.core.config import window_in_flight_tokens
+from nexus_vllm.core.budget import (
+    bound_blocks,
+    budget_blocks,
+    decode_peak_blocks,
+    evicts_mid_prompt,
+    window_in_flight_tokens,
+)
 
 from .burst import simulate_burst, stock_admission_blocks, stock_bound_blocks, window_allowance
 from .groups import eviction_refusal, kv_cache_groups, window_max_blocks
@@ -86,7 +92,7 @@ def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | N
             "server refuses eviction on MLA for now (vLLM's CUDA MLA backends are not "
             "wrapped yet): the eviction column is what the rules give once they are"
             + (". This sizing's prompt mode evicts during the prompt: refused on CPU"
-               if cfg.evicts_mid_prompt else ""))
+               if evicts_mid_prompt(cfg) else ""))
     if windows and max_num_batched_tokens is None:
         max_num_batched_tokens = HYBRID_STEP_TOKENS
         notes.append(f"--max-num-batched-tokens {HYBRID_STEP_TOKENS} (vLLM's on H100/H200), as "
@@ -138,8 +144,8 @@ def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | N
                                 cfg=cfg)
     prompt_step = window_in_flight_tokens(step, k, server_cfg=cfg) // k
     decoding = prompt_tokens + k  # tokens from which a request's reserve is its decode's
-    bound = cfg.bound_blocks(prompt_tokens, total) + allowance(windows)
-    decode_peak = cfg.decode_peak_blocks(prompt_tokens, total) + allowance(windows, decoding)
+    bound = bound_blocks(cfg, prompt_tokens, total) + allowance(windows)
+    decode_peak = decode_peak_blocks(cfg, prompt_tokens, total) + allowance(windows, decoding)
     evict_run = simulate_burst(cfg, **sim)
     evicting = {"bound_blocks": bound, "decode_hard_limit_blocks": decode_peak,
                 "concurrent": evict_run.peak_running,
@@ -151,15 +157,15 @@ def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | N
     eviction = {"method": cfg.method, "max_tokens": cfg.max_tokens,
                 "keep_ratio": cfg.keep_ratio, "prompt_mode": cfg.prompt_mode,
                 "prefill_budget": cfg.prefill_budget, "chunk_size": cfg.chunk_size,
-                "block_size": bs, "budget_blocks": cfg.budget_blocks(total)}
+                "block_size": bs, "budget_blocks": budget_blocks(cfg, total)}
     group_rows = []
     for g in groups:
         if g.window is None:
             blocks = {"stock_admission_blocks": cdiv(prompt_tokens, bs),
                       "stock_blocks": cdiv(total, bs),
-                      "evicting_bound_blocks": cfg.bound_blocks(prompt_tokens, total),
+                      "evicting_bound_blocks": bound_blocks(cfg, prompt_tokens, total),
                       "evicting_decode_hard_limit_blocks":
-                          cfg.decode_peak_blocks(prompt_tokens, total)}
+                          decode_peak_blocks(cfg, prompt_tokens, total)}
         else:
             blocks = {"stock_admission_blocks": stock_admission_blocks(
                           prompt_tokens, bs, full_groups=0, windows=[g.window],

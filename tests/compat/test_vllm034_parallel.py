@@ -12,7 +12,7 @@ part to the last stage, which replies. Servers of the tiny model, one after anot
 1. one stage (the multiprocess executor): the reference;
 2. ``--pipeline-parallel-size 2``: the same greedy tokens, the same evicted blocks and
    events as one stage, no plan unacknowledged, every block freed, and each request's
-   peak live blocks equal to its bound (``EvictionConfig.bound_blocks``);
+   peak live blocks equal to its bound (``budget.bound_blocks``);
 3. the same with scoring failing on stage 0 at every event: no deadlock, no event
    applied, nothing freed by eviction, the failure counted;
 4. ``--pipeline-parallel-size 2`` with async scheduling (kept on through the build's
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import pytest
 
+from nexus_vllm.core.budget import bound_blocks
 from tests.compat._marks import VLLM034
 from tests.integration.test_e2e_parallel import ARGS, MP, PROMPTS, TP_ENV
 
@@ -68,12 +69,12 @@ def one_stage(tiny_model, serve_tmp):  # noqa: ANN001, ANN201
 
 
 def _bound(prompt_tokens: int) -> int:
-    """``EvictionConfig.bound_blocks`` of a request of these servers (``ARGS``)."""
+    """``budget.bound_blocks`` of a request of these servers (``ARGS``)."""
     from nexus_vllm.core import EvictionConfig
 
     cfg = EvictionConfig(method="nexus", max_tokens=256, prompt_mode="stream",
                          chunk_size=128, block_size=32, seed=7)
-    return int(cfg.bound_blocks(prompt_tokens, prompt_tokens + MAX_TOKENS))
+    return int(bound_blocks(cfg, prompt_tokens, prompt_tokens + MAX_TOKENS))
 
 
 def _assert_one_stage(run, one_stage) -> None:  # noqa: ANN001

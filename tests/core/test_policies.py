@@ -19,6 +19,7 @@ from nexus_vllm.core import (
     indirect_scores,
     nexus_weights,
 )
+from nexus_vllm.core.budget import budget_blocks
 from tests.core.policy_cases import (
     HAND_BUDGET,
     HAND_EVIDENCE,
@@ -322,10 +323,10 @@ def test_bad_policy_input(call, match):
 
 def test_eviction_config():
     cfg = EvictionConfig(method="nexus", max_tokens=1024, block_size=32)
-    assert cfg.budget_blocks(100_000) == 32
+    assert budget_blocks(cfg, 100_000) == 32
     ratio = EvictionConfig(keep_ratio=0.2)
-    assert ratio.budget_blocks(64) == ratio.num_forced  # never below the forced set
-    assert ratio.budget_blocks(32 * 100) == 20
+    assert budget_blocks(ratio, 64) == ratio.num_forced  # never below the forced set
+    assert budget_blocks(ratio, 32 * 100) == 20
     # The defaults: prompt mode end (direct attention and top-K at the prompt-end event,
     # the walk at decode), heads and layers by their maximum, one block of carry.
     assert (ratio.prompt_mode, ratio.attention_reduce, ratio.carry) == ("end", "max", 1)

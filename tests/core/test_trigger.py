@@ -13,6 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nexus_vllm.core import ConfigError, EvictionConfig, EvictionTrigger, cdiv
+from nexus_vllm.core.budget import (
+    bound_blocks,
+    budget_blocks,
+    decode_blocks,
+    decode_peak_blocks,
+    hard_limit,
+    peak_from,
+    target_blocks,
+)
 
 BLOCK = 8
 
@@ -39,22 +48,22 @@ def _stream(cfg: EvictionConfig, chunks: list[int], decode: int) -> list[tuple[i
     for n in chunks:
         tokens += n
         live = cdiv(tokens, BLOCK) - evicted
-        assert live <= max(cfg.hard_limit(tokens, prompt), cdiv(min(tokens, prompt), BLOCK))
+        assert live <= max(hard_limit(cfg, tokens, prompt), cdiv(min(tokens, prompt), BLOCK))
         event = trigger.advance(tokens, live)
         assert event in (None, "prefill")
         if event:
             events.append((tokens, True, live))
-            evicted += live - cfg.target_blocks(tokens, prompt)
+            evicted += live - target_blocks(cfg, tokens, prompt)
     for _ in range(decode):
         tokens += 1
         live = cdiv(tokens, BLOCK) - evicted
-        assert live <= cfg.hard_limit(tokens, prompt)
+        assert live <= hard_limit(cfg, tokens, prompt)
         event = trigger.advance(tokens, live)
         assert event in (None, "decode")
         if event:
             events.append((tokens, False, live))
-            evicted += live - cfg.target_blocks(tokens, prompt)
-    assert cdiv(tokens, BLOCK) - evicted <= cfg.bound_blocks(prompt, tokens)
+            evicted += live - target_blocks(cfg, tokens, prompt)
+    assert cdiv(tokens, BLOCK) - evicted <= bound_blocks(cfg, prompt, tokens)
     return events
 
 
@@ -69,7 +78,7 @@ def test_end_mode_fires_exactly_one_prefill_event_at_the_prompt_end(chunks, deco
     prompt = sum(chunks)
     events = _stream(cfg, chunks, decode)
     prefill = [e for e in events if e[1]]
-    over = cdiv(prompt, BLOCK) > cfg.budget_blocks(prompt)
+    over = cdiv(prompt, BLOCK) > budget_blocks(cfg, prompt)
     assert [e[0] for e in prefill] == ([prompt] if over else [])
 
 
@@ -82,7 +91,7 @@ def test_end_mode_with_prefill_budget_streams_under_it_then_ends_at_budget(chunk
     events = _stream(cfg, chunks, decode)
     for tokens, prefill, _ in events:
         if prefill and tokens < prompt:
-            assert cfg.target_blocks(tokens, prompt) == 128 // BLOCK
+            assert target_blocks(cfg, tokens, prompt) == 128 // BLOCK
     if cdiv(prompt, BLOCK) > 64 // BLOCK:
         assert any(e[0] == prompt and e[1] for e in events), "the prompt-end event"
 
@@ -93,7 +102,7 @@ def test_keep_mode_never_fires_during_prefill(chunks, decode, budget) -> None:
     cfg = _config("keep", budget)
     events = _stream(cfg, chunks, decode)
     assert not [e for e in events if e[1]]
-    if decode > cfg.budget_blocks(decode) * BLOCK + 2 * cfg.interval + BLOCK:
+    if decode > budget_blocks(cfg, decode) * BLOCK + 2 * cfg.interval + BLOCK:
         assert events, "the generated tokens go over their budget, so decode events fire"
 
 
@@ -105,41 +114,41 @@ def test_stream_mode_is_the_budget_from_the_first_chunk(chunks, decode) -> None:
     tokens = 0
     for n in chunks:
         tokens += n
-        assert cfg.target_blocks(tokens, prompt) == cfg.budget_blocks(tokens)
+        assert target_blocks(cfg, tokens, prompt) == budget_blocks(cfg, tokens)
     _stream(cfg, chunks, decode)
 
 
 def test_bound_is_the_prompt_peak_in_end_mode_and_prompt_plus_budget_in_keep() -> None:
     # 1000-token prompt, 100 generated: 126 / 138 blocks of 8.
     end = _config("end", 64)
-    assert end.bound_blocks(1000, 1100) == 125  # the whole prompt before the event
+    assert bound_blocks(end, 1000, 1100) == 125  # the whole prompt before the event
     capped = _config("end", 64, prefill_budget=256)
-    assert capped.bound_blocks(1000, 1100) == 256 // BLOCK + 4  # cap + one 32-token chunk
+    assert bound_blocks(capped, 1000, 1100) == 256 // BLOCK + 4  # cap + one 32-token chunk
     keep = _config("keep", 64)
     # the prompt + the budget + what one decode interval (4 tokens) adds
-    assert keep.bound_blocks(1000, 1100) == 125 + 64 // BLOCK + 1
+    assert bound_blocks(keep, 1000, 1100) == 125 + 64 // BLOCK + 1
     stream = _config("stream", 64)
-    assert stream.bound_blocks(1000, 1100) == 64 // BLOCK + 4  # the prompt's chunk peak
+    assert bound_blocks(stream, 1000, 1100) == 64 // BLOCK + 4  # the prompt's chunk peak
     # Never more than the sequence needs.
-    assert keep.bound_blocks(40, 50) == cdiv(50, BLOCK)
+    assert bound_blocks(keep, 40, 50) == cdiv(50, BLOCK)
 
 
 def test_peak_from_drops_to_the_decode_bound_after_the_prompt_end() -> None:
     end = _config("end", 64)
-    assert end.peak_from(500, 1000, 1100) == end.bound_blocks(1000, 1100) == 125
+    assert peak_from(end, 500, 1000, 1100) == bound_blocks(end, 1000, 1100) == 125
     # Decoding: the budget plus the blocks one decode interval adds, not a prefill chunk.
-    assert end.peak_from(1000, 1000, 1100) == 64 // BLOCK + 1
+    assert peak_from(end, 1000, 1000, 1100) == 64 // BLOCK + 1
     stream = _config("stream", 64)
-    assert stream.peak_from(0, 1000, 1100) == 64 // BLOCK + 4
-    assert stream.peak_from(1000, 1000, 1100) == stream.peak_from(1050, 1000, 1100) == 9
+    assert peak_from(stream, 0, 1000, 1100) == 64 // BLOCK + 4
+    assert peak_from(stream, 1000, 1000, 1100) == peak_from(stream, 1050, 1000, 1100) == 9
     # An interval longer than a block: the blocks it can cross.
     wide = _config("stream", 64, interval=20)
-    assert wide.decode_blocks == 3 and wide.peak_from(1050, 1000, 1100) == 64 // BLOCK + 3
+    assert decode_blocks(wide) == 3 and peak_from(wide, 1050, 1000, 1100) == 64 // BLOCK + 3
     # The decode peak on its own (what the planner's ceiling divides by), capped at the
     # whole sequence.
-    assert end.decode_peak_blocks(1000, 1100) == end.peak_from(1000, 1000, 1100) == 9
+    assert decode_peak_blocks(end, 1000, 1100) == peak_from(end, 1000, 1000, 1100) == 9
     keep = _config("keep", 64)
-    assert keep.decode_peak_blocks(40, 50) == cdiv(50, BLOCK)
+    assert decode_peak_blocks(keep, 40, 50) == cdiv(50, BLOCK)
 
 
 def test_forced_tokens_is_the_least_budget() -> None:
@@ -159,15 +168,15 @@ def test_the_decode_hard_limit_is_reached(decode, interval, budget) -> None:
     cfg = _config("stream", budget, interval=interval)
     prompt = 300
     trigger = EvictionTrigger(cfg, prompt)
-    tokens, evicted, peak = prompt, cdiv(prompt, BLOCK) - cfg.budget_blocks(prompt), 0
+    tokens, evicted, peak = prompt, cdiv(prompt, BLOCK) - budget_blocks(cfg, prompt), 0
     for _ in range(decode):
         tokens += 1
         live = cdiv(tokens, BLOCK) - evicted
         peak = max(peak, live)
-        assert live <= cfg.hard_limit(tokens, prompt)
+        assert live <= hard_limit(cfg, tokens, prompt)
         if trigger.advance(tokens, live, 1):
-            evicted += live - cfg.target_blocks(tokens, prompt)
-    assert peak == cfg.peak_from(prompt, prompt, tokens)
+            evicted += live - target_blocks(cfg, tokens, prompt)
+    assert peak == peak_from(cfg, prompt, prompt, tokens)
 
 
 def test_a_decode_event_fires_after_interval_tokens_or_at_the_hard_limit() -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nexus_vllm.core import ConfigError, num_blocks_for
+from nexus_vllm.core.budget import bound_blocks, budget_blocks, hard_limit, target_blocks
 from nexus_vllm.hf import encode_prompt, generate, generate_ids, make_config, run_sample
 from nexus_vllm.hf.generate import finish_sample, prefill_sample
 
@@ -34,7 +35,7 @@ def test_end_mode_one_event_after_the_question(model, tok, method: str) -> None:
     prefill = [e for e in session.events if e.prefill]
     assert [e.seen for e in prefill] == [n_prompt]
     event = prefill[0]
-    assert event.budget_blocks == session.config.budget_blocks(n_prompt)
+    assert event.budget_blocks == budget_blocks(session.config, n_prompt)
     assert event.blocks_before == num_blocks_for(n_prompt, 8)  # nothing evicted before
     assert event.blocks_after <= event.budget_blocks
     if event.mass is not None and method != "tova":
@@ -64,7 +65,7 @@ def test_keep_mode_never_evicts_the_prompt(model, tok, method: str) -> None:
     for e in session.events:
         assert torch.equal(e.kept_positions[:n_prompt], prompt_positions)
         generated_blocks = e.blocks_after - num_blocks_for(n_prompt, 8)
-        assert generated_blocks <= session.config.budget_blocks(e.seen - n_prompt)
+        assert generated_blocks <= budget_blocks(session.config, e.seen - n_prompt)
 
 
 @pytest.mark.parametrize("mode", ["end", "keep"])
@@ -100,9 +101,9 @@ def test_generate_ids_streams_each_mode_within_its_hard_limit(model, tok, mode: 
     out, session = generate_ids(model, ids, cfg, max_new_tokens=40)
     assert out
     for e in session.events:
-        assert e.blocks_before <= cfg.hard_limit(e.seen, len(ids))
-        assert e.blocks_before <= cfg.bound_blocks(len(ids), len(ids) + 40)
-        assert e.blocks_after <= cfg.target_blocks(e.seen, len(ids))
+        assert e.blocks_before <= hard_limit(cfg, e.seen, len(ids))
+        assert e.blocks_before <= bound_blocks(cfg, len(ids), len(ids) + 40)
+        assert e.blocks_after <= target_blocks(cfg, e.seen, len(ids))
 
 
 @pytest.mark.parametrize(("knobs", "field"), [

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nexus_vllm.core import num_blocks_for
+from nexus_vllm.core.budget import budget_blocks
 from nexus_vllm.hf import StreamingSession, encode_prompt, generate, make_config, run_sample
 from tests.core.policy_cases import POLICY_CASES
 
@@ -59,7 +60,7 @@ def test_cache_within_budget_after_every_event(model, tok, method: str, budget) 
     assert any(not e.prefill for e in session.events), "decode events must fire too"
     for e in session.events:
         assert e.blocks_after <= e.budget_blocks
-        assert e.budget_blocks == cfg.budget_blocks(e.seen)
+        assert e.budget_blocks == budget_blocks(cfg, e.seen)
         assert e.blocks_after == num_blocks_for(e.kept_positions.numel(), cfg.block_size)
         # Evicted tokens keep their original positions: strictly increasing logical ids.
         assert torch.all(e.kept_positions[1:] > e.kept_positions[:-1])

@@ -1,4 +1,4 @@
-"""Every request's blocks in vLLM's pool stay within ``EvictionConfig.bound_blocks``, for
+"""Every request's blocks in vLLM's pool stay within ``budget.bound_blocks``, for
 prompts of every length modulo the block size, in every prompt mode.
 
 A fake engine loop drives vLLM's real scheduler (``NexusScheduler`` over vLLM 0.32's
@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 import torch
 
+from nexus_vllm.core.budget import bound_blocks
 from tests.integration.conftest import HAS_VLLM
 from tests.integration.fakes import live_indices
 
@@ -301,9 +302,9 @@ def test_recompute_tokens_leave_a_new_requests_bound_unchanged() -> None:
                              chunk_size=cap or STEP_TOKENS, **flags)
         for prompt in range(1, 12 * BLOCK, 7):
             for total in (prompt + 1, prompt + BLOCK, prompt + 9 * BLOCK):
-                fresh = cfg.bound_blocks(prompt, total)
-                assert cfg.bound_blocks(prompt, total, recompute_tokens=prompt) == fresh
+                fresh = bound_blocks(cfg, prompt, total)
+                assert bound_blocks(cfg, prompt, total, recompute_tokens=prompt) == fresh
                 for extra in (1, BLOCK, total - prompt):
-                    resumed = cfg.bound_blocks(prompt, total,
+                    resumed = bound_blocks(cfg, prompt, total,
                                                recompute_tokens=prompt + extra)
                     assert fresh <= resumed <= cdiv(total, BLOCK)

@@ -7,6 +7,7 @@ import pathlib
 
 import pytest
 
+from nexus_vllm.core.budget import budget_blocks
 from nexus_vllm.integration.config import config_from_additional, request_config
 from nexus_vllm.integration.frontend.request_args import validate_request_args
 from nexus_vllm.integration.frontend.server_config import load_config_file, resolve_config
@@ -49,6 +50,10 @@ def test_bad_flag_values_name_the_flag(flags, flag) -> None:  # noqa: ANN001
      "--kv-prompt-mode"),
     ("prompt_mode: end\nprefill_budget: 512\n", {"max_tokens": 1024}, "--kv-budget"),
     ("max_tokens: 192\n", {"block_size": 64}, "--block-size"),
+    # Only the flags of what the failed rule read: the floor rule reads the budget, not the
+    # prompt mode (given too, and fine).
+    ("prompt_mode: end\nprefill_budget: 512\n", {"max_tokens": 1024, "prompt_mode": "end"},
+     "--kv-budget"),
 ])
 def test_the_flag_named_comes_from_the_error_field(tmp_path, file, flags, flag) -> None:  # noqa: ANN001
     f = tmp_path / "preset.yaml"
@@ -154,7 +159,7 @@ def test_none_means_off() -> None:
     assert config_from_additional({"nexus": {"method": "none"}}) is None
     cfg = config_from_additional({"nexus": {"method": "tova", "max_tokens": 2048}})
     assert cfg is not None
-    assert cfg.method == "tova" and cfg.budget_blocks(10_000) == 64
+    assert cfg.method == "tova" and budget_blocks(cfg, 10_000) == 64
 
 
 @pytest.mark.parametrize("xargs, field", [
@@ -412,7 +417,7 @@ def test_fast_preset_scores_a_quarter() -> None:
 def test_keep_ratio_preset() -> None:
     path = pathlib.Path(__file__).parents[2] / "configs" / "nexus-keep20.yaml"
     cfg = resolve_config(file=str(path))
-    assert cfg.keep_ratio == 0.2 and cfg.budget_blocks(32 * 100) == 20
+    assert cfg.keep_ratio == 0.2 and budget_blocks(cfg, 32 * 100) == 20
 
 
 def test_serve_command_defaults(monkeypatch) -> None:  # noqa: ANN001

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from nexus_vllm.core.budget import bound_blocks
 from tests.integration.conftest import HAS_VLLM
 
 pytestmark = [
@@ -379,7 +380,7 @@ def test_prompt_modes_server_and_transformers_evict_alike(evict_server, hf_tiny,
     assert peaks1[mode][1] - peaks0.get(mode, (0.0, 0.0))[1] == 1
     hf_peak = max([e.blocks_before for e in session.events]
                   + [cdiv(session.cache_len, BLOCK)])
-    assert peak_sum == hf_peak <= cfg.bound_blocks(len(ids), len(ids) + max_new)
+    assert peak_sum == hf_peak <= bound_blocks(cfg, len(ids), len(ids) + max_new)
     assert after["vllm:nexus_live_blocks_over_budget"] <= 0
 
 
@@ -405,7 +406,8 @@ def test_prompt_modes_concurrently_hold_their_bounds(evict_server) -> None:  # n
         assert got == n, (mode, got)
     # The histogram holds sums: the mode's peaks are within the sum of its bounds.
     for mode in want:
-        bound = sum(_mode_config({"kv_prompt_mode": "stream", **x}).bound_blocks(
+        bound = sum(bound_blocks(
+            _mode_config({"kv_prompt_mode": "stream", **x}),
             u.prompt_tokens, u.prompt_tokens + u.completion_tokens)
             for x, (_, u) in zip(cases, outs) if x.get("kv_prompt_mode", "stream") == mode)
         assert peaks1[mode][0] - peaks0.get(mode, (0, 0))[0] <= bound, mode

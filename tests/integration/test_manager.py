@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from nexus_vllm.core.budget import bound_blocks, evicts_mid_prompt, hard_limit
 from tests.integration.conftest import HAS_VLLM
 from tests.integration.fakes import engine_request, live_count, live_indices, scheduler_side
 
@@ -279,7 +280,7 @@ def _drive(mgr, single, reqs, rid, decode: int, chunk: int = 128):  # noqa: ANN0
         cfg = mgr.states.get(rid).cfg
         live = live_count(mgr, rid)
         peak = max(peak, live)
-        assert live <= cfg.hard_limit(r.num_computed_tokens, prompt)
+        assert live <= hard_limit(cfg, r.num_computed_tokens, prompt)
         mgr.apply_reply(plan, _reply(plan, mgr, seed=len(events)), reqs)
         if rid in plan.score:
             events.append((r.num_computed_tokens, plan.score[rid], live, live_count(mgr, rid)))
@@ -302,7 +303,7 @@ def test_end_mode_one_event_at_the_prompt_end() -> None:
     decode = [e for e in events if not e[1].prefill]
     assert decode and all(e[1].window == 16 and e[3] == 8 for e in decode)
     cfg = mgr.states.get("r").cfg
-    assert peak <= cfg.bound_blocks(prompt, prompt + 64)
+    assert peak <= bound_blocks(cfg, prompt, prompt + 64)
 
 
 def test_end_mode_prefill_budget_streams_under_the_cap() -> None:
@@ -316,7 +317,7 @@ def test_end_mode_prefill_budget_streams_under_the_cap() -> None:
     assert all(e[1].prefill for e in events)
     assert [e[3] for e in events] == [12, 12, 12, 12, 8]  # 384 // 32, then 256 // 32
     assert peak == 12 + 4  # the cap plus one chunk
-    assert peak <= mgr.states.get("r").cfg.bound_blocks(prompt, prompt)
+    assert peak <= bound_blocks(mgr.states.get("r").cfg, prompt, prompt)
 
 
 def test_keep_mode_never_evicts_a_prompt_block() -> None:
@@ -331,7 +332,7 @@ def test_keep_mode_never_evicts_a_prompt_block() -> None:
     evicted = [j for j, b in enumerate(mgr.blocks.of("r")) if b.is_null]
     assert evicted and min(evicted) >= 32
     assert all(e[3] == 32 + 8 for e in events)
-    assert peak <= mgr.states.get("r").cfg.bound_blocks(prompt, prompt + 400)
+    assert peak <= bound_blocks(mgr.states.get("r").cfg, prompt, prompt + 400)
 
 
 def test_stream_mode_per_request_on_an_end_server() -> None:
@@ -355,12 +356,12 @@ def test_admission_reserves_the_config_bound(xargs, want) -> None:  # noqa: ANN0
     mgr, single, pool = _setup()
     r = _request("r", 1000, **xargs)
     r.max_tokens = 64
-    assert mgr.bound_blocks(r) == want == mgr.states.resolve(r).cfg.bound_blocks(1000, 1064)
+    assert mgr.bound_blocks(r) == want == bound_blocks(mgr.states.resolve(r).cfg, 1000, 1064)
     mgr.admission.max_model_len = 1010  # the sequence cannot grow past it
     r2 = _request("r2", 1000, **xargs)
     r2.max_tokens = 64
     cfg2 = mgr.states.resolve(r2).cfg
-    assert mgr.bound_blocks(r2) == min(want, 32) == cfg2.bound_blocks(1000, 1010)
+    assert mgr.bound_blocks(r2) == min(want, 32) == bound_blocks(cfg2, 1000, 1010)
 
 
 @pytest.mark.parametrize("prompt, xargs, want", [
@@ -413,7 +414,7 @@ def test_finished_requests_report_their_peak_live_blocks() -> None:
 def test_admission_releases_an_end_request_prompt_peak_after_its_event() -> None:
     """An admitted ``end`` request reserves its prompt's peak only until the prompt-end
     event: then what it may still grow to is its decode hard limit
-    (``EvictionConfig.peak_from``), and the pool admits the next one."""
+    (``budget.peak_from``), and the pool admits the next one."""
     from vllm.v1.request import RequestStatus
 
     mgr, single, pool = _setup(num_blocks=64)  # 63 usable
@@ -622,7 +623,7 @@ def test_window_group_holds_within_the_chunked_allowance(k: int) -> None:
     request): vLLM's sliding manager, freeing on the processed tokens with k steps in
     flight, then holds at most the window plus k chunks while the prompt is computed,
     what admission reserves; k whole steps (the rule before) is far more."""
-    from nexus_vllm.core.config import window_blocks
+    from nexus_vllm.core.budget import window_blocks
 
     step, chunk = 512, 48
     mgr, _, _ = scheduler_side(400, window=WINDOW, step_tokens=step, max_tokens=256,
@@ -650,7 +651,7 @@ def test_admission_reserves_chunks_in_flight_where_the_server_caps_prompt_steps(
     chunk, whatever its own ``kv_prompt_mode``: admission reserves the window plus k
     chunks in each sliding group, so a pool of exactly the bound plus that admits it (the
     rule before, k whole steps, refused it) and one block less does not."""
-    from nexus_vllm.core.config import window_blocks
+    from nexus_vllm.core.budget import window_blocks
 
     step, chunk, k = 512, 64, 2
     r = _request("r", 1000, max_tokens=64, **xargs)
@@ -670,13 +671,13 @@ def test_a_server_that_chunks_no_prompt_reserves_whole_steps() -> None:
     """A server in ``end`` mode sets no per-request cap (vLLM chunks prompts at its step
     budget, and lifts even a cap of its own for a lone request): a request that asks for
     ``stream`` there still has k whole steps in flight in each sliding group."""
-    from nexus_vllm.core.config import window_blocks
+    from nexus_vllm.core.budget import window_blocks
 
     mgr, _, _ = scheduler_side(64, window=WINDOW, step_tokens=256, max_tokens=256,
                                chunk_size=64, prompt_mode="end")
     mgr.windows.steps_in_flight = 2
     r = _request("r", 1000, max_tokens=64, kv_prompt_mode="stream")
-    assert mgr.states.resolve(r).cfg.evicts_mid_prompt
+    assert evicts_mid_prompt(mgr.states.resolve(r).cfg)
     # cdiv(63 + 2 x 256, 32) + 1, not the 7 of two 64-token chunks.
     assert mgr.windows.allowance(1064) == window_blocks(WINDOW, 32, 1064, 2 * 256) == 19
 
@@ -754,7 +755,7 @@ def _burst_through_the_gate(k: int, mode: str, usable: int, gate_k: int | None =
                                     max_tokens=256, chunk_size=chunk, prompt_mode=mode)
     mgr.windows.steps_in_flight = k if gate_k is None else gate_k
     sliding = mgr.windows.groups[0].manager
-    per_step = chunk if mgr.server_cfg.evicts_mid_prompt else prompt
+    per_step = chunk if evicts_mid_prompt(mgr.server_cfg) else prompt
     waiting = deque(_request(f"r{i}", prompt, max_tokens=output) for i in range(requests))
     for r in waiting:
         r.status, r.outputs = RequestStatus.WAITING, 0

@@ -10,6 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from nexus_vllm.core.budget import (
+    bound_blocks,
+    evicts_mid_prompt,
+    hard_limit,
+    peak_from,
+    target_blocks,
+)
 from tests.integration.conftest import HAS_VLLM
 from tests.integration.fakes import BS, engine_request, live_count, scheduler_side
 
@@ -109,8 +116,8 @@ def test_prefix_hit_cap_ends_before_the_first_event(flags, prompt, want) -> None
         # chunk boundary is at most the first event's chunk start.
         limit, multiple = rule
         assert limit % BS == 0 and limit % multiple == 0
-        assert cdiv(limit, BS) <= int(cfg.target_blocks(limit, prompt))
-        if cfg.evicts_mid_prompt:
+        assert cdiv(limit, BS) <= int(target_blocks(cfg, limit, prompt))
+        if evicts_mid_prompt(cfg):
             assert limit % int(cfg.chunk_size) == 0
 
 
@@ -189,8 +196,8 @@ def test_a_recompute_chunk_past_the_prompt_is_bounded_and_counted_as_decode() ->
 
     cfg = _cfg(prompt_mode="end")
     st = RequestEvictionState(req_id="r", cfg=cfg, seed=0, prompt_tokens=1000)
-    assert st.hard_limit(1024, 128) == cfg.hard_limit(1000, 1000)
-    assert st.hard_limit(1025, 1) == cfg.hard_limit(1025, 1000)
+    assert st.hard_limit(1024, 128) == hard_limit(cfg, 1000, 1000)
+    assert st.hard_limit(1025, 1) == hard_limit(cfg, 1025, 1000)
     for end in range(128, 1024, 128):
         st.plan_event(end, 128, list(range(end // BS)), BS)
     sreq = st.plan_event(1024, 128, list(range(32)), BS)
@@ -293,7 +300,7 @@ def test_admission_reserves_what_admitted_requests_may_still_grow_to(spare, admi
     st = states.get("a")
     assert st is not None
     st.tokens = 256
-    outstanding = int(st.cfg.peak_from(256, 1000, 1064)) - 8
+    outstanding = int(peak_from(st.cfg, 256, 1000, 1064)) - 8
     need = gate.bound_blocks(second)
     assert need is not None and outstanding > 0
     gate.blocks = _Blocks({"a": 8}, free=need + outstanding + spare)
@@ -313,7 +320,7 @@ def test_admission_bound_stops_at_max_model_len() -> None:
     r = _request("r", 1000)
     st = states.resolve(r)
     assert st is not None and gate.total_tokens(st, r) == 1010
-    assert gate.bound_blocks(r) == st.cfg.bound_blocks(1000, 1010)
+    assert gate.bound_blocks(r) == bound_blocks(st.cfg, 1000, 1010)
     assert gate.bound_blocks(_request("off", 1000, kv_eviction="none")) is None
 
 

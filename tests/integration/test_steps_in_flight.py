@@ -13,7 +13,7 @@ row's attention reads must then belong to that row's request.
 
 What must hold for k = 1, 2 and 4: the same events, the same evicted blocks and the same
 per-request peaks as with one step in flight, each peak equal to
-``EvictionConfig.bound_blocks``; every plan acknowledged; every block back at the end.
+``budget.bound_blocks``; every plan acknowledged; every block back at the end.
 With lost and repeated plans: no read of a freed block (the masking covers the last k
 applied plans) and no block lost. A request preempted between its event's plan and the
 reply: the reply is dropped and its new block list is left alone.
@@ -342,7 +342,7 @@ def test_k_steps_in_flight_evict_as_one_and_peak_at_the_bound(
     assert engine.events == ref.events and engine.events["long"] and engine.events["chatty"]
     assert "small" not in engine.events
     # Exact bounds: the long prompt peaks a chunk over its budget, the chatty answer one
-    # block over it, both exactly EvictionConfig.bound_blocks; the small one holds all.
+    # block over it, both exactly budget.bound_blocks; the small one holds all.
     assert engine.peaks == ref.peaks == engine.bounds == {"long": 12, "chatty": 9,
                                                           "small": 6}
     assert engine.mgr.counters.over_budget_peak <= 0

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from nexus_vllm.argtypes import describe_value
 from nexus_vllm.core import EvictionConfig
 from nexus_vllm.core._validate import check_int
+from nexus_vllm.core.budget import evicts_mid_prompt
 from nexus_vllm.integration.compat.attention_traits import (
     AttentionTraits,
     unsupported_attention,
@@ -258,7 +259,7 @@ def forced_engine_args(cfg: EvictionConfig) -> dict[str, object]:
         # The block list of a request is bounded by the budget, not the prompt.
         "scheduler_reserve_full_isl": False,
     }
-    if cfg.evicts_mid_prompt:
+    if evicts_mid_prompt(cfg):
         # Each request prefills at most one chunk per step and an event follows each
         # chunk, so it never holds more than budget + one chunk. A mode that evicts at the
         # prompt's end only holds the prompt anyway: vLLM chunks it as it would.
@@ -347,7 +348,7 @@ class LatentAttention:
     def refusal(self, cfg: EvictionConfig) -> tuple[str, str] | None:
         """``(what, why)`` when ``cfg`` cannot run on this MLA model (None: it can).
         ``what`` is ``"prompt_mode"`` or ``"prefill_budget"``."""
-        if cfg.evicts_mid_prompt and not self.chunked_prefill:
+        if evicts_mid_prompt(cfg) and not self.chunked_prefill:
             what = "prompt_mode" if cfg.prompt_mode == "stream" else "prefill_budget"
             return what, (
                 "evicts while the prompt is computed, chunk by chunk; with multi-head "

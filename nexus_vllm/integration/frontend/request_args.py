@@ -134,39 +134,49 @@ def _budget(extra_args: dict[str, Any], server_cfg: EvictionConfig) -> tuple[int
     return server_cfg.forced_tokens, "the always-kept blocks"
 
 
+def _blamed_key(field: str, reads: tuple[str, ...], extra_args: dict[str, Any]) -> str:
+    """The request field to blame for a bad config ``field`` whose rule read ``reads``
+    (``ConfigError.field`` and ``.reads``): the first of them the request set
+    (:data:`REQUEST_FIELD_OF`), else the first request field it set."""
+    for name in (field, *reads):
+        key = REQUEST_FIELD_OF.get(name)
+        if key is not None and key in extra_args:
+            return key
+    return next((k for k in REQUEST_FIELDS if k in extra_args), "kv_eviction")
+
+
 def _blame(error: ValueError, extra_args: dict[str, Any], server_cfg: EvictionConfig,
            max_model_len: int | None) -> RequestArgError:
     """The request field to blame for the ``EvictionConfig`` the request's fields could
-    not make (``error.field`` names the config field), explained in the request's terms:
+    not make (:func:`_blamed_key`), the budget rules explained in the request's terms:
     which value came from the request and which from the server."""
     field = str(getattr(error, "field", ""))
-    if field == "max_tokens" and "kv_budget" in extra_args:  # under the forced set
+    reads = tuple(getattr(error, "reads", ()))
+    key = _blamed_key(field, reads, extra_args)
+    if field == "max_tokens" and key == "kv_budget":  # under the forced set
         return RequestArgError(
             "kv_budget", f"must be at least {server_cfg.forced_tokens} tokens on this "
             f"server (the always-kept sink, recent and current blocks: "
             f"{server_cfg.num_forced} blocks of {server_cfg.block_size} tokens); allowed: "
             f"{_budget_span(server_cfg, max_model_len)}; got {int(extra_args['kv_budget'])}")
-    if field == "prefill_budget":
-        budget, whose_budget = _budget(extra_args, server_cfg)
-        if "kv_prefill_budget" not in extra_args:  # the server's, under this budget
-            return RequestArgError(
-                "kv_budget", f"{budget} tokens is above this server's prefill budget "
-                f"({server_cfg.prefill_budget} tokens, --kv-prefill-budget); send a "
-                "kv_prefill_budget of at least the budget with it")
-        mode = extra_args.get("kv_prompt_mode", server_cfg.prompt_mode)
-        if mode != "end":
-            whose = ("this request's kv_prompt_mode" if "kv_prompt_mode" in extra_args
-                     else "this server's prompt mode (--kv-prompt-mode)")
-            return RequestArgError(
-                "kv_prefill_budget", f"applies to kv_prompt_mode 'end' only; {whose} is "
-                f"{mode!r}: send \"kv_prompt_mode\": \"end\" with it")
+    if field != "prefill_budget":
+        return RequestArgError(key, str(error))
+    if "prompt_mode" in reads:  # a prefill budget outside prompt mode end
+        whose = ("this request's kv_prompt_mode" if "kv_prompt_mode" in extra_args
+                 else "this server's prompt mode (--kv-prompt-mode)")
         return RequestArgError(
-            "kv_prefill_budget", f"must be at least the budget ({budget} tokens, "
-            f"{whose_budget}); got {int(extra_args['kv_prefill_budget'])}")
-    key = REQUEST_FIELD_OF.get(field)
-    if key not in extra_args:
-        key = next((k for k in REQUEST_FIELDS if k in extra_args), "kv_eviction")
-    return RequestArgError(str(key), str(error))
+            "kv_prefill_budget", f"applies to kv_prompt_mode 'end' only; {whose} is "
+            f"{extra_args.get('kv_prompt_mode', server_cfg.prompt_mode)!r}: send "
+            "\"kv_prompt_mode\": \"end\" with it")
+    budget, whose_budget = _budget(extra_args, server_cfg)
+    if "kv_prefill_budget" not in extra_args:  # the server's, under this budget
+        return RequestArgError(
+            "kv_budget", f"{budget} tokens is above this server's prefill budget "
+            f"({server_cfg.prefill_budget} tokens, --kv-prefill-budget); send a "
+            "kv_prefill_budget of at least the budget with it")
+    return RequestArgError(
+        "kv_prefill_budget", f"must be at least the budget ({budget} tokens, "
+        f"{whose_budget}); got {int(extra_args['kv_prefill_budget'])}")
 
 
 def validate_request_args(extra_args: dict[str, Any] | None,

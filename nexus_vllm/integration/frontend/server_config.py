@@ -50,17 +50,12 @@ CLI_FLAGS = {
 }
 SERVER_FLAGS = (*CLI_FLAGS, "--kv-eviction-config")
 # EvictionConfig field -> the flag that sets it: ours, and vLLM's --block-size (it sets
-# the block size, hence the budget floor).
+# the block size, hence the budget floor). A bad field may come from a file while a flag
+# made it bad (--kv-prompt-mode keep against a file's prefill_budget, --block-size raising
+# the floor under a file's max_tokens): the error names the flag of a field its rule read
+# (ConfigError.reads).
 _FLAG_OF_FIELD = {**{field: flag for flag, field in CLI_FLAGS.items()},
                   "block_size": "--block-size"}
-# EvictionConfig's cross-field rules, by the field their ConfigError names -> the other
-# fields the rule reads. The named field may come from a file while a flag made it bad
-# (--kv-prompt-mode keep against a file's prefill_budget, --block-size raising the floor
-# under a file's max_tokens): the error then names that flag.
-_RULE_READS = {
-    "max_tokens": ("block_size",),
-    "prefill_budget": ("prompt_mode", "max_tokens", "block_size"),
-}
 
 
 # -- the --kv-* flags ----------------------------------------------------------------------
@@ -199,10 +194,11 @@ def load_config_file(path: str | pathlib.Path) -> dict[str, Any]:
     return dict(data)
 
 
-def _blamed_flag(field: str, given: dict[str, Any]) -> str | None:
+def _blamed_flag(field: str, reads: tuple[str, ...], given: dict[str, Any]) -> str | None:
     """The given flag a bad ``field`` (a ``ConfigError.field``) is blamed on: its own
-    flag, else a flag its cross-field rule reads (None when no flag is involved)."""
-    for key in (field, *_RULE_READS.get(field, ())):
+    flag, else the flag of a field its rule read (``ConfigError.reads``; None when no flag
+    is involved)."""
+    for key in (field, *reads):
         if key in given and key in _FLAG_OF_FIELD:
             return _FLAG_OF_FIELD[key]
     return None
@@ -216,7 +212,8 @@ def _build(knobs: dict[str, Any], source: str,
         return EvictionConfig.from_dict(knobs)
     except (TypeError, ValueError) as exc:
         field = getattr(exc, "field", None)
-        flag = _blamed_flag(field, given or {}) if isinstance(field, str) else None
+        flag = (_blamed_flag(field, tuple(getattr(exc, "reads", ())), given or {})
+                if isinstance(field, str) else None)
         raise ValueError(f"{flag or source}: {exc}") from exc
 
 

@@ -1,7 +1,7 @@
 """Admission of evicting requests: reserve each one's bound before it starts.
 
 An evicting request is admitted only if the free pool covers its bound
-(:meth:`EvictionConfig.bound_blocks`, the most blocks it ever holds) on top of what the
+(:func:`~nexus_vllm.core.budget.bound_blocks`, the most blocks it ever holds) on top of what the
 admitted evicting requests may still grow to. Then no evicting request is ever preempted
 for lack of blocks another evicting request will take. What an admitted request reserves
 is its state's ``admitted_total`` (its longest sequence), with its progress. A request
@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from vllm.logger import init_logger
 
 from nexus_vllm.core.admission import admits
+from nexus_vllm.core.budget import bound_blocks, peak_from
 from nexus_vllm.integration.compat.vllm_types import EngineRequest
 from nexus_vllm.integration.config import self_check_enabled
 from nexus_vllm.integration.metrics import SchedulerCounters
@@ -83,12 +84,12 @@ class AdmissionGate:
 
     def bound_blocks(self, request: EngineRequest) -> int | None:
         """Most blocks an evicting request ever holds in the evicted group (None: it
-        does not evict): :meth:`EvictionConfig.bound_blocks` over its prompt, its
+        does not evict): :func:`~nexus_vllm.core.budget.bound_blocks` over its prompt, its
         longest sequence and what it recomputes if it resumes after preemption."""
         st = self.states.resolve(request)
         if st is None:
             return None
-        return int(st.cfg.bound_blocks(st.prompt_tokens, self.total_tokens(st, request),
+        return int(bound_blocks(st.cfg, st.prompt_tokens, self.total_tokens(st, request),
                                        recompute_tokens=self.recompute_tokens(request)))
 
     def _window_reserve(self, st: RequestEvictionState, total_tokens: int) -> int:
@@ -99,20 +100,21 @@ class AdmissionGate:
                                       max(st.prompt_tokens, st.recompute_tokens))
 
     def _reserve(self, st: RequestEvictionState) -> int:
-        """What an admitted request may still come to hold (:meth:`EvictionConfig.peak_from`
-        its progress; a resumed one its recompute's peak until it is done)."""
+        """What an admitted request may still come to hold
+        (:func:`~nexus_vllm.core.budget.peak_from` its progress; a resumed one its
+        recompute's peak until it is done)."""
         assert st.admitted_total is not None
-        peak = st.cfg.peak_from(st.tokens, st.prompt_tokens, st.admitted_total)
+        peak = peak_from(st.cfg, st.tokens, st.prompt_tokens, st.admitted_total)
         recompute = st.recompute_tokens
         if st.tokens < recompute:
-            peak = max(peak, st.cfg.bound_blocks(st.prompt_tokens, st.admitted_total,
+            peak = max(peak, bound_blocks(st.cfg, st.prompt_tokens, st.admitted_total,
                                                  recompute_tokens=recompute))
         return int(peak)
 
     def may_admit(self, request: EngineRequest) -> bool:
         """Admit an evicting request only if the free pool covers its bound on top of
         what the admitted evicting requests may still grow to (each one's
-        :meth:`EvictionConfig.peak_from` its progress, less what it holds: an ``end``
+        :func:`~nexus_vllm.core.budget.peak_from` its progress, less what it holds: an ``end``
         request past its prompt no longer needs the prompt's peak)."""
         need = self.bound_blocks(request)
         if need is None:
@@ -161,7 +163,7 @@ class AdmissionGate:
             if request is None:
                 continue
             seen.add(req_id)
-            bound = int(st.cfg.bound_blocks(
+            bound = int(bound_blocks(st.cfg,
                 st.prompt_tokens, self.total_tokens(st, request),
                 recompute_tokens=st.recompute_tokens))
             held = pool.observe(req_id, bound)

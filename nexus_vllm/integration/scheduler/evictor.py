@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from nexus_vllm.core.budget import target_blocks
 from nexus_vllm.core.evidence import Evidence
 from nexus_vllm.integration.compat.vllm_compat import preemption_count
 from nexus_vllm.integration.compat.vllm_types import EngineRequest
@@ -106,7 +107,7 @@ class Evictor:
         evidence = Evidence.from_gathered(gathered, attention_reduce=st.cfg.attention_reduce,
                                           num_blocks=len(live))
         tokens = int(sreq.tokens_after)
-        budget = int(st.cfg.target_blocks(tokens, st.prompt_tokens))
+        budget = int(target_blocks(st.cfg, tokens, st.prompt_tokens))
         if len(live) <= budget:
             return
         policy = st.policies.at(prefill=sreq.prefill, prompt_end=sreq.prompt_end)

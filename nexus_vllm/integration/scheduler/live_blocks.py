@@ -19,7 +19,8 @@ from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from nexus_vllm.core.config import EvictionConfig, window_blocks, window_in_flight_tokens
+from nexus_vllm.core.budget import window_blocks, window_in_flight_tokens
+from nexus_vllm.core.config import EvictionConfig
 from nexus_vllm.integration.compat.vllm_compat import BlockPoolView, WindowGroup, request_blocks
 from nexus_vllm.integration.compat.vllm_types import KVBlock
 from nexus_vllm.integration.scheduler.request_state import LiveIndex, RequestEvictionState
@@ -130,8 +131,8 @@ class WindowBlocks:
         in each group the window plus the tokens in flight, k steps while it computes
         its prompt (each of at most ``step_tokens``, or the server's ``chunk_size`` where
         it caps prompt steps) and k tokens once it decodes, never more than its sequence
-        (:func:`~nexus_vllm.core.config.window_in_flight_tokens`,
-        :func:`~nexus_vllm.core.config.window_blocks`)."""
+        (:func:`~nexus_vllm.core.budget.window_in_flight_tokens`,
+        :func:`~nexus_vllm.core.budget.window_blocks`)."""
         in_flight = window_in_flight_tokens(self.step_tokens, self.steps_in_flight,
                                             tokens=tokens, prefill_end=prefill_end,
                                             server_cfg=self.server_cfg)

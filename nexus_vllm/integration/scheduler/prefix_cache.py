@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 from nexus_vllm.core import EvictionConfig, first_prompt_event
+from nexus_vllm.core.budget import evicts_mid_prompt
 from nexus_vllm.integration.scheduler.request_state import RequestEvictionState
 
 __all__ = ["mark_first_eviction", "prefix_hit_cap"]
@@ -31,7 +32,7 @@ def prefix_hit_cap(cfg: EvictionConfig, prompt_tokens: int,
     caching off (:func:`~nexus_vllm.core.first_prompt_event`, the trigger's rule): that
     event's window, the newest ``prompt_window`` queries, must be computed in this run
     (a short last chunk takes rows of the chunk before it). Where events fire during the
-    prompt (:attr:`EvictionConfig.evicts_mid_prompt`), each follows a ``chunk_size``
+    prompt (:func:`~nexus_vllm.core.budget.evicts_mid_prompt`), each follows a ``chunk_size``
     chunk, so the hit must also end on a chunk boundary before the event's chunk; where
     only the prompt's end fires, any block boundary before the window will do.
 
@@ -49,7 +50,7 @@ def prefix_hit_cap(cfg: EvictionConfig, prompt_tokens: int,
     start, end = event
     limit = end - int(cfg.prompt_window)
     step = bs
-    if cfg.evicts_mid_prompt:
+    if evicts_mid_prompt(cfg):
         limit, step = min(start, limit), math.lcm(int(cfg.chunk_size), bs)
     return (max(0, limit) // step) * step, step
 

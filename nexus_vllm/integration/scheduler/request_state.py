@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from nexus_vllm.core import EvictionConfig, EvictionTrigger, cdiv, forced_tail
+from nexus_vllm.core.budget import hard_limit
 from nexus_vllm.core.event_policies import EventPolicies
 from nexus_vllm.integration.compat.vllm_types import EngineRequest, KVBlock
 from nexus_vllm.integration.config import request_config
@@ -154,14 +155,14 @@ class RequestEvictionState:
 
     def hard_limit(self, tokens_after: int, scheduled: int) -> int:
         """The most live blocks the request may hold after a step of ``scheduled`` tokens
-        that leaves ``tokens_after`` computed (:meth:`EvictionConfig.hard_limit`).
+        that leaves ``tokens_after`` computed (:func:`~nexus_vllm.core.budget.hard_limit`).
 
         A prompt chunk is bounded as part of the prompt, also when a resumed request's
         recompute chunk runs past the prompt's end (into its generated tokens).
         """
         prompt_tokens = self.prompt_tokens
         prefill = tokens_after - scheduled < prompt_tokens
-        return int(self.cfg.hard_limit(min(tokens_after, prompt_tokens) if prefill
+        return int(hard_limit(self.cfg, min(tokens_after, prompt_tokens) if prefill
                                        else tokens_after, prompt_tokens))
 
     def plan_event(self, tokens_after: int, scheduled: int, live: Sequence[int],

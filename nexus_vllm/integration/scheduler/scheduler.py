@@ -27,6 +27,7 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from nexus_vllm.core.budget import evicts_mid_prompt
 from nexus_vllm.integration import faults
 from nexus_vllm.integration.compat.vllm_compat import (
     check_vllm_version,
@@ -83,7 +84,7 @@ class NexusSchedulerMixin(_SchedulerBase):
             cfg = cfg.replace(chunk_size=chunk)
         # vLLM lifts the per-request cap for a lone request: only a server that set the
         # cap (it evicts mid-prompt) needs it kept then (0: nothing to keep).
-        self._nexus_lone_cap = chunk if cfg.evicts_mid_prompt else 0
+        self._nexus_lone_cap = chunk if evicts_mid_prompt(cfg) else 0
         k = steps_in_flight(self.vllm_config)
         parts = faults.with_doubles(SchedulerParts())
         # Sliding-window groups hold their window plus the tokens of k steps in flight.
