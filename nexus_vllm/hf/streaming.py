@@ -114,8 +114,7 @@ class StreamingSession:
         # The vLLM plugin's rule for when events fire (nexus_vllm.core.trigger).
         self.trigger = EvictionTrigger(config, _UNKNOWN if prompt_tokens is None
                                        else int(prompt_tokens))
-        # The policy of each event kind (:meth:`EvictionConfig.event_policies`), resolved
-        # again only when the prompt's length becomes known.
+        # Each event kind's policy, resolved again once the prompt's length is known.
         self.policies: EventPolicies | None = (
             config.event_policies(self.prompt_tokens) if config is not None else None)
         keep = max(config.window, config.prompt_window) if config is not None else 0

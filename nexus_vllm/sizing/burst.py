@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nexus_vllm.core import EvictionConfig, cdiv
 from nexus_vllm.core.admission import admission_room
@@ -148,8 +148,8 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
     :func:`~nexus_vllm.core.budget.peak_from` its progress, cover
     :func:`~nexus_vllm.core.budget.bound_blocks` (``AdmissionGate.may_admit``). Stock
     (``cfg`` None): admitted only if the free blocks cover its whole prompt; a running
-    request that finds no free block is a preemption. ``max_num_batched_tokens`` None: no token budget a step (the pool alone
-    limits).
+    request that finds no free block is a preemption. ``max_num_batched_tokens`` None: no
+    token budget a step (the pool alone limits).
 
     A hybrid model has ``full_groups`` full-attention groups and one sliding group per
     entry of ``windows`` (each its window in tokens). Evicting: each bound and reserve adds
@@ -162,77 +162,31 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
     ``max_in_flight_tokens``; None: ``steps_in_flight`` steps) and ``max_model_len``; a
     running request first frees what left its windows (:func:`.groups.window_held_blocks`).
     """
-    total = prompt_tokens + output_tokens
-    bs = block_size
     step_tokens = max_num_batched_tokens or prompt_tokens
     # The plugin caps a request's prompt chunk where events fire mid-prompt; otherwise
     # vLLM's step budget alone does (engine_policy.forced_engine_args).
     chunk = cfg.chunk_size if cfg is not None and evicts_mid_prompt(cfg) else prompt_tokens
-    k = max(1, steps_in_flight)
-
-    def allowance(tokens_seen: int | None = None) -> int:
-        """The window groups' reserve (:func:`window_allowance`; None: a new request)."""
-        return window_allowance(total, bs, windows, step_tokens, k, tokens=tokens_seen or 0,
-                                prefill_end=None if tokens_seen is None else prompt_tokens,
-                                cfg=cfg)
-    bound = (bound_blocks(cfg, prompt_tokens, total) + allowance() if cfg is not None
-             else stock_admission_blocks(
-                 prompt_tokens, bs, full_groups=full_groups, windows=windows,
-                 in_flight_tokens=k * step_tokens if in_flight_tokens is None
-                 else in_flight_tokens, max_model_len=max_model_len))
-    window_counts = Counter(windows)
-
-    def held(done: int, allocated: int) -> int:
-        """Blocks a stock request holds in all groups with ``allocated`` slots once
-        its windows have moved past ``done`` computed tokens."""
-        return full_groups * cdiv(allocated, bs) + sum(
-            count * window_held_blocks(w, bs, done, allocated)
-            for w, count in window_counts.items())
+    burst = _Burst(cfg, usable_blocks, block_size, prompt_tokens, output_tokens, requests,
+                   max_num_seqs, max_num_batched_tokens, full_groups, windows,
+                   max(1, steps_in_flight), step_tokens, chunk)
+    burst.bound = (bound_blocks(cfg, prompt_tokens, burst.total) + burst.allowance()
+                   if cfg is not None else stock_admission_blocks(
+                       prompt_tokens, block_size, full_groups=full_groups, windows=windows,
+                       in_flight_tokens=burst.k * step_tokens if in_flight_tokens is None
+                       else in_flight_tokens, max_model_len=max_model_len))
     waiting: deque[_Request] = deque(_Request() for _ in range(requests))
     running: list[_Request] = []
     peak, steps = 0, 0
-
-    def reserve(r: _Request) -> int:
-        assert cfg is not None
-        return peak_from(cfg, r.tokens_seen, prompt_tokens, total) + allowance(r.tokens_seen)
-
     while waiting or running:
         if cfg is not None and not waiting:
             break  # admission never fails a running evicting request: the peak is in
         steps += 1
         budget = max_num_batched_tokens or requests * prompt_tokens  # None: no step limit
-        scheduled: list[tuple[_Request, int]] = []
         free = usable_blocks - sum(r.blocks for r in running)
-        for r in running:
-            if budget <= 0:
-                break
-            n = min(prompt_tokens - r.computed, chunk, budget) if r.computed < prompt_tokens \
-                else 1
-            if cfg is None:
-                now = held(r.computed, r.computed + n)
-                if now - r.blocks > free:
-                    return SimResult(peak, True, steps)
-                free -= now - r.blocks
-                r.blocks = now
-            budget -= n
-            scheduled.append((r, n))
-        admitted = False
-        while waiting and budget > 0 and len(running) < max_num_seqs:
-            # Evicting requests' held blocks are within their reserve: the room is the
-            # pool less every reserve (the plugin's rule, core.admission).
-            room = admission_room(usable_blocks, ((reserve(r), 0) for r in running)) \
-                if cfg is not None else free
-            if room < bound:
-                break
-            r = waiting.popleft()
-            n = min(prompt_tokens, chunk, budget)
-            if cfg is None:
-                r.blocks = held(0, n)
-                free -= r.blocks
-            running.append(r)
-            budget -= n
-            scheduled.append((r, n))
-            admitted = True
+        scheduled, budget, free = burst.schedule_running(running, budget, free)
+        if scheduled is None:
+            return SimResult(peak, True, steps)
+        admitted = burst.admit(waiting, running, scheduled, budget, free)
         peak = max(peak, len(running))
         if not scheduled:
             break  # nothing runs and the first waiting request can never fit
@@ -245,32 +199,133 @@ def simulate_burst(cfg: EvictionConfig | None, *, usable_blocks: int, block_size
                 r.outputs += 1
         running = [r for r in running if r.outputs < output_tokens]
         if pure_decode and running:
-            # Pure decode and nobody admitted: nothing changes admission until the next
-            # request finishes, so jump there (stock: its growth is checked on the way,
-            # and a sliding group's freed blocks may let a waiting request in sooner).
-            skip = min(output_tokens - r.outputs for r in running) - 1
-            if windows and cfg is not None:
-                # Nor past a window reserve's drop to the decode tokens in flight (at
-                # prompt + k tokens: none if it dropped this step).
-                skip = min([skip, *(prompt_tokens + k - r.tokens_seen for r in running
-                                    if r.tokens_seen <= prompt_tokens + k)])
-            if skip > 0 and cfg is None:
-                may_admit = bool(waiting) and len(running) < max_num_seqs and len(running) \
-                    < (max_num_batched_tokens or requests * prompt_tokens)
-                skip, overflows = _stock_decode_skip(
-                    running, skip, usable_blocks, held, list(window_counts), bs,
-                    bound if may_admit else None)
-                if overflows:
-                    return SimResult(peak, True, steps + skip)
-            if skip > 0:
-                steps += skip
-                for r in running:
-                    r.computed += skip
-                    r.tokens_seen = r.computed
-                    r.outputs += skip
-                    if cfg is None:
-                        r.blocks = held(r.computed - 1, r.computed)
+            skip, overflows = burst.skip_decode(running, bool(waiting))
+            if overflows:
+                return SimResult(peak, True, steps + skip)
+            steps += max(0, skip)
     return SimResult(peak, False, steps)
+
+
+@dataclass
+class _Burst:
+    """What every step of one :func:`simulate_burst` run reads: its arguments, the
+    admission bound of a new request (``bound``) and the rules built on them."""
+
+    cfg: EvictionConfig | None
+    usable_blocks: int
+    bs: int
+    prompt_tokens: int
+    output_tokens: int
+    requests: int
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    full_groups: int
+    windows: Sequence[int]
+    k: int
+    step_tokens: int
+    chunk: int
+    bound: int = 0
+    window_counts: Counter[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.window_counts = Counter(self.windows)
+
+    @property
+    def total(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+    def allowance(self, tokens_seen: int | None = None) -> int:
+        """The window groups' reserve (:func:`window_allowance`; None: a new request)."""
+        return window_allowance(self.total, self.bs, self.windows, self.step_tokens, self.k,
+                                tokens=tokens_seen or 0,
+                                prefill_end=None if tokens_seen is None
+                                else self.prompt_tokens, cfg=self.cfg)
+
+    def held(self, done: int, allocated: int) -> int:
+        """Blocks a stock request holds in all groups with ``allocated`` slots once
+        its windows have moved past ``done`` computed tokens."""
+        return self.full_groups * cdiv(allocated, self.bs) + sum(
+            count * window_held_blocks(w, self.bs, done, allocated)
+            for w, count in self.window_counts.items())
+
+    def reserve(self, r: _Request) -> int:
+        assert self.cfg is not None
+        return peak_from(self.cfg, r.tokens_seen, self.prompt_tokens, self.total) \
+            + self.allowance(r.tokens_seen)
+
+    def schedule_running(self, running: list[_Request], budget: int, free: int
+                         ) -> tuple[list[tuple[_Request, int]] | None, int, int]:
+        """The running requests' tokens this step (a prompt chunk or one decode token)
+        while the token ``budget`` lasts, the budget and free blocks left; None
+        scheduled: a stock request found no free block (a preemption)."""
+        scheduled: list[tuple[_Request, int]] = []
+        for r in running:
+            if budget <= 0:
+                break
+            n = min(self.prompt_tokens - r.computed, self.chunk, budget) \
+                if r.computed < self.prompt_tokens else 1
+            if self.cfg is None:
+                now = self.held(r.computed, r.computed + n)
+                if now - r.blocks > free:
+                    return None, budget, free
+                free -= now - r.blocks
+                r.blocks = now
+            budget -= n
+            scheduled.append((r, n))
+        return scheduled, budget, free
+
+    def admit(self, waiting: deque[_Request], running: list[_Request],
+              scheduled: list[tuple[_Request, int]], budget: int, free: int) -> bool:
+        """Start waiting requests in arrival order while the budget, ``max_num_seqs`` and
+        the pool allow (appended to ``running`` and ``scheduled``); whether any started."""
+        admitted = False
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            # Evicting requests' held blocks are within their reserve: the room is the
+            # pool less every reserve (the plugin's rule, core.admission).
+            room = admission_room(self.usable_blocks,
+                                  ((self.reserve(r), 0) for r in running)) \
+                if self.cfg is not None else free
+            if room < self.bound:
+                break
+            r = waiting.popleft()
+            n = min(self.prompt_tokens, self.chunk, budget)
+            if self.cfg is None:
+                r.blocks = self.held(0, n)
+                free -= r.blocks
+            running.append(r)
+            budget -= n
+            scheduled.append((r, n))
+            admitted = True
+        return admitted
+
+    def skip_decode(self, running: list[_Request], waiting: bool) -> tuple[int, bool]:
+        """After a pure-decode step that admitted nobody: nothing changes admission until
+        the next request finishes, so jump there (stock: its growth is checked on the way,
+        and a sliding group's freed blocks may let a waiting request in sooner).
+        ``(steps skipped, whether a stock request overflowed at the last of them)``; the
+        requests are advanced unless it overflowed."""
+        skip = min(self.output_tokens - r.outputs for r in running) - 1
+        if self.windows and self.cfg is not None:
+            # Nor past a window reserve's drop to the decode tokens in flight (at
+            # prompt + k tokens: none if it dropped this step).
+            skip = min([skip, *(self.prompt_tokens + self.k - r.tokens_seen for r in running
+                                if r.tokens_seen <= self.prompt_tokens + self.k)])
+        if skip > 0 and self.cfg is None:
+            may_admit = waiting and len(running) < self.max_num_seqs and len(running) \
+                < (self.max_num_batched_tokens or self.requests * self.prompt_tokens)
+            skip, overflows = _stock_decode_skip(
+                running, skip, self.usable_blocks, self.held, list(self.window_counts),
+                self.bs, self.bound if may_admit else None)
+            if overflows:
+                return skip, True
+        if skip > 0:
+            for r in running:
+                r.computed += skip
+                r.tokens_seen = r.computed
+                r.outputs += skip
+                if self.cfg is None:
+                    r.blocks = self.held(r.computed - 1, r.computed)
+        return skip, False
 
 
 def _stock_decode_skip(running: Sequence[_Request], skip: int, usable_blocks: int,

@@ -8,6 +8,8 @@ full-attention group's by the eviction rules, each sliding group's by its window
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -21,7 +23,7 @@ from nexus_vllm.core.budget import (
 )
 
 from .burst import simulate_burst, stock_admission_blocks, stock_bound_blocks, window_allowance
-from .groups import eviction_refusal, kv_cache_groups, window_max_blocks
+from .groups import KVGroup, eviction_refusal, kv_cache_groups, window_max_blocks
 from .memory import GIB, kv_pool_blocks
 from .shape import DTYPE_BYTES, ModelShape
 
@@ -54,6 +56,88 @@ class Sizing:
         return asdict(self)
 
 
+def _notes(model: ModelShape, cfg: EvictionConfig, hybrid: bool,
+           max_num_batched_tokens: int | None) -> tuple[list[str], int | None]:
+    """The sizing's notes on ``model`` (MLA; a hybrid model's step budget) and the step
+    budget it runs with (a hybrid model's default: :data:`HYBRID_STEP_TOKENS`)."""
+    notes = []
+    if model.mla:
+        notes.append(
+            "MLA: vLLM's CPU platform turns chunked prefill (and prefix caching) off for "
+            "MLA (CPU_MLA backend), so there each prompt is computed whole and the server "
+            "refuses prompt_mode stream and a prefill budget (use end or keep); on GPU the "
+            "server refuses eviction on MLA for now (vLLM's CUDA MLA backends are not "
+            "wrapped yet): the eviction column is what the rules give once they are"
+            + (". This sizing's prompt mode evicts during the prompt: refused on CPU"
+               if evicts_mid_prompt(cfg) else ""))
+    if hybrid and max_num_batched_tokens is None:
+        max_num_batched_tokens = HYBRID_STEP_TOKENS
+        notes.append(f"--max-num-batched-tokens {HYBRID_STEP_TOKENS} (vLLM's on H100/H200), as "
+                     "a sliding-window group holds the steps in flight beyond its window "
+                     "while the prompt is computed; the budget also paces the burst's "
+                     "prefills")
+    return notes, max_num_batched_tokens
+
+
+def _window_reserve(cfg: EvictionConfig, sim: dict[str, Any], step: int, of: list[int],
+                    tokens: int | None = None) -> int:
+    """The window groups ``of`` as the plugin's admission reserves them for a request of
+    the burst ``sim`` that has seen ``tokens`` (None: a new one): k steps in flight while
+    the prompt is computed (each at most a chunk where the prompt mode evicts
+    mid-prompt), k decode tokens once it decodes (:func:`window_allowance`)."""
+    prompt_tokens = sim["prompt_tokens"]
+    return window_allowance(prompt_tokens + sim["output_tokens"], sim["block_size"], of,
+                            step, sim["steps_in_flight"], tokens=tokens or 0,
+                            prefill_end=None if tokens is None else prompt_tokens, cfg=cfg)
+
+
+def _stock(sim: dict[str, Any], step: int) -> dict[str, Any]:
+    """Stock vLLM's column for the burst ``sim`` (:func:`simulate_burst`'s arguments),
+    ``step`` tokens a step."""
+    bs, prompt_tokens = sim["block_size"], sim["prompt_tokens"]
+    total = prompt_tokens + sim["output_tokens"]
+    full_groups, windows, k = sim["full_groups"], sim["windows"], sim["steps_in_flight"]
+    stock_bound = stock_bound_blocks(total, bs, full_groups=full_groups, windows=windows,
+                                     step_tokens=step, steps_in_flight=k)
+    stock_run = simulate_burst(None, **sim)
+    stock_guaranteed = min(sim["usable_blocks"] // stock_bound, sim["max_num_seqs"])
+    return {"admission_blocks": stock_admission_blocks(
+                prompt_tokens, bs, full_groups=full_groups, windows=windows,
+                in_flight_tokens=sim["in_flight_tokens"], max_model_len=sim["max_model_len"]),
+            "bound_blocks": stock_bound, "peak_running": stock_run.peak_running,
+            "preempts": stock_run.preempted, "guaranteed": stock_guaranteed,
+            # Preemption-free: the burst's peak, or if it preempts, what fits whole.
+            "concurrent": stock_guaranteed if stock_run.preempted else stock_run.peak_running}
+
+
+def _group_row(g: KVGroup, cfg: EvictionConfig, sim: dict[str, Any], step: int,
+               allowance: Callable[..., int], prompt_step: int) -> dict[str, Any]:
+    """One KV-cache group's row: its blocks per request, stock and evicting, for the burst
+    ``sim``; ``allowance`` the window groups' evicting reserve."""
+    bs, prompt_tokens, k = sim["block_size"], sim["prompt_tokens"], sim["steps_in_flight"]
+    total, in_flight = prompt_tokens + sim["output_tokens"], sim["in_flight_tokens"]
+    if g.window is None:
+        blocks = {"stock_admission_blocks": cdiv(prompt_tokens, bs),
+                  "stock_blocks": cdiv(total, bs),
+                  "evicting_bound_blocks": bound_blocks(cfg, prompt_tokens, total),
+                  "evicting_decode_hard_limit_blocks":
+                      decode_peak_blocks(cfg, prompt_tokens, total)}
+    else:
+        blocks = {"stock_admission_blocks": stock_admission_blocks(
+                      prompt_tokens, bs, full_groups=0, windows=[g.window],
+                      in_flight_tokens=in_flight, max_model_len=sim["max_model_len"]),
+                  "stock_blocks": window_allowance(total, bs, [g.window], step, k),
+                  "evicting_bound_blocks": allowance([g.window]),
+                  "evicting_decode_hard_limit_blocks":
+                      allowance([g.window], prompt_tokens + k),
+                  "step_tokens": step, "steps_in_flight": k, "in_flight_tokens": in_flight,
+                  "evicting_prompt_step_tokens": prompt_step,
+                  "evicting_in_flight_tokens": k * prompt_step}
+    return {"kind": "full_attention" if g.window is None else "sliding_window",
+            "window": g.window, "layers": list(g.layers), "evicted": g.window is None,
+            **blocks}
+
+
 def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | None,
               gpu_memory_gib: float | None, gpu_util: float, overhead_gib: float, tp: int,
               pp: int, context: int, prompt_tokens: int, output_tokens: int,
@@ -83,22 +167,7 @@ def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | N
     groups = kv_cache_groups(model)
     windows = [g.window for g in groups if g.window is not None]
     full_groups = len(groups) - len(windows)
-    notes = []
-    if model.mla:
-        notes.append(
-            "MLA: vLLM's CPU platform turns chunked prefill (and prefix caching) off for "
-            "MLA (CPU_MLA backend), so there each prompt is computed whole and the server "
-            "refuses prompt_mode stream and a prefill budget (use end or keep); on GPU the "
-            "server refuses eviction on MLA for now (vLLM's CUDA MLA backends are not "
-            "wrapped yet): the eviction column is what the rules give once they are"
-            + (". This sizing's prompt mode evicts during the prompt: refused on CPU"
-               if evicts_mid_prompt(cfg) else ""))
-    if windows and max_num_batched_tokens is None:
-        max_num_batched_tokens = HYBRID_STEP_TOKENS
-        notes.append(f"--max-num-batched-tokens {HYBRID_STEP_TOKENS} (vLLM's on H100/H200), as "
-                     "a sliding-window group holds the steps in flight beyond its window "
-                     "while the prompt is computed; the budget also paces the burst's "
-                     "prefills")
+    notes, max_num_batched_tokens = _notes(model, cfg, bool(windows), max_num_batched_tokens)
     step = max_num_batched_tokens or prompt_tokens
     k = pp + 1 if steps_in_flight is None else steps_in_flight
     in_flight = k * step
@@ -113,39 +182,23 @@ def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | N
     total = prompt_tokens + output_tokens
     # vLLM's start-up check (get_kv_cache_configs): one --max-model-len request, every
     # group at its most (a sliding group: its window plus the tokens in flight).
-    one_request = full_groups * cdiv(context, bs) + sum(
-        window_max_blocks(w, bs, in_flight, context) for w in windows)
-    if usable < one_request:
+    if usable < (one := full_groups * cdiv(context, bs) + sum(
+            window_max_blocks(w, bs, in_flight, context) for w in windows)):
         notes.append(f"vLLM will not start: one --max-model-len {context} request needs "
-                     f"{one_request} blocks, the pool has {usable}")
+                     f"{one} blocks, the pool has {usable}")
     sim: dict[str, Any] = {
         "usable_blocks": usable, "block_size": bs, "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens, "requests": max_num_seqs,
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
         "full_groups": full_groups, "windows": windows, "steps_in_flight": k,
         "in_flight_tokens": in_flight, "max_model_len": context}
-    stock_bound = stock_bound_blocks(total, bs, full_groups=full_groups, windows=windows,
-                                     step_tokens=step, steps_in_flight=k)
-    stock_run = simulate_burst(None, **sim)
-    stock_guaranteed = min(usable // stock_bound, max_num_seqs)
-    stock = {"admission_blocks": stock_admission_blocks(
-                 prompt_tokens, bs, full_groups=full_groups, windows=windows,
-                 in_flight_tokens=in_flight, max_model_len=context),
-             "bound_blocks": stock_bound, "peak_running": stock_run.peak_running,
-             "preempts": stock_run.preempted, "guaranteed": stock_guaranteed,
-             # Preemption-free: the burst's peak, or if it preempts, what fits whole.
-             "concurrent": stock_guaranteed if stock_run.preempted else stock_run.peak_running}
-    # The window groups as the plugin's admission reserves them: k steps in flight while
-    # the prompt is computed (each at most a chunk where the prompt mode evicts
-    # mid-prompt), k decode tokens once it decodes (window_allowance).
-    def allowance(of: list[int], tokens: int | None = None) -> int:
-        return window_allowance(total, bs, of, step, k, tokens=tokens or 0,
-                                prefill_end=None if tokens is None else prompt_tokens,
-                                cfg=cfg)
+    stock = _stock(sim, step)
+    allowance = functools.partial(_window_reserve, cfg, sim, step)
     prompt_step = window_in_flight_tokens(step, k, server_cfg=cfg) // k
-    decoding = prompt_tokens + k  # tokens from which a request's reserve is its decode's
     bound = bound_blocks(cfg, prompt_tokens, total) + allowance(windows)
-    decode_peak = decode_peak_blocks(cfg, prompt_tokens, total) + allowance(windows, decoding)
+    # From prompt + k tokens on, a request's reserve is its decode's.
+    decode_peak = decode_peak_blocks(cfg, prompt_tokens, total) \
+        + allowance(windows, prompt_tokens + k)
     evict_run = simulate_burst(cfg, **sim)
     evicting = {"bound_blocks": bound, "decode_hard_limit_blocks": decode_peak,
                 "concurrent": evict_run.peak_running,
@@ -158,31 +211,11 @@ def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | N
                 "keep_ratio": cfg.keep_ratio, "prompt_mode": cfg.prompt_mode,
                 "prefill_budget": cfg.prefill_budget, "chunk_size": cfg.chunk_size,
                 "block_size": bs, "budget_blocks": budget_blocks(cfg, total)}
-    group_rows = []
-    for g in groups:
-        if g.window is None:
-            blocks = {"stock_admission_blocks": cdiv(prompt_tokens, bs),
-                      "stock_blocks": cdiv(total, bs),
-                      "evicting_bound_blocks": bound_blocks(cfg, prompt_tokens, total),
-                      "evicting_decode_hard_limit_blocks":
-                          decode_peak_blocks(cfg, prompt_tokens, total)}
-        else:
-            blocks = {"stock_admission_blocks": stock_admission_blocks(
-                          prompt_tokens, bs, full_groups=0, windows=[g.window],
-                          in_flight_tokens=in_flight, max_model_len=context),
-                      "stock_blocks": window_allowance(total, bs, [g.window], step, k),
-                      "evicting_bound_blocks": allowance([g.window]),
-                      "evicting_decode_hard_limit_blocks": allowance([g.window], decoding),
-                      "step_tokens": step, "steps_in_flight": k, "in_flight_tokens": in_flight,
-                      "evicting_prompt_step_tokens": prompt_step,
-                      "evicting_in_flight_tokens": k * prompt_step}
-        group_rows.append({"kind": "full_attention" if g.window is None
-                           else "sliding_window", "window": g.window,
-                           "layers": list(g.layers), "evicted": g.window is None, **blocks})
     return Sizing(inputs=inputs or {}, model=asdict(model), memory=memory,
                 pool_blocks=pool_blocks, usable_blocks=usable, prompt_tokens=prompt_tokens,
                 output_tokens=output_tokens, eviction=eviction, stock=stock,
-                evicting=evicting, ratio=ratio, notes=notes, kv_cache_groups=group_rows)
+                evicting=evicting, ratio=ratio, notes=notes, kv_cache_groups=[
+                    _group_row(g, cfg, sim, step, allowance, prompt_step) for g in groups])
 
 
 def format_sizing(sizing: Sizing) -> str:
