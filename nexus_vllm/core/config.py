@@ -1,11 +1,9 @@
 """``EvictionConfig``: the one validated description of an eviction setup.
 
 The vLLM plugin, the transformers path and the evaluation harness all build their
-policies and budgets from this, so a setting means the same thing everywhere. This module
-is the schema (the fields, their rules and the parsing); what the budget is at each moment
-of a request is :mod:`nexus_vllm.core.budget`, and which policy each event runs
-:mod:`nexus_vllm.core.event_policies`. A rule between fields raises a
-:class:`~nexus_vllm.core.ConfigError` whose ``reads`` names the other fields it read.
+policies and budgets from this, so a setting means the same thing everywhere. This is the
+schema (fields, rules, parsing; a rule's ``ConfigError.reads`` names the fields it read);
+the budget's arithmetic is :mod:`.budget`, each event's policy :mod:`.event_policies`.
 """
 
 from __future__ import annotations
@@ -24,7 +22,15 @@ from ._validate import ConfigError, check_choice, check_float, check_int
 from .event_policies import EVENT_KINDS, EventPolicies, EventPolicyKind, build_event_policy
 from .head_paged import GRANULARITIES, check_head_group, load_head_profile
 from .head_scorer import load_head_scorer
-from .policies import METHODS, POLICIES, EvictionPolicy, forced_count, head_granular_methods
+from .policies import (
+    METHODS,
+    POLICIES,
+    SHARED_KNOBS,
+    EvictionPolicy,
+    check_shared_knobs,
+    forced_count,
+    head_granular_methods,
+)
 from .scoring import ATTENTION_REDUCES
 
 __all__ = ["METHODS", "PROMPT_MODES", "RENAMED_FIELDS", "EvictionConfig"]
@@ -89,7 +95,8 @@ class EvictionConfig:
         Tokens per block (a vLLM KV block; 32 on CPU vLLM and for small models).
     sink_blocks, recent_blocks : int
         Forced set: oldest blocks (>= 1) and newest full blocks (>= 0) always kept, plus the
-        current block.
+        current block (defaults: every policy's, :data:`~nexus_vllm.core.policies.\
+SHARED_KNOBS`, as ``carry``'s).
     carry : int
         Policies that read attention mass raise each block's weight to that of the
         ``carry`` blocks before it (a fact found in one block often ends in the next;
@@ -157,9 +164,9 @@ class EvictionConfig:
     prompt_mode: str = "end"
     prefill_budget: int | None = None
     block_size: int = 32
-    sink_blocks: int = 1
-    recent_blocks: int = 2
-    carry: int = 1
+    sink_blocks: int = SHARED_KNOBS["sink_blocks"]
+    recent_blocks: int = SHARED_KNOBS["recent_blocks"]
+    carry: int = SHARED_KNOBS["carry"]
     attention_reduce: str = "max"
     interval: int = 16
     window: int = 16
@@ -183,9 +190,7 @@ class EvictionConfig:
             raise ConfigError("max_tokens", "give at most one of max_tokens and keep_ratio",
                               reads=("keep_ratio",))
         check_int("block_size", self.block_size, low=1)
-        check_int("sink_blocks", self.sink_blocks, low=1)
-        check_int("recent_blocks", self.recent_blocks, low=0)
-        check_int("carry", self.carry, low=0, high=4)
+        check_shared_knobs(self.sink_blocks, self.recent_blocks, self.carry)
         check_choice("attention_reduce", self.attention_reduce, ATTENTION_REDUCES)
         if self.max_tokens is not None:
             check_int("max_tokens", self.max_tokens, low=1)

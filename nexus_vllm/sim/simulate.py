@@ -254,8 +254,10 @@ def simulate(
     cfg = cfg or SimulationConfig()
     policies = policies or DEFAULT_POLICIES
     built = {
+        # No carry: the synthetic stream has no continuation for it to keep.
         name: get_policy(
-            kind, sink_blocks=cfg.sink_blocks, recent_blocks=cfg.recent_blocks, **knobs
+            kind, sink_blocks=cfg.sink_blocks, recent_blocks=cfg.recent_blocks, carry=0,
+            **knobs
         )
         for name, (kind, knobs) in policies.items()
     }

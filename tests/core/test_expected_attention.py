@@ -147,7 +147,8 @@ def test_the_key_norm_prior_mixed_in_keeps_what_either_evidence_ranks_high():
     mass = torch.tensor([[0.0, 0.9, 0.0, 1e-9, 0.1]]).double()
     norms = torch.tensor([5.0, 5.0, 5.0, 1.0, 5.0])
     ev = Evidence(mass, key_norms=norms)
-    common = {"recent_blocks": 0, "sampler": "topk", "indirect": "none", "eps": 0.0}
+    common = {"recent_blocks": 0, "carry": 0, "sampler": "topk", "indirect": "none",
+              "eps": 0.0}
     product = get_policy("nexus", knorm_prior=4.0, **common)
     mixture = get_policy("nexus", knorm_prior=4.0, knorm_share=0.5, **common)
     # Forced: the sink (0) and the current block (4); one more by weight.
@@ -174,7 +175,7 @@ def test_a_successor_inherits_attention_but_not_the_key_norm_prior():
     ev = Evidence(mass, key_norms=norms)
     common = {"recent_blocks": 1, "sampler": "topk", "indirect": "none", "eps": 0.0}
     carried = get_policy("nexus", knorm_prior=4.0, carry=1, **common)
-    plain = get_policy("nexus", knorm_prior=4.0, **common)
+    plain = get_policy("nexus", knorm_prior=4.0, carry=0, **common)
     # Forced: the sink (0), the newest full block (6) and the current one (7).
     assert sorted(carried.select(ev, 5).tolist()) == [0, 1, 4, 6, 7]
     assert torch.equal(carried.select(ev, 5), plain.select(ev, 5))
@@ -215,11 +216,12 @@ def test_knorm_reads_constant_key_norms_as_a_tie(noise: float) -> None:
         gen = torch.Generator().manual_seed(seed)
         norms = 32 ** 0.5 * (1 + noise * torch.randn(12, generator=gen, dtype=torch.float64))
         ev = Evidence(mass, key_norms=norms.float())
-        kept.append(get_policy("knorm").select(ev, 9).tolist())  # 6 forced, 3 chosen
+        kept.append(get_policy("knorm", recent_blocks=4).select(ev, 9).tolist())  # 6 forced
     assert kept[0] == kept[1] == [0, 1, 2, 3, 7, 8, 9, 10, 11]
     spread = Evidence(mass, key_norms=torch.tensor(
         [9.0, 5.0, 9.1, 4.0, 9.2, 6.0, 9.3, 4.5, 9.4, 5.5, 9.5, 9.6]))
-    assert get_policy("knorm").select(spread, 9).tolist() == [0, 1, 3, 5, 7, 8, 9, 10, 11]
+    assert get_policy("knorm", recent_blocks=4).select(spread, 9).tolist() \
+        == [0, 1, 3, 5, 7, 8, 9, 10, 11]
 
 
 def test_a_real_spread_still_ranks() -> None:

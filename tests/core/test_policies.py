@@ -68,7 +68,7 @@ def test_case_declared_properties(case: PolicyCase):
 @pytest.mark.parametrize("case", POLICY_CASES, ids=lambda c: c.name)
 def test_case_hand_checked_selection(case: PolicyCase):
     policy = get_policy(case.name, sink_blocks=HAND_SINKS, recent_blocks=HAND_RECENT,
-                        **case.knobs)
+                        carry=0, **case.knobs)
     if case.head_only:  # no block score: refused by the policy and by the config
         with pytest.raises(ValueError, match="granularity 'head'"):
             policy.select(HAND_EVIDENCE, HAND_BUDGET, state={})
@@ -115,7 +115,7 @@ def test_case_refuses_evidence_it_needs(case: PolicyCase):
     if case.head_only:
         pytest.skip("no block score (its head evidence: tests/core/test_head_paged.py)")
     policy = get_policy(case.name, sink_blocks=HAND_SINKS, recent_blocks=HAND_RECENT,
-                        **case.knobs)
+                        carry=0, **case.knobs)
     mass_only = Evidence(HAND_EVIDENCE.mass)
     missing = sorted(case.needs - {"mass"})
     if missing:
@@ -282,9 +282,11 @@ def test_topk_kills_intermittent_block_pps_survival_is_product_of_pi():
                 return False
         return True
 
-    topk = get_policy("nexus", sampler="topk", lam=0.0, sink_blocks=1, recent_blocks=1)
+    topk = get_policy("nexus", sampler="topk", lam=0.0, sink_blocks=1, recent_blocks=1,
+                      carry=0)
     assert not survives(topk, None)
-    pps = get_policy("nexus", sampler="pps", lam=0.0, sink_blocks=1, recent_blocks=1)
+    pps = get_policy("nexus", sampler="pps", lam=0.0, sink_blocks=1, recent_blocks=1,
+                     carry=0)
     expected = 1.0
     for dip in dips:
         weights = pps.score(Evidence(event_mass(dip)), None)
@@ -436,14 +438,14 @@ def test_carry_forward_keeps_the_block_after_a_found_one():
     mass = torch.full((1, 12), 0.01)
     mass[0, 5], mass[0, 2] = 0.6, 0.2
     mass = mass / mass.sum()
-    plain = get_policy("snapkv").select(Evidence(mass), 8)
-    carried = get_policy("snapkv", carry=1).select(Evidence(mass), 8)
+    plain = get_policy("snapkv", recent_blocks=4, carry=0).select(Evidence(mass), 8)
+    carried = get_policy("snapkv", recent_blocks=4, carry=1).select(Evidence(mass), 8)
     assert 5 in plain and 6 not in plain and 2 in plain
     assert {5, 6} <= set(carried.tolist()) and 2 not in carried
     # Policies that read no mass ignore it (their scores are not attention).
     norms = torch.linspace(1.0, 2.0, 12)
     assert torch.equal(get_policy("knorm", carry=1).select(Evidence(key_norms=norms), 8),
-                       get_policy("knorm").select(Evidence(key_norms=norms), 8))
+                       get_policy("knorm", carry=0).select(Evidence(key_norms=norms), 8))
     # The config carries it to every policy it builds.
     cfg = EvictionConfig(method="tova", carry=1, attention_reduce="max")
     assert cfg.event_policies().decode.carry == 1 and cfg.event_policies().prefill.carry == 1
@@ -497,3 +499,19 @@ def test_a_later_key_wins_whichever_name_it_uses():
     later_new = EvictionConfig.from_dict({"max_tokens": 512, "head_reduce": "mean",
                                           "attention_reduce": "max"})
     assert (later_old.attention_reduce, later_new.attention_reduce) == ("mean", "max")
+
+
+def test_a_policy_built_by_name_is_the_one_the_server_runs():
+    """One set of shared defaults (SHARED_KNOBS, the config's): get_policy(name) is the
+    decode policy of a config of that method with every default."""
+    from nexus_vllm.core.evidence import carried_kinds
+    from nexus_vllm.core.policies import POLICIES, SHARED_KNOBS
+
+    cfg = EvictionConfig()
+    assert {k: getattr(cfg, k) for k in SHARED_KNOBS} == dict(SHARED_KNOBS)
+    for name, cls in POLICIES.items():
+        granularity = "head" if cls.head_only else "block"
+        served = EvictionConfig(method=name, max_tokens=1024, granularity=granularity)
+        assert get_policy(name) == served.event_policies().decode, name
+    # Carry is a fact about evidence kinds: attention carries, a block's key norm not.
+    assert carried_kinds() == {"mass", "expected_attention"}

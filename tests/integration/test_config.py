@@ -91,7 +91,7 @@ def test_unknown_key_in_file_and_additional(tmp_path) -> None:  # noqa: ANN001
 
 @pytest.fixture
 def throwaway_policy():  # noqa: ANN201
-    """A policy registered from this test module (not ``core/policies.py``), unregistered
+    """A policy registered from this test module (not ``core/policies/``), unregistered
     afterwards so no other test sees it."""
     from dataclasses import dataclass
     from typing import ClassVar

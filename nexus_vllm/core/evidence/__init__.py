@@ -12,6 +12,7 @@ from .base import (
     Evidence,
     EvidenceKind,
     PagedBatch,
+    carried_kinds,
     evidence_kind,
     register_evidence,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "Evidence",
     "EvidenceKind",
     "PagedBatch",
+    "carried_kinds",
     "evidence_kind",
     "register_evidence",
 ]

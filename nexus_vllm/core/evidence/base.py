@@ -37,6 +37,7 @@ __all__ = [
     "Evidence",
     "EvidenceKind",
     "PagedBatch",
+    "carried_kinds",
     "evidence_kind",
     "register_evidence",
 ]
@@ -147,12 +148,18 @@ class EvidenceKind:
     needs_rotary : bool
         The gatherers un-rotate queries (a server refuses such a policy for a model
         without a rotary table).
+    carries : bool
+        A chosen block's weight from this kind carries to its successor (attention that
+        finds a fact's key: its value often starts the next block); a policy reading it
+        applies its ``carry`` (:func:`~nexus_vllm.core.policies.carry_forward`). Key
+        norms, a block's own prior, do not carry.
     """
 
     name: ClassVar[str] = ""
     layout: ClassVar[str] = "blocks"
     reads_queries: ClassVar[bool] = False
     needs_rotary: ClassVar[bool] = False
+    carries: ClassVar[bool] = False
 
     def rank_reduce(self, attention_reduce: str) -> str:
         """``"sum"`` (each rank's share of a mean) or ``"max"`` over TP ranks and stages."""
@@ -197,6 +204,12 @@ def register_evidence(kind: EvidenceKind) -> EvidenceKind:
         raise ValueError(f"evidence kind {kind.name!r}: layout must be 'rows' or 'blocks'")
     EVIDENCE_KINDS[kind.name] = kind
     return kind
+
+
+def carried_kinds() -> frozenset[str]:
+    """The registered kinds whose weight carries to the next block
+    (:attr:`EvidenceKind.carries`)."""
+    return frozenset(name for name, kind in EVIDENCE_KINDS.items() if kind.carries)
 
 
 def evidence_kind(name: str) -> EvidenceKind:

@@ -127,6 +127,7 @@ def expected_attention(queries: torch.Tensor, positions: torch.Tensor, keys: tor
 
 class ExpectedAttention(EvidenceKind):
     name: ClassVar[str] = "expected_attention"
+    carries: ClassVar[bool] = True
     layout: ClassVar[str] = "blocks"
     needs_rotary: ClassVar[bool] = True
     reads_queries: ClassVar[bool] = True

@@ -22,6 +22,7 @@ __all__ = ["MASS", "Mass"]
 
 class Mass(EvidenceKind):
     name: ClassVar[str] = "mass"
+    carries: ClassVar[bool] = True
     layout: ClassVar[str] = "rows"
     reads_queries: ClassVar[bool] = True
 
