@@ -50,12 +50,14 @@ __all__ = [
 
 BLOCK_CLASSES = ("background", "intermittent", "bridge", "spike")
 
-# name -> (policy, knobs): Nexus with each sampler, then every other registered policy.
+# name -> (policy, knobs): Nexus with each sampler, then every other registered policy
+# with a block score (the simulator pages blocks; a head-only policy has none).
 DEFAULT_POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
     "nexus": ("nexus", {}),
     "nexus-ares": ("nexus", {"sampler": "ares"}),
     "nexus-topk": ("nexus", {"sampler": "topk"}),
-    **{name: (name, {}) for name in POLICIES if name != "nexus"},
+    **{name: (name, {}) for name, cls in POLICIES.items()
+       if name != "nexus" and not cls.head_only},
 }
 
 # The stream's shape. Importances are in units of the median background block (1.0).
