@@ -19,6 +19,18 @@ merge_report() {  # name, parts...: one records.jsonl from the runs ${name}_<par
   "$PY" -m nexus_vllm.cli records "${parts[@]}" --out "$OUT/$name/records.jsonl"
   run "$name" --report-only
 }
+seed_family() {  # name, family, methods...: a run seeded with stream_<family>'s published
+  # records of those methods (identical keys, not rerun), unless it holds records already.
+  # The seeds sit beside the run directory, so --publish does not copy them.
+  local name=$1 fam=$2; shift 2
+  [ -e "$OUT/$name/records.jsonl" ] && return 0
+  mkdir -p "$OUT/$name"
+  for m in "$@"; do
+    "$PY" -m nexus_vllm.cli records "docs/figures/stream_$fam/records.jsonl" \
+      --where "method=$m" --out "$OUT/$name.seed_${m%%:*}.jsonl"
+  done
+  "$PY" -m nexus_vllm.cli records "$OUT/$name".seed_*.jsonl --out "$OUT/$name/records.jsonl"
+}
 what=${1:-all}
 # An earlier default of the prompt-end event (four recent blocks, the rows' mean), as the
 # reports label its committed records; docs/algorithm.md ("the chat shape") says which
@@ -213,15 +225,7 @@ STREAM_SHIPPED="nexus:expected=0.5,knorm_prior=4"
 for fam in chat multiturn longgen; do
   name=stream_sweep_$fam
   want stream_sweep || want "$name" || continue
-  if [ ! -e "$OUT/$name/records.jsonl" ]; then
-    mkdir -p "$OUT/$name"
-    # The seeds sit beside the run directory, so --publish does not copy them.
-    for m in dense knorm "$STREAM_SHIPPED"; do
-      "$PY" -m nexus_vllm.cli records "docs/figures/stream_$fam/records.jsonl" \
-        --where "method=$m" --out "$OUT/$name.seed_${m%%:*}.jsonl"
-    done
-    "$PY" -m nexus_vllm.cli records "$OUT/$name".seed_*.jsonl --out "$OUT/$name/records.jsonl"
-  fi
+  seed_family "$name" "$fam" dense knorm "$STREAM_SHIPPED"
   run "$name" &
 done
 wait
@@ -327,14 +331,7 @@ fi
 for fam in chat multiturn longgen; do
   name=stream_head_learned_$fam
   want "$name" || continue
-  if [ ! -e "$OUT/$name/records.jsonl" ]; then
-    mkdir -p "$OUT/$name"
-    for m in dense oracle knorm "$STREAM_SHIPPED"; do
-      "$PY" -m nexus_vllm.cli records "docs/figures/stream_$fam/records.jsonl" \
-        --where "method=$m" --out "$OUT/$name.seed_${m%%:*}.jsonl"
-    done
-    "$PY" -m nexus_vllm.cli records "$OUT/$name".seed_*.jsonl --out "$OUT/$name/records.jsonl"
-  fi
+  seed_family "$name" "$fam" dense oracle knorm "$STREAM_SHIPPED"
   run "$name" &
 done
 wait

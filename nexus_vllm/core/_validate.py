@@ -5,6 +5,7 @@ request field without parsing the message."""
 from __future__ import annotations
 
 import math
+import pathlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -82,3 +83,17 @@ def check_mass(mass: torch.Tensor, *, row_sum_tolerance: float | None = None) ->
             row = int(torch.nonzero(bad)[0])
             raise ValueError(f"mass rows must sum to 1 (attention over the live blocks); "
                              f"row {row} sums to {float(sums[row]):.6g}")
+
+
+def shipped_or_file(ref: str, directory: pathlib.Path, suffix: str, field: str,
+                    what: str) -> pathlib.Path:
+    """The file ``ref`` names: a path, or a name shipped in ``directory`` as
+    ``<ref><suffix>``; else a :class:`ConfigError` naming ``field`` that lists what ships."""
+    path = pathlib.Path(ref)
+    if not path.is_file():
+        path = directory / f"{ref}{suffix}"
+    if not path.is_file():
+        shipped = sorted(p.stem for p in directory.glob(f"*{suffix}"))
+        raise ConfigError(field, f"{field} {ref!r} is neither a file nor a shipped {what} "
+                                 f"({', '.join(shipped) or 'none'})")
+    return path

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._validate import ConfigError
+from ._validate import ConfigError, shipped_or_file
 from .evidence.expected_attention import future_query_statistics, token_logits
 from .rotary import Rotary
 from .sampling import sample_blocks, top_k_indices
@@ -497,13 +497,7 @@ def load_head_profile(ref: str) -> HeadProfile:
     ConfigError
         Naming ``head_profile``: no such profile, or not a profile.
     """
-    path = pathlib.Path(ref)
-    if not path.is_file():
-        path = PROFILES_DIR / f"{ref}.json"
-    if not path.is_file():
-        shipped = sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
-        raise ConfigError("head_profile", f"head_profile {ref!r} is neither a file nor a "
-                                          f"shipped profile ({', '.join(shipped) or 'none'})")
+    path = shipped_or_file(ref, PROFILES_DIR, ".json", "head_profile", "profile")
     try:
         data = json.loads(path.read_text())
         return HeadProfile(model=str(data["model"]),

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._validate import ConfigError
+from ._validate import ConfigError, shipped_or_file
 
 __all__ = ["SCORERS_DIR", "HeadScorer", "load_head_scorer", "shipped_head_scorers"]
 
@@ -97,12 +97,7 @@ def load_head_scorer(ref: str) -> HeadScorer:
     ConfigError
         Naming ``head_scorer``: no such scorer, or not a scorer.
     """
-    path = pathlib.Path(ref)
-    if not path.is_file():
-        path = SCORERS_DIR / f"{ref}.pt"
-    if not path.is_file():
-        raise ConfigError("head_scorer", f"head_scorer {ref!r} is neither a file nor a "
-                          f"shipped scorer ({', '.join(shipped_head_scorers()) or 'none'})")
+    path = shipped_or_file(ref, SCORERS_DIR, ".pt", "head_scorer", "scorer")
     try:
         data: dict[str, Any] = torch.load(str(path), map_location="cpu", weights_only=True)
         return HeadScorer(model=str(data["model"]), weight=data["weight"].float(),
