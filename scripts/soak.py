@@ -45,10 +45,11 @@ from nexus_vllm.eval.server import read_metrics
 def request_methods() -> tuple[str, ...]:
     """The ``kv_eviction`` values a request may send: every policy the plugin serves (read
     from the policy registry when asked) and ``none``; ``default`` sends no vllm_xargs
-    (the server's own config)."""
-    from nexus_vllm.core.policies import METHODS
+    (the server's own config). A policy with a per-head score only is not served (the
+    server pages blocks), so it is left out."""
+    from nexus_vllm.core.policies import POLICIES
 
-    return ("default", *(m for m in METHODS if m != "none"), "none")
+    return ("default", *(m for m, cls in POLICIES.items() if not cls.head_only), "none")
 
 
 def request_budgets() -> tuple[int, ...]:

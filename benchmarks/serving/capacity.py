@@ -101,10 +101,10 @@ FAULTS = "vllm:nexus_faults_total"
 # -- settings ---------------------------------------------------------------------------
 def evicting_methods() -> tuple[str, ...]:
     """The methods a server evicts with: every policy the plugin serves, read from the
-    policy registry (``nexus_vllm.core.METHODS``) when asked."""
-    from nexus_vllm.core.policies import METHODS
+    policy registry when asked (a policy with a per-head score only is not served)."""
+    from nexus_vllm.core.policies import POLICIES
 
-    return tuple(m for m in METHODS if m != "none")
+    return tuple(m for m, cls in POLICIES.items() if not cls.head_only)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
