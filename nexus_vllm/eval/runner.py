@@ -275,10 +275,11 @@ class _SampleJob:
             return PromptState(state.session.clone(), state.split, state.ids,
                                state.last_ctx, state.q_logits)
         # A fork skips the prefill: exact with no event before the prompt's end, unless
-        # the policy reads what is made as tokens are fed (the reconstruction stand-in).
+        # an event's policy reads what is made as tokens are fed (the reconstruction
+        # stand-in: the same test HeadLedger.start makes to load its scorer).
         if self.dense_prompt is not None and config.prompt_mode != "stream" \
                 and config.prefill_budget is None \
-                and "reconstruction" not in config.event_policies().prefill.head_needs:
+                and "reconstruction" not in config.event_policies().head_needs:
             return self.dense_prompt.fork(config, seed=seed)
         return prefill_sample(self.model, self.tokenizer, s.context, s.question, s.target,
                               config=config, chunk_size=self.cfg.chunk_size,
