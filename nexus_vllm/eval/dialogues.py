@@ -36,7 +36,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from nexus_vllm.eval.tasks import _key, _number, _prose, string_match_all
+from nexus_vllm.eval.task_bodies import _key, _number, _prose
+from nexus_vllm.eval.tasks import string_match_all
 from nexus_vllm.hf.dialogue import Probe
 
 __all__ = ["DIALOGUE_TASKS", "Dialogue", "Turn", "dialogue_protocol", "make_dialogue"]
