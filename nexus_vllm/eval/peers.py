@@ -32,15 +32,19 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase as Tokenizer
+
     from nexus_vllm.eval.records import Record, SampleId
     from nexus_vllm.eval.runner import RunConfig
 
 __all__ = ["DECODING_PRESSES", "KVPRESS_VERSION", "PEER_PRESSES", "PROMPT_PRESSES",
-           "check_presses", "ensure_kvpress_venv", "run_kvpress", "run_kvpress_peer"]
+           "KvpressResult", "KvpressSample", "check_presses", "ensure_kvpress_venv",
+           "run_kvpress", "run_kvpress_peer"]
 
 KVPRESS_VERSION = "0.5.5"
 # kvpress 0.5.5's SnapKVPress, StreamingLLMPress, TOVAPress, KnormPress,
@@ -53,6 +57,40 @@ PEER_PRESSES = PROMPT_PRESSES + DECODING_PRESSES
 # The long-generation family: decoding presses; the other dialogue families: none.
 _DECODING_TASKS = ("longgen",)
 _WORKER = pathlib.Path(__file__).with_name("_kvpress_worker.py")
+
+
+class _KvpressSampleIds(TypedDict):
+    key: str
+    ids: list[int]  # the full prompt + answer
+    n_context: int  # where the context ends
+    n_prompt: int  # where the question (or the fed output) ends
+    max_new_tokens: int
+
+
+class KvpressSample(_KvpressSampleIds, total=False):
+    """One sample of the worker's job (:func:`run_kvpress`)."""
+
+    feed: str  # "chunk" (one prompt, the default) or "decode" (long generation)
+    presses: list[str]  # its own, else the job's
+    budgets: list[float | int]  # its own, else the job's
+
+
+class KvpressResult(TypedDict):
+    """One line the worker prints: a sample, a press and a budget."""
+
+    key: str
+    press: str
+    budget: float | int
+    prediction: str
+    answer_loglik: float
+    dense_answer_loglik: float
+    delta_loglik: float
+    answer_tokens: int
+    kl: float
+    kl_answer: float
+    cache_tokens: int
+    events: int
+    seconds: float
 
 
 def _default_venv() -> pathlib.Path:
@@ -117,7 +155,7 @@ def check_presses(presses: Iterable[str]) -> list[str]:
     return presses
 
 
-def _check_budgets(budgets: list[Any]) -> None:
+def _check_budgets(budgets: Sequence[float | int]) -> None:
     """Every budget must pass our one budget rule (a keep ratio or a token count)."""
     from nexus_vllm.core import EvictionConfig
 
@@ -127,15 +165,15 @@ def _check_budgets(budgets: list[Any]) -> None:
 
 
 def run_kvpress(
-    samples: Iterable[dict[str, Any]],
+    samples: Iterable[KvpressSample],
     *,
     model: str,
     presses: Iterable[str] | None = None,
     budgets: Iterable[float | int] | None = None,
     python: pathlib.Path | None = None,
     threads: int = 1,
-    on_record: Callable[[dict[str, Any]], None] | None = None,
-) -> list[dict[str, Any]]:
+    on_record: Callable[[KvpressResult], None] | None = None,
+) -> list[KvpressResult]:
     """Run kvpress presses over prepared samples in the kvpress virtualenv.
 
     Parameters
@@ -176,7 +214,7 @@ def run_kvpress(
     python = python or ensure_kvpress_venv()
     job = {"model": model, "presses": presses or [], "budgets": budgets or [],
            "threads": threads, "samples": samples}
-    records: list[dict[str, Any]] = []
+    records: list[KvpressResult] = []
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(job, fh)
         job_path = fh.name
@@ -189,7 +227,7 @@ def run_kvpress(
             line = line.strip()
             if not line.startswith("{"):
                 continue
-            rec = json.loads(line)
+            rec: KvpressResult = json.loads(line)
             records.append(rec)
             if on_record is not None:
                 on_record(rec)
@@ -222,11 +260,7 @@ def run_kvpress_peer(cfg: RunConfig, out: pathlib.Path,
     """
     from transformers import AutoTokenizer
 
-    from nexus_vllm.eval.dialogues import DIALOGUE_TASKS, make_dialogue
-    from nexus_vllm.eval.records import Record, read_records, record_key, record_writer
-    from nexus_vllm.eval.runner import iter_samples
-    from nexus_vllm.eval.tasks import make_sample
-    from nexus_vllm.hf.generate import encode_prompt
+    from nexus_vllm.eval.records import read_records, record_writer
     from nexus_vllm.models import resolve_model_path
 
     chosen = check_presses(PEER_PRESSES if presses is None else presses)
@@ -235,9 +269,42 @@ def run_kvpress_peer(cfg: RunConfig, out: pathlib.Path,
     rec_path = out / "kvpress_records.jsonl"
     records = read_records(rec_path)
     seen = {r.key for r in records}
-    jobs: list[dict[str, Any]] = []
-    # key -> (sample id, scorer of a prediction, reference answers, prompt tokens)
-    meta: dict[str, tuple[SampleId, Callable[[str], float], tuple[str, ...], int]] = {}
+    jobs, meta = _peer_jobs(cfg, chosen, tokenizer, seen)
+    if not jobs:
+        return records
+    with record_writer(rec_path) as write:
+        def on_record(r: KvpressResult) -> None:
+            rec = _peer_record(r, meta[r["key"]])
+            if rec.key in seen:  # re-run of a partially finished sample
+                return
+            seen.add(rec.key)
+            write(rec)
+            records.append(rec)
+
+        run_kvpress(jobs, model=path, threads=cfg.threads, on_record=on_record)
+    return records
+
+
+@dataclass(frozen=True)
+class _PeerSample:
+    """What our side knows of a peer job's sample, to turn the worker's lines into records."""
+
+    sid: SampleId
+    score: Callable[[str], float]  # of a prediction
+    answers: tuple[str, ...]
+    prompt_tokens: int
+
+
+def _peer_jobs(cfg: RunConfig, chosen: list[str], tokenizer: Tokenizer, seen: set[str]
+               ) -> tuple[list[KvpressSample], dict[str, _PeerSample]]:
+    """The worker's samples for ``cfg`` (only the presses with a budget not on record in
+    ``seen``), and what our side keeps of each, by the sample's key."""
+    from nexus_vllm.eval.dialogues import DIALOGUE_TASKS
+    from nexus_vllm.eval.records import record_key
+    from nexus_vllm.eval.runner import iter_samples
+
+    jobs: list[KvpressSample] = []
+    meta: dict[str, _PeerSample] = {}
     for sid in iter_samples(cfg):
         kind: tuple[str, ...]
         if sid.task in _DECODING_TASKS:
@@ -253,49 +320,57 @@ def run_kvpress_peer(cfg: RunConfig, out: pathlib.Path,
         if not todo or not budgets:
             continue
         key = json.dumps(sid.as_list())
-        if sid.task in _DECODING_TASKS:
-            d = make_dialogue(sid.task, seed=cfg.data_seed, index=sid.index,
-                              target_tokens=sid.context, tokenizer=tokenizer)
-            (turn,) = d.turns
-            probe = turn.probe
-            meta[key] = (sid, functools.partial(d.score, 0), turn.answers, d.num_tokens)
-            jobs.append({"key": key, "ids": list(d.ids[:probe.answer_end]), "feed": "decode",
-                         "n_context": probe.prompt_end, "n_prompt": probe.forced_end,
-                         "max_new_tokens": probe.max_new_tokens, "presses": todo,
-                         "budgets": budgets})
-        else:
-            s = make_sample(sid.task, seed=cfg.data_seed, index=sid.index,
-                            target_tokens=sid.context, tokenizer=tokenizer,
-                            protocol=sid.protocol)
-            split = encode_prompt(tokenizer, s.context, s.question, preamble=s.preamble,
-                                  answer=s.target)
-            meta[key] = (sid, s.score, tuple(s.answers), s.num_tokens)
-            jobs.append({"key": key, "ids": split.ids.tolist(), "n_context": split.n_context,
-                         "n_prompt": split.n_prompt, "max_new_tokens": s.max_new_tokens,
-                         "presses": todo, "budgets": budgets})
-    if not jobs:
-        return records
-    with record_writer(rec_path) as write:
-        def on_record(r: dict[str, Any]) -> None:
-            sid, score, answers, prompt_tokens = meta[r["key"]]
-            decoding = sid.task in _DECODING_TASKS
-            value = score(r["prediction"])
-            rec = Record.build(
-                sid, f"kvpress:{r['press']}", r["budget"], 0, score=value,
-                prediction=r["prediction"], answers=answers,
-                answer_loglik=r["answer_loglik"], dense_answer_loglik=r["dense_answer_loglik"],
-                answer_tokens=r["answer_tokens"], kl=r["kl"], kl_answer=r["kl_answer"],
-                prompt_tokens=prompt_tokens, cache_tokens=r["cache_tokens"],
-                events=r.get("events", 1), seconds=r["seconds"],
-                # A long generation is a one-turn stream: per-turn fields as our side's.
-                turn_scores=[value] if decoding else (),
-                turn_delta_loglik=([r["answer_loglik"] - r["dense_answer_loglik"]]
-                                   if decoding else ()))
-            if rec.key in seen:  # re-run of a partially finished sample
-                return
-            seen.add(rec.key)
-            write(rec)
-            records.append(rec)
+        make = _decoding_job if sid.task in _DECODING_TASKS else _prompt_job
+        job, meta[key] = make(cfg, sid, tokenizer, key)
+        job["presses"], job["budgets"] = todo, budgets
+        jobs.append(job)
+    return jobs, meta
 
-        run_kvpress(jobs, model=path, threads=cfg.threads, on_record=on_record)
-    return records
+
+def _decoding_job(cfg: RunConfig, sid: SampleId, tokenizer: Tokenizer, key: str
+                  ) -> tuple[KvpressSample, _PeerSample]:
+    """A long generation's worker sample: its own output fed as decode steps."""
+    from nexus_vllm.eval.dialogues import make_dialogue
+
+    d = make_dialogue(sid.task, seed=cfg.data_seed, index=sid.index,
+                      target_tokens=sid.context, tokenizer=tokenizer)
+    (turn,) = d.turns
+    probe = turn.probe
+    job: KvpressSample = {"key": key, "ids": list(d.ids[:probe.answer_end]), "feed": "decode",
+                          "n_context": probe.prompt_end, "n_prompt": probe.forced_end,
+                          "max_new_tokens": probe.max_new_tokens}
+    return job, _PeerSample(sid, functools.partial(d.score, 0), turn.answers, d.num_tokens)
+
+
+def _prompt_job(cfg: RunConfig, sid: SampleId, tokenizer: Tokenizer, key: str
+                ) -> tuple[KvpressSample, _PeerSample]:
+    """A one-prompt task's worker sample: context, question and answer token ids."""
+    from nexus_vllm.eval.tasks import make_sample
+    from nexus_vllm.hf.generate import encode_prompt
+
+    s = make_sample(sid.task, seed=cfg.data_seed, index=sid.index,
+                    target_tokens=sid.context, tokenizer=tokenizer, protocol=sid.protocol)
+    split = encode_prompt(tokenizer, s.context, s.question, preamble=s.preamble,
+                          answer=s.target)
+    job: KvpressSample = {"key": key, "ids": split.ids.tolist(), "n_context": split.n_context,
+                          "n_prompt": split.n_prompt, "max_new_tokens": s.max_new_tokens}
+    return job, _PeerSample(sid, s.score, tuple(s.answers), s.num_tokens)
+
+
+def _peer_record(r: KvpressResult, peer: _PeerSample) -> Record:
+    """Our record of one worker line (a sample, a press and a budget)."""
+    from nexus_vllm.eval.records import Record
+
+    decoding = peer.sid.task in _DECODING_TASKS
+    value = peer.score(r["prediction"])
+    return Record.build(
+        peer.sid, f"kvpress:{r['press']}", r["budget"], 0, score=value,
+        prediction=r["prediction"], answers=peer.answers,
+        answer_loglik=r["answer_loglik"], dense_answer_loglik=r["dense_answer_loglik"],
+        answer_tokens=r["answer_tokens"], kl=r["kl"], kl_answer=r["kl_answer"],
+        prompt_tokens=peer.prompt_tokens, cache_tokens=r["cache_tokens"],
+        events=r.get("events", 1), seconds=r["seconds"],
+        # A long generation is a one-turn stream: per-turn fields as our side's.
+        turn_scores=[value] if decoding else (),
+        turn_delta_loglik=([r["answer_loglik"] - r["dense_answer_loglik"]]
+                           if decoding else ()))
