@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import math
 import pathlib
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
+
+_T = TypeVar("_T")
 
 
 class ConfigError(ValueError):
@@ -97,3 +99,20 @@ def shipped_or_file(ref: str, directory: pathlib.Path, suffix: str, field: str,
         raise ConfigError(field, f"{field} {ref!r} is neither a file nor a shipped {what} "
                                  f"({', '.join(shipped) or 'none'})")
     return path
+
+
+def load_shipped_or_file(ref: str, directory: pathlib.Path, suffix: str, field: str,
+                         what: str, read: Callable[[pathlib.Path], _T],
+                         errors: tuple[type[Exception], ...]) -> _T:
+    """``read`` of the file ``ref`` names (:func:`shipped_or_file`); any of ``errors`` it
+    raises becomes a :class:`ConfigError` naming ``field``: ``<field> '<ref>': not a
+    <field, in words> (<the error>)``. A :class:`ConfigError` from ``read`` passes as it
+    is."""
+    path = shipped_or_file(ref, directory, suffix, field, what)
+    try:
+        return read(path)
+    except errors as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(field, f"{field} {ref!r}: not a {field.replace('_', ' ')} "
+                                 f"({exc})") from None

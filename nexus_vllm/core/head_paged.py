@@ -15,30 +15,35 @@ kept tokens need at most ``budget_head_blocks`` head-blocks, exactly as many vLL
 block granularity at the same budget.
 
 Everything here is pure PyTorch on one sequence (the reference the serving path will be
-tested against):
+tested against). This module holds the selection:
 
-* :func:`head_window_attention`, :func:`head_expected_attention`, :func:`head_key_norms`:
-  per-(KV head, token) evidence of one layer over its live entries;
-* :class:`HeadEvidence`: those, stacked over layers, with the live mask;
 * :func:`forced_positions`: the sinks and the newest tokens every head keeps;
 * :func:`select_head_units`: one threshold (or pps draws) over the units, then the
   head-block rounding; or a fixed allocation, a :class:`HeadProfile` calibrated offline
-  per model (``head_profiles/``), with each head's own best entries in its share.
+  per model, with each head's own best entries in its share
+  (:func:`apportion_head_blocks`);
+* the head-block arithmetic: :func:`head_blocks_held`, :func:`head_budget_blocks`,
+  :func:`head_tokens_held`, :func:`check_head_group`.
+
+What a per-head score reads (:data:`HEAD_KINDS`, :class:`HeadEvidence` and the functions
+that compute it) is :mod:`.head_evidence`; the per-model allocations
+(:class:`HeadProfile`, :func:`load_head_profile`) are :mod:`.head_profile`. Both are
+importable from here too.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import pathlib
-from collections.abc import Mapping
-from dataclasses import dataclass
-
 import torch
 
-from ._validate import ConfigError, shipped_or_file
-from .evidence.expected_attention import future_query_statistics, token_logits
-from .rotary import Rotary
+from ._validate import ConfigError
+from .head_evidence import (
+    HEAD_KINDS,
+    HeadEvidence,
+    head_expected_attention,
+    head_key_norms,
+    head_window_attention,
+)
+from .head_profile import PROFILES_DIR, HeadProfile, load_head_profile
 from .sampling import sample_blocks, top_k_indices
 from .scoring import cdiv
 
@@ -64,109 +69,6 @@ __all__ = [
 # ``block``: one block set for every layer and head (vLLM's own paging). ``head``: each
 # (layer, KV head) keeps its own tokens, packed into head-blocks.
 GRANULARITIES = ("block", "head")
-# Evidence a per-head score may read, each ``[L, Hkv, T]``.
-HEAD_KINDS = ("mass", "expected_attention", "key_norms", "reconstruction")
-# The shipped per-model allocations (``head_profile`` by name): scripts/calibrate_head_profile.py
-PROFILES_DIR = pathlib.Path(__file__).with_name("head_profiles")
-
-
-def _grouped_queries(queries: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """``[W, Hq, D]`` -> ``[Hkv, g * W, D]``: each KV head's query group as one set of
-    rows (query head ``j`` reads KV head ``j // g``, transformers' ``repeat_kv``)."""
-    w, hq, d = queries.shape
-    g = hq // num_kv_heads
-    return queries.float().permute(1, 0, 2).reshape(num_kv_heads, g * w, d)
-
-
-def head_window_attention(queries: torch.Tensor, keys: torch.Tensor, live: torch.Tensor,
-                          *, scale: float | None = None) -> torch.Tensor:
-    """Each live entry's largest attention weight from any query row of its KV head's
-    group (KVzip's reduction: a token one row needs sharply is kept).
-
-    Parameters
-    ----------
-    queries : Tensor[W, Hq, D]
-        The newest W query rows (post-RoPE); the last W cached tokens are theirs, so row
-        ``r`` sees keys up to ``T - W + r`` (causal).
-    keys : Tensor[T, Hkv, D]
-        Cached keys (post-RoPE), in cache order.
-    live : BoolTensor[Hkv, T]
-        Entries each head still holds; the softmax runs over them, as attention does.
-    scale : float, optional
-        Logit scale (default ``1 / sqrt(D)``).
-
-    Returns
-    -------
-    Tensor[Hkv, T] (float32), 0 on dead entries.
-    """
-    w, _, d = queries.shape
-    t, hkv, _ = keys.shape
-    q = _grouped_queries(queries, hkv)  # [Hkv, gW, D]
-    k = keys.float().transpose(0, 1)  # [Hkv, T, D]
-    logits = torch.matmul(q, k.transpose(1, 2)) * (scale or 1.0 / math.sqrt(d))
-    row_of = torch.arange(w).repeat(q.shape[1] // w)  # [gW] row index within the window
-    causal = torch.arange(t).view(1, t) <= (t - w + row_of).view(-1, 1)  # [gW, T]
-    logits = logits.masked_fill(~(causal.unsqueeze(0) & live.unsqueeze(1)), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return probs.amax(dim=1).masked_fill(~live, 0.0)
-
-
-def head_expected_attention(queries: torch.Tensor, positions: torch.Tensor,
-                            keys: torch.Tensor, live: torch.Tensor, next_position: int,
-                            rotary: Rotary) -> torch.Tensor:
-    """Expected attention of the queries still to come (kvpress's model, as
-    :mod:`~nexus_vllm.core.evidence.expected_attention` computes it), per live entry: the
-    largest share over the KV head's query group, each head's softmax over its own live
-    entries.
-
-    Parameters
-    ----------
-    queries : Tensor[W, Hq, D]
-    positions : LongTensor[W]
-        The rows' logical positions.
-    keys : Tensor[T, Hkv, D]
-    live : BoolTensor[Hkv, T]
-    next_position : int
-    rotary : Rotary
-
-    Returns
-    -------
-    Tensor[Hkv, T] (float32), 0 on dead entries.
-    """
-    w = int(queries.shape[0])
-    t, hkv, _ = keys.shape
-    mean, centred = future_query_statistics(
-        queries[None], positions.view(1, w), torch.ones(1, w, dtype=torch.bool),
-        torch.tensor([int(next_position)]), rotary)
-    logits = token_logits(keys[None], mean, centred)[0]  # [Hq, T]
-    logits = logits.view(hkv, -1, t).masked_fill(~live.unsqueeze(1), float("-inf"))
-    return torch.softmax(logits, dim=-1).amax(dim=1).masked_fill(~live, 0.0)
-
-
-def head_key_norms(keys: torch.Tensor) -> torch.Tensor:
-    """L2 norm of every cached key: ``[T, Hkv, D]`` -> ``[Hkv, T]`` (float32)."""
-    return torch.linalg.vector_norm(keys.float(), dim=-1).transpose(0, 1)
-
-
-@dataclass(frozen=True)
-class HeadEvidence:
-    """What a per-head score reads at one event.
-
-    Attributes
-    ----------
-    live : BoolTensor[L, Hkv, T]
-        The entries each (layer, KV head) holds, over the sequence's cache slots.
-    kinds : Mapping[str, Tensor[L, Hkv, T]]
-        Each gathered kind of :data:`HEAD_KINDS` (0 on dead entries).
-    """
-
-    live: torch.Tensor
-    kinds: Mapping[str, torch.Tensor]
-
-    def __getitem__(self, kind: str) -> torch.Tensor:
-        if kind not in self.kinds:
-            raise ValueError(f"head evidence holds {sorted(self.kinds)}, not {kind!r}")
-        return self.kinds[kind]
 
 
 def forced_positions(positions: torch.Tensor, next_position: int, block_size: int,
@@ -451,61 +353,3 @@ def head_tokens_held(live: torch.Tensor) -> int:
     """The mean tokens a (layer, head) of ``live`` (``[L, Hkv, T]``) holds, rounded up
     (what a budget in tokens counts under head granularity)."""
     return cdiv(int(live.sum()), max(int(live.shape[0] * live.shape[1]), 1))
-
-
-@dataclass(frozen=True)
-class HeadProfile:
-    """A per-model allocation of the budget over (layer, KV head), calibrated offline.
-
-    Attributes
-    ----------
-    model : str
-        The model it was calibrated on.
-    shares : tuple of tuple of float
-        ``[full-attention layers][KV heads]``: each head's share of the kept entries.
-    budget_share : float
-        The budget, as a share of the context, it was calibrated at.
-    source : str
-        How it was made (the command and the text).
-    """
-
-    model: str
-    shares: tuple[tuple[float, ...], ...]
-    budget_share: float
-    source: str
-
-    def __post_init__(self) -> None:
-        widths = {len(row) for row in self.shares}
-        if not self.shares or len(widths) != 1 or min(widths) < 1:
-            raise ConfigError("head_profile", "a head profile's shares must be a non-empty "
-                                              "[layers][KV heads] table")
-        if any(not math.isfinite(x) or x < 0 for row in self.shares for x in row) \
-                or sum(map(sum, self.shares)) <= 0:
-            raise ConfigError("head_profile", "a head profile's shares must be finite, "
-                                              "non-negative and not all 0")
-
-    def tensor(self) -> torch.Tensor:
-        """The shares as Tensor[L, Hkv] (float64)."""
-        return torch.tensor(self.shares, dtype=torch.float64)
-
-
-def load_head_profile(ref: str) -> HeadProfile:
-    """A shipped profile by name (``smollm2-135m-instruct``) or a JSON file's path.
-
-    Raises
-    ------
-    ConfigError
-        Naming ``head_profile``: no such profile, or not a profile.
-    """
-    path = shipped_or_file(ref, PROFILES_DIR, ".json", "head_profile", "profile")
-    try:
-        data = json.loads(path.read_text())
-        return HeadProfile(model=str(data["model"]),
-                           shares=tuple(tuple(float(x) for x in row) for row in data["shares"]),
-                           budget_share=float(data["budget_share"]),
-                           source=str(data.get("source", "")))
-    except (ValueError, KeyError, TypeError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError("head_profile", f"head_profile {ref!r}: not a head profile "
-                                          f"({exc})") from None

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._validate import ConfigError, shipped_or_file
+from ._validate import ConfigError, load_shipped_or_file
 
 __all__ = ["SCORERS_DIR", "HeadScorer", "load_head_scorer", "shipped_head_scorers"]
 
@@ -97,11 +97,12 @@ def load_head_scorer(ref: str) -> HeadScorer:
     ConfigError
         Naming ``head_scorer``: no such scorer, or not a scorer.
     """
-    path = shipped_or_file(ref, SCORERS_DIR, ".pt", "head_scorer", "scorer")
-    try:
-        data: dict[str, Any] = torch.load(str(path), map_location="cpu", weights_only=True)
-        return HeadScorer(model=str(data["model"]), weight=data["weight"].float(),
-                          bias=data["bias"].float(), source=str(data.get("source", "")))
-    except (ValueError, KeyError, TypeError, RuntimeError, AttributeError) as exc:
-        raise ConfigError("head_scorer", f"head_scorer {ref!r}: not a head scorer "
-                          f"({exc})") from None
+    return load_shipped_or_file(ref, SCORERS_DIR, ".pt", "head_scorer", "scorer",
+                                _read_head_scorer,
+                                (ValueError, KeyError, TypeError, RuntimeError, AttributeError))
+
+
+def _read_head_scorer(path: pathlib.Path) -> HeadScorer:
+    data: dict[str, Any] = torch.load(str(path), map_location="cpu", weights_only=True)
+    return HeadScorer(model=str(data["model"]), weight=data["weight"].float(),
+                      bias=data["bias"].float(), source=str(data.get("source", "")))
