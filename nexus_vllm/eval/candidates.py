@@ -29,7 +29,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 import torch
 
@@ -58,9 +58,12 @@ from nexus_vllm.eval.oracle import ORACLE_LEAD
 from nexus_vllm.hf.generate import greedy_ids
 from nexus_vllm.hf.streaming import StreamingSession
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 __all__ = ["BUDGET_RATIO", "CAPTURE_ROWS", "HEADS", "ORACLE_LEAD", "ROWS", "ROWS_REDUCES",
-           "SETS", "Candidate", "CandidateSet", "ChatPrompt", "GivenWeights", "answer_ranks",
-           "candidate_config", "candidate_weights", "chat_prompt", "chat_prompts",
+           "SETS", "AnswerRanks", "Candidate", "CandidateSet", "ChatPrompt", "GivenWeights",
+           "answer_ranks", "candidate_config", "candidate_weights", "chat_prompt", "chat_prompts",
            "dense_states", "evict_to", "greedy", "per_head_mass", "run_candidate"]
 
 # The budget every candidate evicts to: a share of the tokens seen when it fires.
@@ -99,7 +102,7 @@ class ChatPrompt:
         default_factory=dict)
 
 
-def chat_prompts(task: str, index: int, seed: int, tokenizer: Any,
+def chat_prompts(task: str, index: int, seed: int, tokenizer: PreTrainedTokenizerBase,
                  context: int) -> list[ChatPrompt]:
     """The chat-shaped requests of a sample: one, or one per turn of a conversation."""
     from nexus_vllm.eval.dialogues import DIALOGUE_TASKS, make_dialogue
@@ -108,7 +111,7 @@ def chat_prompts(task: str, index: int, seed: int, tokenizer: Any,
     if task in DIALOGUE_TASKS:
         d = make_dialogue(task, seed=seed, index=index, target_tokens=context,
                           tokenizer=tokenizer)
-        return [chat_prompt(tokenizer.decode(list(d.ids[:t.probe.prompt_end])), tokenizer,
+        return [chat_prompt(str(tokenizer.decode(list(d.ids[:t.probe.prompt_end]))), tokenizer,
                             functools.partial(d.score, i), t.probe.max_new_tokens, t.answers)
                 for i, t in enumerate(d.turns)]
     s = make_sample(task, seed=seed, index=index, target_tokens=context, tokenizer=tokenizer,
@@ -117,7 +120,7 @@ def chat_prompts(task: str, index: int, seed: int, tokenizer: Any,
                         s.max_new_tokens, s.answers)]
 
 
-def chat_prompt(text: str, tokenizer: Any, score: Callable[[str], float],
+def chat_prompt(text: str, tokenizer: PreTrainedTokenizerBase, score: Callable[[str], float],
                 max_new_tokens: int, answers: tuple[str, ...] = ()) -> ChatPrompt:
     """``text`` tokenized, its last question located, and the blocks of every mention of
     an answer before the question (a needle, or an earlier turn's reply)."""
@@ -271,7 +274,7 @@ def greedy(session: StreamingSession, logits: torch.Tensor, n: int, eos: set[int
     return greedy_ids(session, logits, n, eos, decode_events=decode_events)
 
 
-def dense_states(model: Any, p: ChatPrompt, defers: set[int], eos: set[int]) -> None:
+def dense_states(model: torch.nn.Module, p: ChatPrompt, defers: set[int], eos: set[int]) -> None:
     """Record in ``p.dense_states`` the uncompressed state after the prompt and after
     each deferred answer length in ``defers`` (one the answer ended before is absent)."""
     session = StreamingSession(model, None, prompt_tokens=len(p.ids),
@@ -292,7 +295,7 @@ def dense_states(model: Any, p: ChatPrompt, defers: set[int], eos: set[int]) -> 
         last = session.forward(torch.tensor([tok]))[-1]
 
 
-def run_candidate(c: Candidate, tokenizer: Any, p: ChatPrompt, eos: set[int]) -> str:
+def run_candidate(c: Candidate, tokenizer: PreTrainedTokenizerBase, p: ChatPrompt, eos: set[int]) -> str:
     """``c``'s answer to ``p`` (whose :func:`dense_states` hold 0 and ``c.defer``)."""
     cfg = candidate_config(c)
     if c.defer not in p.dense_states:  # the answer ended before d tokens: nothing to defer
@@ -316,7 +319,17 @@ def run_candidate(c: Candidate, tokenizer: Any, p: ChatPrompt, eos: set[int]) ->
     return str(tokenizer.decode(generated + rest, skip_special_tokens=True))
 
 
-def answer_ranks(c: Candidate, p: ChatPrompt) -> dict[str, Any]:
+class AnswerRanks(TypedDict):
+    """:func:`answer_ranks`: the oracle's blocks as a candidate ranks them."""
+
+    blocks: int  # live blocks at the event
+    budget: int  # blocks the budget keeps
+    free: int  # of those, outside the forced set
+    answer_blocks: list[int]
+    ranks: list[int | None]  # each answer block's rank outside the forced set (None: forced)
+
+
+def answer_ranks(c: Candidate, p: ChatPrompt) -> AnswerRanks:
     """Where ``c`` ranks the oracle's blocks at the prompt-end event: each answer block's
     0-based rank among the blocks outside the forced set (None: forced), and how many of
     those the budget keeps (``free``)."""

@@ -34,11 +34,14 @@ from __future__ import annotations
 import bisect
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nexus_vllm.eval.task_bodies import _key, _number, _prose
 from nexus_vllm.eval.tasks import string_match_all
 from nexus_vllm.hf.dialogue import Probe
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["DIALOGUE_TASKS", "Dialogue", "Turn", "dialogue_protocol", "make_dialogue"]
 
@@ -100,7 +103,7 @@ def _answer_prefix(key: str) -> str:
     return f"The special magic number for {key} is"
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], *, open_turn: bool) -> str:
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], *, open_turn: bool) -> str:
     """The chat template applied to ``messages`` (a plain User/Assistant format without
     one); ``open_turn`` ends with the assistant's header, ready for its message."""
     if getattr(tokenizer, "chat_template", None):
@@ -110,7 +113,7 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], *, open_turn: bool) 
     return text + ("Assistant: " if open_turn else "")
 
 
-def _token_starts(tokenizer: Any, text: str) -> tuple[list[int], list[int]]:
+def _token_starts(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[list[int], list[int]]:
     """Ids of ``text`` and each token's start character (special tokens: where they sit)."""
     try:
         enc = tokenizer(text, return_offsets_mapping=True)
@@ -124,7 +127,7 @@ def _token_starts(tokenizer: Any, text: str) -> tuple[list[int], list[int]]:
 class _Stream:
     """A rendered conversation: its ids, and token indices of character boundaries."""
 
-    def __init__(self, tokenizer: Any, text: str) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, text: str) -> None:
         self.text = text
         self.ids, self._starts = _token_starts(tokenizer, text)
 
@@ -158,7 +161,7 @@ def _facts_message(rng: random.Random) -> tuple[str, dict[str, str]]:
     return _FACT_INSTRUCTION + "\n\n" + " ".join(parts), facts
 
 
-def _multiturn(rng: random.Random, tokenizer: Any, units: int, *, chat: bool = False
+def _multiturn(rng: random.Random, tokenizer: PreTrainedTokenizerBase, units: int, *, chat: bool = False
                ) -> tuple[str, list[_Ask]]:
     opening, facts = _facts_message(rng)
     keys = list(facts)
@@ -191,7 +194,7 @@ def _multiturn(rng: random.Random, tokenizer: Any, units: int, *, chat: bool = F
     return _render(tokenizer, messages, open_turn=False), asks
 
 
-def _longgen(rng: random.Random, tokenizer: Any, units: int) -> tuple[str, list[_Ask]]:
+def _longgen(rng: random.Random, tokenizer: PreTrainedTokenizerBase, units: int) -> tuple[str, list[_Ask]]:
     opening, facts = _facts_message(rng)
     key = rng.choice(list(facts))
     request = (f"{opening}\n\nNow write a long essay about how good ideas are found, in the "
@@ -210,7 +213,7 @@ def _longgen(rng: random.Random, tokenizer: Any, units: int) -> tuple[str, list[
                        f" {facts[key]}.")]
 
 
-def _chat_multiturn(rng: random.Random, tokenizer: Any, units: int
+def _chat_multiturn(rng: random.Random, tokenizer: PreTrainedTokenizerBase, units: int
                     ) -> tuple[str, list[_Ask]]:
     return _multiturn(rng, tokenizer, units, chat=True)
 
@@ -219,7 +222,7 @@ _BUILDERS = {"multiturn": (_multiturn, 2), "longgen": (_longgen, 8),
              "chat_multiturn": (_chat_multiturn, 2)}
 
 
-def _build(task: str, seed: int, index: int, tokenizer: Any, units: int
+def _build(task: str, seed: int, index: int, tokenizer: PreTrainedTokenizerBase, units: int
            ) -> tuple[_Stream, list[_Ask]]:
     # A chat-shaped family draws the same script as its completion-shaped one.
     rng = random.Random(f"{task.removeprefix('chat_')}|{seed}|{index}")
@@ -228,7 +231,7 @@ def _build(task: str, seed: int, index: int, tokenizer: Any, units: int
 
 
 def make_dialogue(task: str, *, seed: int, index: int, target_tokens: int,
-                  tokenizer: Any) -> Dialogue:
+                  tokenizer: PreTrainedTokenizerBase) -> Dialogue:
     """Generate stream ``index`` of ``task`` for ``seed``, fitted to ``target_tokens``.
 
     The whole stream plus one answer's decode limit fits ``target_tokens``; the prose per

@@ -16,12 +16,15 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nexus_vllm.core import EvictionConfig, EvictionPolicy, Evidence
 from nexus_vllm.core.event_policies import EventPolicyKind
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["ORACLE", "ORACLE_BASE", "ORACLE_LEAD", "OracleConfig", "OracleFirst",
            "answer_blocks", "oracle_config"]
@@ -36,7 +39,7 @@ _LIVE = "oracle_live_blocks"
 _SCORED = "oracle_scored_blocks"  # the same, for the event being chosen
 
 
-def answer_blocks(tokenizer: Any, ids: Sequence[int], answers: Iterable[str], *, end: int,
+def answer_blocks(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], answers: Iterable[str], *, end: int,
                   block_size: int, lead: int = ORACLE_LEAD) -> tuple[int, ...]:
     """Logical blocks holding a mention of an answer among ``ids[:end]``.
 

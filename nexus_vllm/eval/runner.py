@@ -14,7 +14,7 @@ import pathlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from nexus_vllm.hf.generate import (
     greedy_text,
     prefill_sample,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["MethodSpec", "Run", "RunConfig", "config_dict", "iter_runs", "iter_samples",
            "kl_to_dense", "parse_method", "run_eval"]
@@ -191,7 +194,7 @@ def kl_to_dense(dense: SampleResult, other: SampleResult) -> tuple[float, float]
     return float(kl.mean()), float(kl[-dense.n_answer:].mean())
 
 
-def run_eval(cfg: RunConfig, model: Any, tokenizer: Any, out_dir: pathlib.Path, *,
+def run_eval(cfg: RunConfig, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir: pathlib.Path, *,
              progress: bool = True,
              log: Callable[[Record], None] | None = None) -> list[Record]:
     """Run (or resume) every run of ``cfg``; return all records (also in records.jsonl)."""
@@ -226,7 +229,7 @@ def run_eval(cfg: RunConfig, model: Any, tokenizer: Any, out_dir: pathlib.Path, 
     return records
 
 
-def _job(cfg: RunConfig, model: Any, tokenizer: Any, sid: SampleId) -> _SampleJob | _DialogueJob:
+def _job(cfg: RunConfig, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, sid: SampleId) -> _SampleJob | _DialogueJob:
     if sid.task in DIALOGUE_TASKS:
         dialogue = make_dialogue(sid.task, seed=cfg.data_seed, index=sid.index,
                                  target_tokens=sid.context, tokenizer=tokenizer)
@@ -257,8 +260,8 @@ class _SampleJob:
     """
 
     cfg: RunConfig
-    model: Any
-    tokenizer: Any
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
     sid: SampleId
     sample: Sample
     dense_prompt: PromptState | None = None
@@ -327,8 +330,8 @@ class _DialogueJob:
     """Runs of one multi-turn stream: one record each, every turn scored."""
 
     cfg: RunConfig
-    model: Any
-    tokenizer: Any
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
     sid: SampleId
     dialogue: Dialogue
 

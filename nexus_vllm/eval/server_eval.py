@@ -33,9 +33,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nexus_vllm.eval.budget import parse_budget
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from nexus_vllm.eval.records import Record
 
 __all__ = ["ChatRequest", "build_parser", "chat_requests", "main", "request_xargs"]
 
@@ -95,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def request_xargs(spec: str) -> tuple[str, dict[str, Any]]:
+def request_xargs(spec: str) -> tuple[str, dict[str, object]]:
     """``(label, vllm_xargs)`` of a method spec: ``dense`` -> ``kv_eviction: none``;
     ``nexus:prompt_mode=end`` -> ``{"kv_eviction": "nexus", "kv_prompt_mode": "end"}``."""
     from nexus_vllm.eval.runner import parse_method
@@ -105,14 +110,14 @@ def request_xargs(spec: str) -> tuple[str, dict[str, Any]]:
         if parsed.knobs:
             raise ValueError(f"dense takes no per-request fields: {spec!r}")
         return DENSE, {"kv_eviction": "none"}
-    xargs: dict[str, Any] = {"kv_eviction": parsed.method}
+    xargs: dict[str, object] = {"kv_eviction": parsed.method}
     for field, value in parsed.knobs.items():
         xargs[field if field.startswith("kv_") else f"kv_{field}"] = value
     return parsed.label, xargs
 
 
 def chat_requests(task: str, *, index: int, seed: int, context: int,
-                  tokenizer: Any, protocol: str = "chat") -> ChatSample:
+                  tokenizer: PreTrainedTokenizerBase, protocol: str = "chat") -> ChatSample:
     """The request(s) of sample ``index`` of ``task``: chat-shaped, or one completion
     prompt (``protocol`` ``question-last``)."""
     from nexus_vllm.eval.dialogues import DIALOGUE_TASKS, dialogue_protocol, make_dialogue
@@ -152,7 +157,7 @@ def _answer_score(score: Callable[[int, str], float], turn: int) -> Callable[[st
     return lambda text, _dense: score(turn, text)
 
 
-def _chat(base: str, model: str, req: ChatRequest, xargs: dict[str, Any],
+def _chat(base: str, model: str, req: ChatRequest, xargs: dict[str, object],
           timeout: float) -> str:
     import requests
 
@@ -171,7 +176,7 @@ def _chat(base: str, model: str, req: ChatRequest, xargs: dict[str, Any],
     return str(text or "")
 
 
-def _samples(args: argparse.Namespace, tokenizer: Any) -> Iterator[ChatSample]:
+def _samples(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> Iterator[ChatSample]:
     for task in _tasks(args):
         for index in range(args.samples):
             yield chat_requests(task, index=index, seed=args.data_seed, context=args.context,
@@ -203,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, budget: float | int,
-        specs: list[tuple[str, dict[str, Any]]]) -> list[Any]:
+        specs: list[tuple[str, dict[str, object]]]) -> list[Record]:
     """Send every (sample, method) request, append records, write the table."""
     import requests
     from tqdm import tqdm
@@ -273,7 +278,7 @@ def run(args: argparse.Namespace, budget: float | int,
 
 
 def _write_config(args: argparse.Namespace, budget: float | int,
-                  specs: list[tuple[str, dict[str, Any]]]) -> None:
+                  specs: list[tuple[str, dict[str, object]]]) -> None:
     import yaml
 
     config = {"base_url": args.base_url, "model": args.model or "default",

@@ -41,9 +41,14 @@ import statistics
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nexus_vllm.eval.budget import parse_budget
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from nexus_vllm.core import EvictionConfig
 
 __all__ = ["SampleParity", "build_parser", "compare", "main", "summarize"]
 
@@ -108,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _hf_config(args: argparse.Namespace) -> Any:
+def _hf_config(args: argparse.Namespace) -> EvictionConfig | None:
     """The ``EvictionConfig`` the server runs each request with (None: no eviction)."""
     from nexus_vllm.core import EvictionConfig
 
@@ -125,10 +130,10 @@ def _hf_config(args: argparse.Namespace) -> Any:
     return EvictionConfig.from_budget(args.method, parse_budget(args.budget), **knobs)
 
 
-def _xargs(method: str, budget: float | int) -> dict[str, Any]:
+def _xargs(method: str, budget: float | int) -> dict[str, object]:
     if method in _NO_EVICTION:
         return {"kv_eviction": "none"}
-    xargs: dict[str, Any] = {"kv_eviction": method}
+    xargs: dict[str, object] = {"kv_eviction": method}
     if isinstance(budget, int):
         xargs["kv_budget"] = budget
     return xargs
@@ -155,7 +160,7 @@ class _Request:
     messages: list[dict[str, str]] | None = None  # sent as a chat when given
 
 
-def _requests(args: argparse.Namespace, tok: Any) -> Iterator[_Request]:
+def _requests(args: argparse.Namespace, tok: PreTrainedTokenizerBase) -> Iterator[_Request]:
     """The requests of ``--task``: one per sample, or one per turn of a conversation."""
     from nexus_vllm.eval.dialogues import DIALOGUE_TASKS, make_dialogue
     from nexus_vllm.eval.tasks import make_sample
@@ -180,14 +185,14 @@ def _requests(args: argparse.Namespace, tok: Any) -> Iterator[_Request]:
                        sample.meta.get("messages") if chat else None)
 
 
-def _send(base: str, model: str, req: _Request, xargs: dict[str, Any],
+def _send(base: str, model: str, req: _Request, xargs: dict[str, object],
           timeout: float) -> tuple[str, list[int] | None, list[int] | None]:
     """``(text, generated ids, prompt ids)`` of one request: token ids to
     ``/v1/completions``, or messages to ``/v1/chat/completions`` (the prompt ids are then
     the server's rendering of them)."""
     import requests
 
-    body: dict[str, Any] = {"model": model, "max_tokens": req.max_new_tokens,
+    body: dict[str, object] = {"model": model, "max_tokens": req.max_new_tokens,
                             "temperature": 0.0, "return_token_ids": True,
                             "vllm_xargs": xargs}
     if req.messages is not None:
@@ -252,7 +257,7 @@ def compare(args: argparse.Namespace) -> list[SampleParity]:
     return rows
 
 
-def summarize(args: argparse.Namespace, rows: list[SampleParity]) -> dict[str, Any]:
+def summarize(args: argparse.Namespace, rows: list[SampleParity]) -> dict[str, object]:
     """One run's summary: mean scores on both paths and how many requests matched."""
     server_mean = statistics.fmean(r.server_score for r in rows)
     hf_mean = statistics.fmean(r.hf_score for r in rows)

@@ -23,13 +23,16 @@ import pathlib
 import shutil
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from nexus_vllm.core import EvictionConfig, inclusion_probabilities
 from nexus_vllm.core.policies import Evidence, forced_blocks
+
+if TYPE_CHECKING:
+    from nexus_vllm.hf.events import EvictionEvent
 
 SAMPLERS = ("topk", "pps", "ares")
 # The paper's streaming setting (an event after every prompt chunk) and its evidence (the
@@ -100,8 +103,8 @@ class SamplerTrace:
         return rows
 
 
-def trace_sample(model: Any, prompt_ids: list[int], cfg: EvictionConfig, *,
-                 max_new_tokens: int, request_seed: int) -> list[Any]:
+def trace_sample(model: torch.nn.Module, prompt_ids: list[int], cfg: EvictionConfig, *,
+                 max_new_tokens: int, request_seed: int) -> list[EvictionEvent]:
     """Stream one prompt (and its greedy continuation) and return the recorded events."""
     from nexus_vllm.hf.generate import generate_ids
 

@@ -33,7 +33,7 @@ import dataclasses
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from nexus_vllm.eval.task_bodies import (
     CHAT_ONLY_TASKS,
@@ -43,11 +43,15 @@ from nexus_vllm.eval.task_bodies import (
     task_metric,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 __all__ = [
     "CHAT_ONLY_TASKS",
     "PROTOCOLS",
     "TASKS",
     "Sample",
+    "SampleMeta",
     "essay_sentences",
     "make_sample",
     "rouge_l",
@@ -57,6 +61,13 @@ __all__ = [
 ]
 
 PROTOCOLS = ("question-last", "question-first", "chat")
+
+
+class SampleMeta(TypedDict, total=False):
+    """What a :class:`Sample` carries besides its prompt."""
+
+    units: int  # the haystack's size (sentences, words or list items)
+    messages: list[dict[str, str]]  # the chat shape's request, as a chat client sends it
 
 
 @dataclass(frozen=True)
@@ -82,7 +93,7 @@ class Sample:
     metric: str  # "all", "part" or "dense"
     max_new_tokens: int
     num_tokens: int  # prompt tokens (preamble + context + question)
-    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    meta: SampleMeta = field(default_factory=SampleMeta, compare=False)
 
     @property
     def needs_reference(self) -> bool:
@@ -142,7 +153,7 @@ def rouge_l(prediction: str, reference: str) -> float:
 
 
 # ---------------------------------------------------------------------------- assembly
-def _chat_wrap(tokenizer: Any) -> tuple[str, str]:
+def _chat_wrap(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:
     """(head, tail) around the user message in the tokenizer's chat template, if any."""
     if getattr(tokenizer, "chat_template", None):
         marker = "\x00NEXUS\x00"
@@ -173,12 +184,12 @@ def _user_message(body: TaskBody, context: str) -> str:
     return f"{body.instruction}\n\n{context}\n\nQuestion: {body.question}"
 
 
-def _count(tokenizer: Any, text: str) -> int:
+def _count(tokenizer: PreTrainedTokenizerBase, text: str) -> int:
     return len(tokenizer(text)["input_ids"])
 
 
-def make_sample(task: str, *, seed: int, index: int, target_tokens: int, tokenizer: Any,
-                protocol: str = "question-last") -> Sample:
+def make_sample(task: str, *, seed: int, index: int, target_tokens: int,
+                tokenizer: PreTrainedTokenizerBase, protocol: str = "question-last") -> Sample:
     """Generate sample ``index`` of ``task`` for ``seed``, fitted to ``target_tokens``.
 
     The prompt (preamble + context + question) plus ``max_new_tokens`` fits
@@ -220,7 +231,7 @@ def make_sample(task: str, *, seed: int, index: int, target_tokens: int, tokeniz
         else:
             hi = mid - 1
     preamble, context, question = _assemble(body, lo, protocol, wrap)
-    meta: dict[str, Any] = {"units": lo}
+    meta: SampleMeta = {"units": lo}
     if protocol == "chat":
         meta["messages"] = [{"role": "user", "content": _user_message(body, context)}]
     return Sample(task=task, index=index, seed=seed, protocol=protocol, preamble=preamble,
