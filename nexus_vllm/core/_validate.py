@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import pathlib
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -26,13 +26,13 @@ class ConfigError(ValueError):
         self.reads = tuple(reads)
 
 
-def check_choice(name: str, value: Any, allowed: Iterable[str]) -> None:
+def check_choice(name: str, value: object, allowed: Iterable[str]) -> None:
     allowed = tuple(allowed)
     if value not in allowed:
         raise ConfigError(name, f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 
 
-def check_int(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> None:
+def check_int(name: str, value: object, *, low: int | None = None, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(name, f"{name} must be an int; got {value!r}")
     if low is not None and value < low:
@@ -43,7 +43,7 @@ def check_int(name: str, value: Any, *, low: int | None = None, high: int | None
 
 def check_float(
     name: str,
-    value: Any,
+    value: object,
     *,
     low: float | None = None,
     high: float | None = None,

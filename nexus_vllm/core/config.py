@@ -12,9 +12,9 @@ import difflib
 import hashlib
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TypeVar
 
 import torch
 
@@ -48,22 +48,25 @@ RENAMED_FIELDS = {"head_reduce": "attention_reduce", "prefill_window": "prompt_w
 _warned_renamed: set[str] = set()
 # What the budget floor (the forced set in tokens) reads, besides the budget itself.
 _FLOOR_READS = ("block_size", "sink_blocks", "recent_blocks")
+_Key = TypeVar("_Key")
+_Value = TypeVar("_Value")
 
 
-def _current_names(data: Mapping[Any, Any]) -> dict[Any, Any]:
+def _current_names(data: Mapping[_Key, _Value]) -> dict[_Key | str, _Value]:
     """``data`` with former field names replaced by the current ones, in order (a later
     key wins over an earlier one, as in any merge of mappings)."""
-    out: dict[Any, Any] = {}
+    out: dict[_Key | str, _Value] = {}
     for key, value in data.items():
-        new = RENAMED_FIELDS.get(key) if isinstance(key, str) else None
-        if new is not None:
+        if isinstance(key, str) and key in RENAMED_FIELDS:
+            new = RENAMED_FIELDS[key]
             if key not in _warned_renamed:
                 _warned_renamed.add(key)
                 logger.warning("nexus-vllm: eviction config key %r is now %r; the old name "
                                "is still accepted and will go in a later release", key, new)
             out.pop(new, None)
-            key = new
-        out[key] = value
+            out[new] = value
+        else:
+            out[key] = value
     return out
 
 
@@ -123,12 +126,12 @@ SHARED_KNOBS`, as ``carry``'s).
         Scoring costs rows x layers: ``configs/nexus-fast.yaml`` (16 prefill rows, every
         other layer) costs a quarter at prefill, for a small loss of quality
         (docs/results.md, "Cheaper scoring").
-    policy_args : Mapping[str, Any]
+    policy_args : Mapping[str, object]
         The chosen policy's knobs (:meth:`EvictionPolicy.knobs`, e.g. Nexus's ``steps``,
         ``sampler``, ``eps``); empty: the policy's own defaults. :meth:`from_dict`,
         :meth:`replace` and :meth:`from_budget` also take them as top-level keys
         (``{"method": "nexus", "steps": 5}``).
-    prefill_args : Mapping[str, Any]
+    prefill_args : Mapping[str, object]
         Knob overrides at prefill events (after prompt chunks, and the prompt-end event),
         over ``policy_args`` and the policy's declared prefill defaults
         (:func:`~nexus_vllm.core.event_policies.event_knobs`); top-level
@@ -176,8 +179,8 @@ SHARED_KNOBS`, as ``carry``'s).
     layer_stride: int = 1
     # Plain dicts (copied here): the config travels as JSON through vLLM's
     # additional_config and is compared, never hashed.
-    policy_args: Mapping[str, Any] = field(default_factory=dict)
-    prefill_args: Mapping[str, Any] = field(default_factory=dict)
+    policy_args: Mapping[str, object] = field(default_factory=dict)
+    prefill_args: Mapping[str, object] = field(default_factory=dict)
     seed: int = 0
     granularity: str = "block"
     head_group: int = 1
@@ -275,7 +278,7 @@ SHARED_KNOBS`, as ``carry``'s).
 
     # -- construction ---------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> EvictionConfig:
+    def from_dict(cls, data: Mapping[str, object]) -> EvictionConfig:
         """Build from a mapping, rejecting unknown keys (typos must not pass silently).
 
         Besides the fields, a knob of the chosen policy may be a top-level key
@@ -295,10 +298,11 @@ SHARED_KNOBS`, as ``carry``'s).
         data = _current_names(data)
         method = data.get("method", cls.method)
         check_choice("method", method, METHODS)
+        assert isinstance(method, str)  # check_choice passed: a method's name
         takes = POLICIES[method].knobs() if method in POLICIES else ()
         allowed = {f.name for f in fields(cls)}
-        out: dict[Any, Any] = {}
-        lifted: dict[str, dict[str, Any]] = {"policy_args": {}, "prefill_args": {}}
+        out: dict[str, object] = {}
+        lifted: dict[str, dict[str, object]] = {"policy_args": {}, "prefill_args": {}}
         unknown = []
         for key, value in data.items():
             if key in allowed:
@@ -335,8 +339,10 @@ SHARED_KNOBS`, as ``carry``'s).
             given = out.get(name, {})
             if knobs and isinstance(given, Mapping):  # a non-mapping fails in __post_init__
                 out[name] = {**given, **knobs}
+        # Called with the values as given: __post_init__ checks every one.
+        build: Callable[..., EvictionConfig] = cls
         try:
-            return cls(**out)
+            return build(**out)
         except ConfigError as exc:
             # Name a knob the way it was given: a top-level key keeps its own name.
             source, _, knob = exc.field.partition(".")
@@ -348,7 +354,7 @@ SHARED_KNOBS`, as ``carry``'s).
             raise ConfigError(written, msg) from None
 
     @classmethod
-    def from_budget(cls, method: str, budget: float | int, **knobs: Any) -> EvictionConfig:
+    def from_budget(cls, method: str, budget: float | int, **knobs: object) -> EvictionConfig:
         """The one budget rule: a float in (0, 1] is a keep ratio of the tokens seen, an int
         a token count (``max_tokens``). ``knobs`` are any :meth:`from_dict` keys.
 
@@ -369,12 +375,12 @@ SHARED_KNOBS`, as ``carry``'s).
             raise ConfigError("budget", f"budget as a ratio must be in (0, 1]; got {budget}")
         return cls.from_dict({"method": method, "keep_ratio": float(budget), **knobs})
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """Plain, JSON-serialisable fields; :meth:`from_dict` rebuilds an equal config."""
         return {f.name: dict(v) if isinstance(v := getattr(self, f.name), Mapping) else v
                 for f in fields(self)}
 
-    def replace(self, **changes: Any) -> EvictionConfig:
+    def replace(self, **changes: object) -> EvictionConfig:
         """A copy with ``changes`` applied: any :meth:`from_dict` keys, validated. A new
         ``method`` starts from its policy's defaults (the old policy's knobs mean nothing
         to it) unless ``changes`` gives its knobs."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from ._validate import ConfigError
 from .policies import POLICIES, EvictionPolicy
@@ -40,7 +40,7 @@ def event_kind(*, prefill: bool, prompt_end: bool) -> EventPolicyKind:
     return "prompt_end" if prompt_end else "prefill"
 
 
-def event_knobs(cfg: EvictionConfig, kind: EventPolicyKind) -> dict[str, Any]:
+def event_knobs(cfg: EvictionConfig, kind: EventPolicyKind) -> dict[str, object]:
     """The knobs the config's policy runs with at events of ``kind``.
 
     ``policy_args`` (over the policy's declared ``stream_defaults`` in ``prompt_mode``
@@ -54,7 +54,8 @@ def event_knobs(cfg: EvictionConfig, kind: EventPolicyKind) -> dict[str, Any]:
     if cfg.method == "none":
         raise ValueError("method 'none' has no eviction policy")
     cls = POLICIES[cfg.method]
-    knobs = dict(cls.stream_defaults) if cfg.prompt_mode == "stream" else {}
+    knobs: dict[str, object] = dict(cls.stream_defaults) if cfg.prompt_mode == "stream" \
+        else {}
     knobs.update(cfg.policy_args)
     if kind != "decode":
         at_end = cfg.prompt_mode == "end" or (kind == "prompt_end"

@@ -19,10 +19,13 @@ decode step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from .budget import hard_limit, target_blocks
 from .scoring import cdiv
+
+if TYPE_CHECKING:
+    from .config import EvictionConfig
 
 __all__ = ["EventKind", "EvictionTrigger", "first_prompt_event"]
 
@@ -37,8 +40,10 @@ class EvictionTrigger:
 
     Parameters
     ----------
-    config : EvictionConfig
-        The request's config (its budget rule, ``interval`` and chunk size).
+    config : EvictionConfig or None
+        The request's config (its budget rule, ``interval`` and chunk size); None: a
+        sequence that never evicts (a dense session keeps the clock for its prompt
+        length only, and never advances it).
     prompt_tokens : int
         The request's prompt length (where prefill ends and the prompt-end event fires).
 
@@ -50,7 +55,7 @@ class EvictionTrigger:
         Decode tokens counted since the last event.
     """
 
-    config: Any
+    config: EvictionConfig | None
     prompt_tokens: int
     tokens: int = 0
     decode_tokens: int = 0
@@ -80,6 +85,7 @@ class EvictionTrigger:
         else None.
         """
         cfg = self.config
+        assert cfg is not None, "a clock without a config never fires"
         new = tokens - self.tokens if new_tokens is None else int(new_tokens)
         before = tokens - new
         self.tokens = tokens
@@ -110,7 +116,7 @@ class EvictionTrigger:
         return prefill and self.tokens >= self.prompt_tokens
 
 
-def first_prompt_event(config: Any, prompt_tokens: int) -> tuple[int, int] | None:
+def first_prompt_event(config: EvictionConfig, prompt_tokens: int) -> tuple[int, int] | None:
     """``(start, end)``: the prompt chunk after which the first eviction event fires, for
     a prompt of ``prompt_tokens`` streamed in ``config.chunk_size`` chunks with nothing
     evicted before it (the trigger's own rule, :meth:`EvictionTrigger.advance`); None when

@@ -239,7 +239,7 @@ class Evidence(Mapping[str, torch.Tensor]):
     num_blocks : int, optional
         N, required when no kind is given (a policy that reads nothing).
     **kinds : Tensor
-        Any other registered kind by name (``expected_attention=...``).
+        Every other registered kind, by name (``expected_attention=...``).
 
     Raises
     ------

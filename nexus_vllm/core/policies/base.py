@@ -10,10 +10,10 @@ the one a server runs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from types import MappingProxyType
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar, overload
 
 import torch
 
@@ -23,16 +23,19 @@ from ..head_paged import HeadEvidence
 from ..sampling import top_k_indices
 
 __all__ = ["METHODS", "POLICIES", "SHARED_KNOBS", "EvictionPolicy", "MethodNames",
-           "carry_forward", "check_shared_knobs", "forced_blocks", "forced_count",
+           "PolicyState", "carry_forward", "check_shared_knobs", "forced_blocks", "forced_count",
            "forced_tail", "get_policy", "head_granular_methods", "register_policy"]
 
 # The knobs every policy takes besides its own, and their defaults: the forced set (one
 # sink block, the two newest full blocks, the current block) and one block of carry.
 SHARED_KNOBS: Mapping[str, int] = MappingProxyType(
     {"sink_blocks": 1, "recent_blocks": 2, "carry": 1})
+# The caller-owned per-request state a policy keeps between events (H2O's cumulative
+# mass), keyed by the policy's own names.
+PolicyState = dict[str, torch.Tensor]
 
 
-def check_shared_knobs(sink_blocks: Any, recent_blocks: Any, carry: Any) -> None:
+def check_shared_knobs(sink_blocks: object, recent_blocks: object, carry: object) -> None:
     """The rules of :data:`SHARED_KNOBS`: ``sink_blocks`` >= 1, ``recent_blocks`` >= 0,
     ``carry`` in 0..4 (:class:`~nexus_vllm.core.ConfigError` naming the knob)."""
     check_int("sink_blocks", sink_blocks, low=1)
@@ -115,12 +118,12 @@ class EvictionPolicy:
     name: ClassVar[str] = "base"
     # Knob overrides at prefill events (after a prompt chunk, and the prompt-end event):
     # in prompt_mode "stream" and "keep", and in "end". A config's own prefill_args win.
-    prefill_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({})
-    prompt_end_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({})
+    prefill_defaults: ClassVar[Mapping[str, object]] = MappingProxyType({})
+    prompt_end_defaults: ClassVar[Mapping[str, object]] = MappingProxyType({})
     # Knob defaults at every event (decode included) in prompt_mode "stream", where every
     # prompt event but the last runs before the question is seen; a config's policy_args
     # win, and prefill events apply prefill_defaults over them.
-    stream_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({})
+    stream_defaults: ClassVar[Mapping[str, object]] = MappingProxyType({})
     # The evidence kinds score() reads (:mod:`nexus_vllm.core.evidence`); empty for
     # score-free policies.
     evidence: ClassVar[frozenset[str]] = frozenset({"mass"})
@@ -128,6 +131,10 @@ class EvictionPolicy:
     query_rows: ClassVar[int | None] = None
     # A policy whose score exists per (layer, KV head, token) only: granularity "head".
     head_only: ClassVar[bool] = False
+    # The one per-head evidence kind (:data:`~nexus_vllm.core.head_paged.HEAD_KINDS`)
+    # whose value is the policy's per-head score as it is (None: no such kind; a policy
+    # with a per-head score of its own overrides :attr:`head_needs` and :meth:`head_score`).
+    head_kind: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         check_shared_knobs(self.sink_blocks, self.recent_blocks, self.carry)
@@ -158,7 +165,7 @@ class EvictionPolicy:
         """Query rows worth scoring out of a ``window`` (fewer for ``query_rows``)."""
         return window if self.query_rows is None else min(window, self.query_rows)
 
-    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+    def score(self, evidence: Evidence, state: PolicyState | None) -> torch.Tensor:
         """Per-block keep weight from the evidence, Tensor[N]; larger means more worth
         keeping. The one method a policy overrides; :meth:`keep_weights` carries it and
         applies :meth:`reweight` before the sampler reads it.
@@ -171,8 +178,8 @@ class EvictionPolicy:
     def head_needs(self) -> frozenset[str]:
         """The per-head evidence (:data:`~nexus_vllm.core.head_paged.HEAD_KINDS`) that
         :meth:`head_score` reads; empty: the policy has no per-head score and cannot run
-        at ``granularity`` ``head``."""
-        return frozenset()
+        at ``granularity`` ``head``. By default :attr:`head_kind`, if any."""
+        return frozenset() if self.head_kind is None else frozenset({self.head_kind})
 
     @property
     def head_sampler(self) -> str:
@@ -181,7 +188,10 @@ class EvictionPolicy:
 
     def head_score(self, evidence: HeadEvidence) -> torch.Tensor:
         """Keep weight of every (layer, KV head, token) unit, Tensor[L, Hkv, T]; one
-        threshold over all of them spends the budget (:mod:`~nexus_vllm.core.head_paged`)."""
+        threshold over all of them spends the budget (:mod:`~nexus_vllm.core.head_paged`).
+        By default the evidence of :attr:`head_kind`."""
+        if self.head_kind is not None:
+            return evidence[self.head_kind]
         raise ValueError(f"policy {self.name!r} has no per-head score: granularity 'head' "
                          f"takes {', '.join(head_granular_methods())}")
 
@@ -191,7 +201,7 @@ class EvictionPolicy:
         returns Tensor[N]."""
         return weights
 
-    def keep_weights(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+    def keep_weights(self, evidence: Evidence, state: PolicyState | None) -> torch.Tensor:
         """The weights the sampler reads, Tensor[N] float64 (CPU): :meth:`score`, carried
         forward (:func:`carry_forward`) when the policy reads attention and ``carry`` is
         set, then :meth:`reweight`. A successor inherits a block's attention (a fact's
@@ -227,7 +237,7 @@ class EvictionPolicy:
         budget_blocks: int,
         *,
         generator: torch.Generator | None = None,
-        state: dict[str, Any] | None = None,
+        state: PolicyState | None = None,
     ) -> torch.Tensor:
         """Blocks to keep.
 
@@ -278,7 +288,7 @@ class EvictionPolicy:
         self.after_select(keep, state)
         return keep
 
-    def after_select(self, keep: torch.Tensor, state: dict[str, Any] | None) -> None:
+    def after_select(self, keep: torch.Tensor, state: PolicyState | None) -> None:
         """Hook for stateful policies to re-index their state to the kept blocks."""
 
 
@@ -314,7 +324,13 @@ class MethodNames(Sequence[str]):
     def _names(self) -> tuple[str, ...]:
         return ("none", *POLICIES)
 
-    def __getitem__(self, index: Any) -> Any:
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[str, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> str | tuple[str, ...]:
         return self._names()[index]
 
     def __len__(self) -> int:
@@ -347,7 +363,7 @@ def head_granular_methods() -> list[str]:
     return sorted(m for m, cls in POLICIES.items() if cls().head_needs)
 
 
-def get_policy(name: str, **knobs: Any) -> EvictionPolicy:
+def get_policy(name: str, **knobs: object) -> EvictionPolicy:
     """Build a policy by name with validated knobs.
 
     Raises
@@ -357,6 +373,8 @@ def get_policy(name: str, **knobs: Any) -> EvictionPolicy:
     """
     check_choice("policy", name, POLICIES)
     cls = POLICIES[name]
+    # Called with the knobs as given: the policy's __post_init__ checks their values.
+    build: Callable[..., EvictionPolicy] = cls
     allowed = {f.name for f in fields(cls)}
     unknown = sorted(set(knobs) - allowed)
     if unknown:
@@ -364,4 +382,4 @@ def get_policy(name: str, **knobs: Any) -> EvictionPolicy:
             unknown[0],
             f"unknown knob(s) {unknown} for policy {name!r}; allowed: {sorted(allowed)}",
         )
-    return cls(**knobs)
+    return build(**knobs)

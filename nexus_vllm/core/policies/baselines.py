@@ -4,13 +4,13 @@ expected attention alone and KVzip's reconstruction score (head granularity only
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from ..evidence import Evidence
-from ..head_paged import HeadEvidence
-from .base import EvictionPolicy, register_policy
+from ..head_evidence import HeadEvidence
+from .base import EvictionPolicy, PolicyState, register_policy
 from .key_norm_prior import key_norms_are_flat
 
 __all__ = ["ExpectedAttentionPolicy", "H2OPolicy", "KNormPolicy", "RandomPolicy",
@@ -25,7 +25,7 @@ class H2OPolicy(EvictionPolicy):
     name: ClassVar[str] = "h2o"
     STATE_KEY: ClassVar[str] = "h2o_cumulative_mass"
 
-    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+    def score(self, evidence: Evidence, state: PolicyState | None) -> torch.Tensor:
         current = evidence.mass.detach().to("cpu", torch.float64).sum(dim=0)
         if state is None:
             return current
@@ -40,7 +40,7 @@ class H2OPolicy(EvictionPolicy):
         state[self.STATE_KEY] = current
         return current
 
-    def after_select(self, keep: torch.Tensor, state: dict[str, Any] | None) -> None:
+    def after_select(self, keep: torch.Tensor, state: PolicyState | None) -> None:
         if state is not None and self.STATE_KEY in state:
             state[self.STATE_KEY] = state[self.STATE_KEY][keep]
 
@@ -51,15 +51,9 @@ class SnapKVPolicy(EvictionPolicy):
     """SnapKV at block level: column sums of the window's attention (no token pooling)."""
 
     name: ClassVar[str] = "snapkv"
+    head_kind: ClassVar[str | None] = "mass"
 
-    @property
-    def head_needs(self) -> frozenset[str]:
-        return frozenset({"mass"})
-
-    def head_score(self, evidence: HeadEvidence) -> torch.Tensor:
-        return evidence["mass"]
-
-    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+    def score(self, evidence: Evidence, state: PolicyState | None) -> torch.Tensor:
         return evidence.mass.detach().to("cpu", torch.float64).sum(dim=0)
 
 
@@ -70,15 +64,9 @@ class TOVAPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "tova"
     query_rows: ClassVar[int | None] = 1
+    head_kind: ClassVar[str | None] = "mass"
 
-    @property
-    def head_needs(self) -> frozenset[str]:
-        return frozenset({"mass"})
-
-    def head_score(self, evidence: HeadEvidence) -> torch.Tensor:
-        return evidence["mass"]
-
-    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+    def score(self, evidence: Evidence, state: PolicyState | None) -> torch.Tensor:
         mass = evidence.mass
         if mass.shape[0] == 0:
             return torch.zeros(mass.shape[1], dtype=torch.float64)
@@ -93,7 +81,7 @@ class StreamingPolicy(EvictionPolicy):
     name: ClassVar[str] = "streaming"
     evidence: ClassVar[frozenset[str]] = frozenset()
 
-    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+    def score(self, evidence: Evidence, state: PolicyState | None) -> torch.Tensor:
         return torch.arange(evidence.num_blocks, dtype=torch.float64)
 
 
@@ -109,7 +97,7 @@ class RandomPolicy(EvictionPolicy):
     def stochastic(self) -> bool:
         return True
 
-    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+    def score(self, evidence: Evidence, state: PolicyState | None) -> torch.Tensor:
         return torch.ones(evidence.num_blocks, dtype=torch.float64)
 
     def choose(self, weights: torch.Tensor, k: int,
@@ -124,15 +112,12 @@ class KNormPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "knorm"
     evidence: ClassVar[frozenset[str]] = frozenset({"key_norms"})
-
-    @property
-    def head_needs(self) -> frozenset[str]:
-        return frozenset({"key_norms"})
+    head_kind: ClassVar[str | None] = "key_norms"
 
     def head_score(self, evidence: HeadEvidence) -> torch.Tensor:
         return -evidence["key_norms"]
 
-    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+    def score(self, evidence: Evidence, state: PolicyState | None) -> torch.Tensor:
         assert evidence.key_norms is not None  # select() checks what the policy needs
         norms = evidence.key_norms.detach().to("cpu", torch.float64)
         if key_norms_are_flat(norms):
@@ -152,15 +137,9 @@ class ExpectedAttentionPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "expected"
     evidence: ClassVar[frozenset[str]] = frozenset({"expected_attention"})
+    head_kind: ClassVar[str | None] = "expected_attention"
 
-    @property
-    def head_needs(self) -> frozenset[str]:
-        return frozenset({"expected_attention"})
-
-    def head_score(self, evidence: HeadEvidence) -> torch.Tensor:
-        return evidence["expected_attention"]
-
-    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+    def score(self, evidence: Evidence, state: PolicyState | None) -> torch.Tensor:
         return evidence["expected_attention"].detach().to("cpu", torch.float64)
 
 
@@ -176,14 +155,8 @@ class ReconstructionPolicy(EvictionPolicy):
     name: ClassVar[str] = "reconstruction"
     evidence: ClassVar[frozenset[str]] = frozenset()
     head_only: ClassVar[bool] = True
+    head_kind: ClassVar[str | None] = "reconstruction"
 
-    @property
-    def head_needs(self) -> frozenset[str]:
-        return frozenset({"reconstruction"})
-
-    def head_score(self, evidence: HeadEvidence) -> torch.Tensor:
-        return evidence["reconstruction"]
-
-    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+    def score(self, evidence: Evidence, state: PolicyState | None) -> torch.Tensor:
         raise ValueError("policy 'reconstruction' scores (layer, KV head, token) units only: "
                          "it needs granularity 'head'")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -18,7 +18,7 @@ from ..head_paged import HeadEvidence
 from ..sampling import SAMPLERS, sample_blocks
 from ..scoring import normalize_rows
 from ..weights import DIRECT_MODES, WALK_ROWS, check_indirect, nexus_weights
-from .base import EvictionPolicy, register_policy
+from .base import EvictionPolicy, PolicyState, register_policy
 from .key_norm_prior import KNORM_SPREAD_FLOOR, standardized_head_norms, standardized_key_norms
 
 __all__ = ["KNORM_SPREAD_FLOOR", "NexusPolicy"]
@@ -88,14 +88,14 @@ class NexusPolicy(EvictionPolicy):
     # window, direct attention and top-K keep the needle where the walk and pps's hedging
     # drop it (docs/algorithm.md, "The prompt-end event"); each block's best row, not the
     # rows' mean, keeps every fact a chat's question asks for ("The chat shape").
-    prefill_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({"indirect": "walk"})
-    prompt_end_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType(
+    prefill_defaults: ClassVar[Mapping[str, object]] = MappingProxyType({"indirect": "walk"})
+    prompt_end_defaults: ClassVar[Mapping[str, object]] = MappingProxyType(
         {"direct": "max", "indirect": "none", "sampler": "topk"})
     # In stream every prompt event but the last runs before the question: the window's
     # attention predicts the next tokens, not a later question, so the walk and pps run
     # on query-agnostic evidence too, half expected attention and a key-norm prior (the
     # tuning sets' best; docs/algorithm.md, "The streaming regime").
-    stream_defaults: ClassVar[Mapping[str, Any]] = MappingProxyType(
+    stream_defaults: ClassVar[Mapping[str, object]] = MappingProxyType(
         {"expected": 0.5, "knorm_prior": 4.0})
 
     def __post_init__(self) -> None:
@@ -172,7 +172,7 @@ class NexusPolicy(EvictionPolicy):
     def stochastic(self) -> bool:
         return self.sampler != "topk"
 
-    def score(self, evidence: Evidence, state: dict[str, Any] | None) -> torch.Tensor:
+    def score(self, evidence: Evidence, state: PolicyState | None) -> torch.Tensor:
         weights = nexus_weights(
             self.combined_mass(evidence),
             row_scale=evidence.row_scale if self.expected < 1 else None,
