@@ -10,11 +10,12 @@ resumes where it stopped.
 
 from __future__ import annotations
 
+import itertools
 import pathlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -47,7 +48,7 @@ class MethodSpec:
 
     label: str
     method: str
-    knobs: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    knobs: dict[str, object] = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def policy_method(self) -> str:
@@ -66,7 +67,7 @@ class MethodSpec:
 DENSE = MethodSpec("dense", "dense")
 
 
-def _value(text: str) -> Any:
+def _value(text: str) -> int | float | str:
     for cast in (int, float):
         try:
             return cast(text)
@@ -79,7 +80,7 @@ def parse_method(spec: str) -> MethodSpec:
     """``"nexus:sampler=ares,n=8"`` -> MethodSpec(label=spec, method="nexus", knobs=...)."""
     spec = spec.strip()
     name, _, rest = spec.partition(":")
-    knobs: dict[str, Any] = {}
+    knobs: dict[str, object] = {}
     if rest:
         for item in rest.split(","):
             k, eq, v = item.partition("=")
@@ -107,7 +108,7 @@ class RunConfig:
     chunk_size: int = 512
     # Applied to every eviction method; a knob of some policies (``prefill_direct``) only
     # to the methods that take it, so one run can pin a policy's knob for all its methods.
-    knobs: dict[str, Any] = field(default_factory=dict)
+    knobs: dict[str, object] = field(default_factory=dict)
     threads: int = 1
 
     def __post_init__(self) -> None:
@@ -127,7 +128,7 @@ class RunConfig:
                 except ValueError as exc:
                     raise ValueError(f"method {spec.label!r} at budget {b!r}: {exc}") from None
 
-    def knobs_for(self, spec: MethodSpec) -> dict[str, Any]:
+    def knobs_for(self, spec: MethodSpec) -> dict[str, object]:
         """The run's knobs, then the method's own. A run-level knob of policies other than
         ``spec``'s (``prefill_direct`` is Nexus's) is left out for it."""
         method = spec.policy_method
@@ -207,36 +208,48 @@ def run_eval(cfg: RunConfig, model: torch.nn.Module, tokenizer: PreTrainedTokeni
     bar = tqdm(total=len(runs), disable=not progress, desc=f"eval {out_dir.name}", dynamic_ncols=True,
                initial=sum(1 for r in runs if r.key in done))
     # Runs are grouped by sample: only the current sample and its dense result are kept.
-    current: SampleId | None = None
-    dense: Any = None
     with record_writer(path) as write:
-        for run in runs:
-            if run.key in done:
-                continue
-            if run.sample != current:
-                current = run.sample
-                job = _job(cfg, model, tokenizer, current)
-                dense = job.run(DENSE, None, 0)
-            rec = dense[1] if run.method.method == "dense" else job.run(
-                run.method, run.budget, run.seed, dense[0])[1]
-            write(rec)
-            records.append(rec)
-            done.add(run.key)
-            bar.update(1)
-            if log is not None:
-                log(rec)
+        for sid, todo in itertools.groupby((r for r in runs if r.key not in done),
+                                           key=lambda r: r.sample):
+            for run, rec in _sample_records(cfg, model, tokenizer, sid, todo):
+                write(rec)
+                records.append(rec)
+                done.add(run.key)
+                bar.update(1)
+                if log is not None:
+                    log(rec)
     bar.close()
     return records
 
 
-def _job(cfg: RunConfig, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, sid: SampleId) -> _SampleJob | _DialogueJob:
+def _sample_records(cfg: RunConfig, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+                    sid: SampleId, runs: Iterable[Run]) -> Iterator[tuple[Run, Record]]:
+    """Each of ``runs`` (all of sample ``sid``) and its record, dense run first."""
     if sid.task in DIALOGUE_TASKS:
         dialogue = make_dialogue(sid.task, seed=cfg.data_seed, index=sid.index,
                                  target_tokens=sid.context, tokenizer=tokenizer)
-        return _DialogueJob(cfg, model, tokenizer, sid, dialogue)
+        return _job_records(_DialogueJob(cfg, model, tokenizer, sid, dialogue), runs)
     sample = make_sample(sid.task, seed=cfg.data_seed, index=sid.index,
                          target_tokens=sid.context, tokenizer=tokenizer, protocol=sid.protocol)
-    return _SampleJob(cfg, model, tokenizer, sid, sample)
+    return _job_records(_SampleJob(cfg, model, tokenizer, sid, sample), runs)
+
+
+_Result = TypeVar("_Result")
+
+
+class _Job(Protocol[_Result]):
+    """The runs of one sample (:class:`_SampleJob`, :class:`_DialogueJob`)."""
+
+    def run(self, spec: MethodSpec, budget: float | int | None, seed: int,
+            dense: _Result | None = None) -> tuple[_Result, Record]: ...
+
+
+def _job_records(job: _Job[_Result], runs: Iterable[Run]) -> Iterator[tuple[Run, Record]]:
+    """Dense once, then each of ``runs`` against it (a dense run is that record)."""
+    dense = job.run(DENSE, None, 0)
+    for run in runs:
+        yield run, dense[1] if run.method.method == "dense" else job.run(
+            run.method, run.budget, run.seed, dense[0])[1]
 
 
 def _capture_rows(cfg: RunConfig) -> int:
@@ -297,7 +310,7 @@ class _SampleJob:
                                preamble=s.preamble)
         return greedy_text(state, self.tokenizer, max_new_tokens=s.max_new_tokens)
 
-    def run(self, spec: MethodSpec, budget: Any, seed: int,
+    def run(self, spec: MethodSpec, budget: float | int | None, seed: int,
             dense: SampleResult | None = None) -> tuple[SampleResult, Record]:
         knobs = self.cfg.knobs_for(spec)
         t0 = time.perf_counter()
@@ -335,7 +348,7 @@ class _DialogueJob:
     sid: SampleId
     dialogue: Dialogue
 
-    def run(self, spec: MethodSpec, budget: Any, seed: int,
+    def run(self, spec: MethodSpec, budget: float | int | None, seed: int,
             dense: list[ProbeResult] | None = None) -> tuple[list[ProbeResult], Record]:
         d = self.dialogue
         config = None if spec.method == "dense" else make_config(
@@ -375,7 +388,7 @@ def _kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (p.exp() * (p - q)).sum(-1).clamp_min(0)
 
 
-def config_dict(cfg: RunConfig) -> dict[str, Any]:
+def config_dict(cfg: RunConfig) -> dict[str, object]:
     """``cfg`` as plain YAML/JSON data (lists, not tuples), plus the torch version."""
     d = asdict(cfg)
     d["torch"] = str(torch.__version__)
