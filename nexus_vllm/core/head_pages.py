@@ -37,10 +37,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .head_paged import select_head_units
 from .scoring import cdiv
 
 __all__ = ["HeadPages", "HeadPageEvent", "apply_head_page_event", "packable_budget_tiles",
-           "tail_block_of"]
+           "select_packed", "tail_block_of"]
 
 
 def tail_block_of(num_tokens: int, block_size: int) -> int:
@@ -55,6 +56,49 @@ def packable_budget_tiles(budget_blocks: int, num_tokens: int, block_size: int,
     within ``budget_blocks``: ``(budget_blocks - tail blocks) x U``, at least 0."""
     tail_blocks = cdiv(int(num_tokens), int(block_size)) - tail_block_of(num_tokens, block_size)
     return max(int(budget_blocks) - tail_blocks, 0) * int(num_units)
+
+
+def select_packed(scores: torch.Tensor, live: torch.Tensor, forced: torch.Tensor,
+                  budget_blocks: int, block_size: int, *, positions: torch.Tensor,
+                  seen: int, group: int = 1, sampler: str = "topk", n: int = 1,
+                  generator: torch.Generator | None = None,
+                  shares: torch.Tensor | None = None) -> torch.Tensor:
+    """One event's choice under the serving layout: :func:`select_head_units` over the
+    entries before the newest token's block, within :func:`packable_budget_tiles`; that
+    block and any after it (the tail) kept whole by every head. The transformers path
+    and the server both choose this way, so they keep the same entries.
+
+    Parameters
+    ----------
+    scores : Tensor[L, Hkv, T]
+    live : BoolTensor[L, Hkv, T]
+    forced : BoolTensor[T]
+    budget_blocks : int
+        The sequence's block budget (tail blocks included).
+    block_size : int
+    positions : LongTensor[T]
+        Each slot's logical position.
+    seen : int
+        Tokens fed.
+    group, sampler, n, generator, shares
+        As :func:`select_head_units`.
+
+    Returns
+    -------
+    BoolTensor[L, Hkv, T]: a subset of ``live`` whose packed entries fill whole
+    head-blocks (:meth:`HeadPages.plan_event` takes it as ``keep``).
+    """
+    packable = positions < tail_block_of(seen, block_size) * block_size
+    out = live.bool().clone()
+    if not bool(packable.any()):
+        return out
+    units = int(live.shape[0] * live.shape[1])
+    budget = packable_budget_tiles(budget_blocks, seen, block_size, units)
+    out[..., packable] = select_head_units(
+        scores[..., packable], out[..., packable], forced[packable], budget, block_size,
+        positions=positions[packable], group=group, sampler=sampler, n=n,
+        generator=generator, shares=shares)
+    return out
 
 
 @dataclass(frozen=True)

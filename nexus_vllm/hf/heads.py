@@ -17,13 +17,12 @@ from nexus_vllm.core.event_policies import EventPolicies
 from nexus_vllm.core.head_paged import (
     HeadEvidence,
     forced_positions,
-    head_budget_blocks,
     head_expected_attention,
     head_key_norms,
     head_window_attention,
     load_head_profile,
-    select_head_units,
 )
+from nexus_vllm.core.head_pages import select_packed
 from nexus_vllm.core.head_scorer import HeadScorer, load_head_scorer, shipped_head_scorers
 from nexus_vllm.hf.capture import has_attention_sinks
 
@@ -122,17 +121,17 @@ class HeadLedger:
                seen: int, budget_blocks: int, config: EvictionConfig,
                generator: torch.Generator | None) -> torch.Tensor:
         """One event's choice: ``policy``'s per-head score remembered (:meth:`remember`),
-        then one threshold within ``budget_blocks`` x layers x KV heads head-blocks, the
+        then one threshold over the entries before the newest token's block within
+        ``budget_blocks - 1`` x layers x KV heads head-blocks, that block kept whole
+        (:func:`~nexus_vllm.core.head_pages.select_packed`, the server's rule), and the
         forced set (``positions``: each slot's logical position, ``seen`` tokens fed)
         kept. Sets and returns :attr:`live`."""
         scores = self.remember(policy.head_score(evidence))
         forced = forced_positions(positions, seen, config.block_size,
                                   policy.sink_blocks, policy.recent_blocks)
-        live = self.live
-        self.live = select_head_units(
-            scores, live, forced,
-            head_budget_blocks(budget_blocks, live.shape[0], live.shape[1]),
-            config.block_size, positions=positions, group=config.head_group,
+        self.live = select_packed(
+            scores, self.live, forced, budget_blocks, config.block_size,
+            positions=positions, seen=seen, group=config.head_group,
             sampler=policy.head_sampler, n=int(getattr(policy, "n", 1)),
             generator=generator, shares=self.shares)
         return self.live

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from nexus_vllm.core.head_paged import forced_positions, head_blocks_held
+from nexus_vllm.core.head_pages import HeadPages, tail_block_of
 from nexus_vllm.hf import StreamingSession, make_config
 from nexus_vllm.hf.streaming import with_head_mask
 from nexus_vllm.hf.testing import tiny_model
@@ -61,10 +62,18 @@ def test_every_event_fits_the_head_block_budget_and_keeps_the_forced_set(model, 
     assert len(session.events) >= 3
     text = model.config
     heads = len(session.full_attention_layers) * text.num_key_value_heads
+    pages = HeadPages.fresh(heads, 8)
     for event in session.events:
         live = event.head_live
         assert live is not None and live.shape[-1] == event.kept_positions.numel()
         assert head_blocks_held(live, 8) <= event.budget_blocks * heads
+        # The server's layout takes the same choice: whole tiles per head before the
+        # tail, within the same vLLM blocks.
+        keep = torch.zeros(heads, event.seen, dtype=torch.bool)
+        keep[:, event.kept_positions] = live.reshape(heads, -1)
+        pages, _ = pages.plan_event(keep, event.seen)
+        assert torch.equal(pages.live(event.seen), keep)
+        assert pages.blocks_held(event.seen).numel() <= event.budget_blocks
         # Every slot still cached is held by some head; the forced set by all of them.
         assert bool(live.any(dim=1).any(dim=0).all())
         forced = forced_positions(event.kept_positions, event.seen, 8, 1, 1)
@@ -222,10 +231,14 @@ def test_the_stand_in_spends_the_budget_where_it_scores_highest(model, tok, tmp_
     counts = event.head_live.sum(dim=-1)
     forced = forced_positions(event.kept_positions, event.seen, 8, 1, 1)
     assert int(counts[-1, -1]) == event.kept_positions.numel()  # the best head: all
-    # The worst: the forced set, packed into whole head-blocks (a partial head-block's
-    # free slots cost nothing, so its best entries fill them).
+    # The worst: the forced set before the newest token's block, packed into whole
+    # head-blocks (a partial head-block's free slots cost nothing, so its best entries
+    # fill them), and that block whole (the tail, the server's layout: core/head_pages).
+    edge = tail_block_of(event.seen, 8) * 8
+    packed = event.kept_positions < edge
     assert int(counts[0, 0]) == int(counts.min())
-    assert int(counts[0, 0]) == -(-int(forced.sum()) // 8) * 8
+    assert int(counts[0, 0]) == -(-int((forced & packed).sum()) // 8) * 8 + int((~packed).sum())
+    assert bool(((event.head_live[..., packed].sum(dim=-1) % 8) == 0).all())
     heads = layers * hkv
     assert head_blocks_held(event.head_live, 8) <= event.budget_blocks * heads
 
