@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import cast
 
 from nexus_vllm.argtypes import float_in, int_at_least
 from nexus_vllm.core import ConfigError, EvictionConfig
@@ -15,7 +16,7 @@ from nexus_vllm.eval.budget import parse_budget
 from .burst import split_context
 from .groups import eviction_refusal
 from .memory import GIB
-from .report import HYBRID_STEP_TOKENS, Sizing, format_sizing, size_replica
+from .report import HYBRID_STEP_TOKENS, Sizing, SizingInputs, format_sizing, size_replica
 from .shape import BUILTIN_MODELS, model_shape
 
 __all__ = ["build_parser", "main", "sizing_from_args"]
@@ -123,7 +124,8 @@ def sizing_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error(f"{flag}: {exc}")
     if cfg.method == "none":
         parser.error("--method: 'none' does not evict; the stock column is that sizing")
-    inputs = {k: v for k, v in vars(args).items() if k != "json"}
+    # Every flag but --json, as argparse parsed it (its namespace is untyped).
+    inputs = cast(SizingInputs, {k: v for k, v in vars(args).items() if k != "json"})
     try:
         return size_replica(model, cfg, pool_blocks=args.pool_blocks,
                          gpu_memory_gib=args.gpu_memory_gib, gpu_util=args.gpu_util,

@@ -19,14 +19,14 @@ instead, K only and whole on every TP rank (vLLM's ``MLAAttentionSpec``: one KV 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TypedDict
 
 from nexus_vllm.core import cdiv
 
 from .groups import kv_cache_groups, layers_per_block
 from .shape import ModelShape
 
-__all__ = ["GIB", "block_bytes_per_gpu", "kv_pool_blocks", "page_bytes_per_layer"]
+__all__ = ["GIB", "PoolMemory", "block_bytes_per_gpu", "kv_pool_blocks", "page_bytes_per_layer"]
 
 GIB = 2**30
 
@@ -48,8 +48,21 @@ def block_bytes_per_gpu(model: ModelShape, *, tp: int, pp: int, block_size: int)
             * layers_per_block(kv_cache_groups(model), model.layers, pp))
 
 
+class PoolMemory(TypedDict):
+    """:func:`kv_pool_blocks`: one GPU's memory arithmetic, bytes (``pool_blocks``: the
+    KV blocks it holds)."""
+
+    usable_memory_bytes: float
+    weight_bytes_per_gpu: float
+    overhead_bytes: float
+    kv_bytes_per_gpu: float
+    layers_per_block: int
+    block_bytes_per_gpu: int
+    pool_blocks: int
+
+
 def kv_pool_blocks(model: ModelShape, *, gpu_memory_gib: float, gpu_util: float,
-                   overhead_gib: float, tp: int, pp: int, block_size: int) -> dict[str, Any]:
+                   overhead_gib: float, tp: int, pp: int, block_size: int) -> PoolMemory:
     """vLLM's block count per GPU (the pool of one replica), with the arithmetic."""
     budget = gpu_memory_gib * GIB * gpu_util
     weights = model.weight_bytes / (tp * pp)

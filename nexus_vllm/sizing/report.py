@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TypedDict
 
 from nexus_vllm.core import ConfigError, EvictionConfig, cdiv
 from nexus_vllm.core.budget import (
@@ -24,35 +24,133 @@ from nexus_vllm.core.budget import (
 
 from .burst import simulate_burst, stock_admission_blocks, stock_bound_blocks, window_allowance
 from .groups import KVGroup, eviction_refusal, kv_cache_groups, window_max_blocks
-from .memory import GIB, kv_pool_blocks
+from .memory import GIB, PoolMemory, kv_pool_blocks
 from .shape import DTYPE_BYTES, ModelShape
 
-__all__ = ["HYBRID_STEP_TOKENS", "Sizing", "format_sizing", "size_replica"]
+__all__ = ["HYBRID_STEP_TOKENS", "BurstArgs", "EvictingColumn", "EvictionSummary", "GroupRow",
+           "Sizing", "SizingInputs", "StockColumn", "format_sizing", "size_replica"]
 
 # vLLM 0.32's --max-num-batched-tokens for its API server on H100/H200: a step in flight
 # that a sliding-window group holds beyond its window, when the flag is not given.
 HYBRID_STEP_TOKENS = 8192
 
 
+class SizingInputs(TypedDict, total=False):
+    """The flags a sizing was made with (``nexus-vllm size``'s, but ``--json``)."""
+
+    model: str
+    gpu_memory_gib: float | None
+    gpu_util: float
+    overhead_gib: float
+    tp: int
+    pp: int
+    block_size: int
+    pool_blocks: int | None
+    context: int
+    prompt_tokens: int | None
+    output_tokens: int | None
+    budget: float | int
+    method: str
+    prompt_mode: str
+    prefill_budget: int | None
+    chunk_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    steps_in_flight: int | None
+
+
+class BurstArgs(TypedDict):
+    """The burst a sizing simulates: :func:`simulate_burst`'s keyword arguments."""
+
+    usable_blocks: int
+    block_size: int
+    prompt_tokens: int
+    output_tokens: int
+    requests: int
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    full_groups: int
+    windows: list[int]
+    steps_in_flight: int
+    in_flight_tokens: int
+    max_model_len: int
+
+
+class StockColumn(TypedDict):
+    """Stock vLLM's blocks per request and concurrency."""
+
+    admission_blocks: int
+    bound_blocks: int
+    peak_running: int
+    preempts: bool
+    guaranteed: int
+    concurrent: int
+
+
+class EvictingColumn(TypedDict):
+    """The evicting server's blocks per request and concurrency."""
+
+    bound_blocks: int
+    decode_hard_limit_blocks: int
+    concurrent: int
+    guaranteed: int
+    ceiling: int
+
+
+class EvictionSummary(TypedDict):
+    """The eviction config a sizing is for."""
+
+    method: str
+    max_tokens: int | None
+    keep_ratio: float | None
+    prompt_mode: str
+    prefill_budget: int | None
+    chunk_size: int
+    block_size: int
+    budget_blocks: int
+
+
+class _GroupBlocks(TypedDict):
+    kind: str  # "full_attention" or "sliding_window"
+    window: int | None
+    layers: list[int]
+    evicted: bool
+    stock_admission_blocks: int
+    stock_blocks: int
+    evicting_bound_blocks: int
+    evicting_decode_hard_limit_blocks: int
+
+
+class GroupRow(_GroupBlocks, total=False):
+    """One KV cache group's blocks per request; the steps in flight a sliding group's
+    count (absent for the full-attention group)."""
+
+    step_tokens: int
+    steps_in_flight: int
+    in_flight_tokens: int
+    evicting_prompt_step_tokens: int
+    evicting_in_flight_tokens: int
+
+
 @dataclass(frozen=True)
 class Sizing:
     """Inputs and results of one ``nexus-vllm size`` (``--json`` prints :meth:`to_dict`)."""
 
-    inputs: dict[str, Any]
-    model: dict[str, Any]
-    memory: dict[str, Any] | None
+    inputs: SizingInputs
+    model: ModelShape
+    memory: PoolMemory | None
     pool_blocks: int
     usable_blocks: int
     prompt_tokens: int
     output_tokens: int
-    eviction: dict[str, Any]
-    stock: dict[str, Any]
-    evicting: dict[str, Any]
+    eviction: EvictionSummary
+    stock: StockColumn
+    evicting: EvictingColumn
     ratio: float | None
     notes: list[str] = field(default_factory=list)
-    kv_cache_groups: list[dict[str, Any]] = field(default_factory=list)
+    kv_cache_groups: list[GroupRow] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -79,7 +177,7 @@ def _notes(model: ModelShape, cfg: EvictionConfig, hybrid: bool,
     return notes, max_num_batched_tokens
 
 
-def _window_reserve(cfg: EvictionConfig, sim: dict[str, Any], step: int, of: list[int],
+def _window_reserve(cfg: EvictionConfig, sim: BurstArgs, step: int, of: list[int],
                     tokens: int | None = None) -> int:
     """The window groups ``of`` as the plugin's admission reserves them for a request of
     the burst ``sim`` that has seen ``tokens`` (None: a new one): k steps in flight while
@@ -91,7 +189,7 @@ def _window_reserve(cfg: EvictionConfig, sim: dict[str, Any], step: int, of: lis
                             prefill_end=None if tokens is None else prompt_tokens, cfg=cfg)
 
 
-def _stock(sim: dict[str, Any], step: int) -> dict[str, Any]:
+def _stock(sim: BurstArgs, step: int) -> StockColumn:
     """Stock vLLM's column for the burst ``sim`` (:func:`simulate_burst`'s arguments),
     ``step`` tokens a step."""
     bs, prompt_tokens = sim["block_size"], sim["prompt_tokens"]
@@ -110,39 +208,36 @@ def _stock(sim: dict[str, Any], step: int) -> dict[str, Any]:
             "concurrent": stock_guaranteed if stock_run.preempted else stock_run.peak_running}
 
 
-def _group_row(g: KVGroup, cfg: EvictionConfig, sim: dict[str, Any], step: int,
-               allowance: Callable[..., int], prompt_step: int) -> dict[str, Any]:
+def _group_row(g: KVGroup, cfg: EvictionConfig, sim: BurstArgs, step: int,
+               allowance: Callable[..., int], prompt_step: int) -> GroupRow:
     """One KV-cache group's row: its blocks per request, stock and evicting, for the burst
     ``sim``; ``allowance`` the window groups' evicting reserve."""
     bs, prompt_tokens, k = sim["block_size"], sim["prompt_tokens"], sim["steps_in_flight"]
     total, in_flight = prompt_tokens + sim["output_tokens"], sim["in_flight_tokens"]
     if g.window is None:
-        blocks = {"stock_admission_blocks": cdiv(prompt_tokens, bs),
-                  "stock_blocks": cdiv(total, bs),
-                  "evicting_bound_blocks": bound_blocks(cfg, prompt_tokens, total),
-                  "evicting_decode_hard_limit_blocks":
-                      decode_peak_blocks(cfg, prompt_tokens, total)}
-    else:
-        blocks = {"stock_admission_blocks": stock_admission_blocks(
-                      prompt_tokens, bs, full_groups=0, windows=[g.window],
-                      in_flight_tokens=in_flight, max_model_len=sim["max_model_len"]),
-                  "stock_blocks": window_allowance(total, bs, [g.window], step, k),
-                  "evicting_bound_blocks": allowance([g.window]),
-                  "evicting_decode_hard_limit_blocks":
-                      allowance([g.window], prompt_tokens + k),
-                  "step_tokens": step, "steps_in_flight": k, "in_flight_tokens": in_flight,
-                  "evicting_prompt_step_tokens": prompt_step,
-                  "evicting_in_flight_tokens": k * prompt_step}
-    return {"kind": "full_attention" if g.window is None else "sliding_window",
-            "window": g.window, "layers": list(g.layers), "evicted": g.window is None,
-            **blocks}
+        return {"kind": "full_attention", "window": None, "layers": list(g.layers),
+                "evicted": True, "stock_admission_blocks": cdiv(prompt_tokens, bs),
+                "stock_blocks": cdiv(total, bs),
+                "evicting_bound_blocks": bound_blocks(cfg, prompt_tokens, total),
+                "evicting_decode_hard_limit_blocks":
+                    decode_peak_blocks(cfg, prompt_tokens, total)}
+    return {"kind": "sliding_window", "window": g.window, "layers": list(g.layers),
+            "evicted": False, "stock_admission_blocks": stock_admission_blocks(
+                prompt_tokens, bs, full_groups=0, windows=[g.window],
+                in_flight_tokens=in_flight, max_model_len=sim["max_model_len"]),
+            "stock_blocks": window_allowance(total, bs, [g.window], step, k),
+            "evicting_bound_blocks": allowance([g.window]),
+            "evicting_decode_hard_limit_blocks": allowance([g.window], prompt_tokens + k),
+            "step_tokens": step, "steps_in_flight": k, "in_flight_tokens": in_flight,
+            "evicting_prompt_step_tokens": prompt_step,
+            "evicting_in_flight_tokens": k * prompt_step}
 
 
 def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | None,
               gpu_memory_gib: float | None, gpu_util: float, overhead_gib: float, tp: int,
               pp: int, context: int, prompt_tokens: int, output_tokens: int,
               max_num_seqs: int, max_num_batched_tokens: int | None,
-              inputs: dict[str, Any] | None = None,
+              inputs: SizingInputs | None = None,
               steps_in_flight: int | None = None) -> Sizing:
     """Blocks and concurrency for one replica (``tp x pp`` GPUs).
 
@@ -186,7 +281,7 @@ def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | N
             window_max_blocks(w, bs, in_flight, context) for w in windows)):
         notes.append(f"vLLM will not start: one --max-model-len {context} request needs "
                      f"{one} blocks, the pool has {usable}")
-    sim: dict[str, Any] = {
+    sim: BurstArgs = {
         "usable_blocks": usable, "block_size": bs, "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens, "requests": max_num_seqs,
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
@@ -200,18 +295,18 @@ def size_replica(model: ModelShape, cfg: EvictionConfig, *, pool_blocks: int | N
     decode_peak = decode_peak_blocks(cfg, prompt_tokens, total) \
         + allowance(windows, prompt_tokens + k)
     evict_run = simulate_burst(cfg, **sim)
-    evicting = {"bound_blocks": bound, "decode_hard_limit_blocks": decode_peak,
+    evicting: EvictingColumn = {"bound_blocks": bound, "decode_hard_limit_blocks": decode_peak,
                 "concurrent": evict_run.peak_running,
                 "guaranteed": min(usable // bound, max_num_seqs),
                 "ceiling": min(usable // decode_peak, max_num_seqs)}
     if evict_run.peak_running >= max_num_seqs:
         notes.append(f"--max-num-seqs {max_num_seqs} caps the requests with eviction")
     ratio = evicting["concurrent"] / stock["concurrent"] if stock["concurrent"] else None
-    eviction = {"method": cfg.method, "max_tokens": cfg.max_tokens,
+    eviction: EvictionSummary = {"method": cfg.method, "max_tokens": cfg.max_tokens,
                 "keep_ratio": cfg.keep_ratio, "prompt_mode": cfg.prompt_mode,
                 "prefill_budget": cfg.prefill_budget, "chunk_size": cfg.chunk_size,
                 "block_size": bs, "budget_blocks": budget_blocks(cfg, total)}
-    return Sizing(inputs=inputs or {}, model=asdict(model), memory=memory,
+    return Sizing(inputs=inputs or {}, model=model, memory=memory,
                 pool_blocks=pool_blocks, usable_blocks=usable, prompt_tokens=prompt_tokens,
                 output_tokens=output_tokens, eviction=eviction, stock=stock,
                 evicting=evicting, ratio=ratio, notes=notes, kv_cache_groups=[
@@ -222,24 +317,24 @@ def format_sizing(sizing: Sizing) -> str:
     """The sizing as the text ``nexus-vllm size`` prints."""
     m, i, e, s, v = sizing.model, sizing.inputs, sizing.eviction, sizing.stock, sizing.evicting
     tp, pp = i.get("tp", 1), i.get("pp", 1)
-    attention = (f"MLA, one latent row of {m['head_size']} per token per layer (K only)"
-                 if m["mla"] else f"{m['kv_heads']} KV heads x {m['head_size']}")
-    lines = [f"model {m['name']}: {m['layers']} layers, {attention}, {m['dtype']}; weights "
-             f"{m['weight_bytes'] / 1e9:.2f} GB ({m['weight_source']})"]
+    attention = (f"MLA, one latent row of {m.head_size} per token per layer (K only)"
+                 if m.mla else f"{m.kv_heads} KV heads x {m.head_size}")
+    lines = [f"model {m.name}: {m.layers} layers, {attention}, {m.dtype}; weights "
+             f"{m.weight_bytes / 1e9:.2f} GB ({m.weight_source})"]
     if sizing.memory is not None:
         mem = sizing.memory
-        per_token = (f"{m['head_size']} (the latent row, whole on every TP rank)" if m["mla"]
-                     else f"{cdiv(m['kv_heads'], tp)} KV heads x {m['head_size']}")
+        per_token = (f"{m.head_size} (the latent row, whole on every TP rank)" if m.mla
+                     else f"{cdiv(m.kv_heads, tp)} KV heads x {m.head_size}")
         lines += [
             f"per GPU (tp={tp}, pp={pp}): {i['gpu_memory_gib']} GiB x {i['gpu_util']} - "
             f"weights {mem['weight_bytes_per_gpu'] / GIB:.2f} GiB - overhead "
             f"{mem['overhead_bytes'] / GIB:.2f} GiB = {mem['kv_bytes_per_gpu'] / GIB:.2f} GiB "
             "for KV",
-            "bytes per block per GPU: " + ("" if m["mla"] else "2 x ")
+            "bytes per block per GPU: " + ("" if m.mla else "2 x ")
             + f"{mem['layers_per_block']} layers"
             + (" (the largest KV cache group's)" if len(sizing.kv_cache_groups) > 1
                else "") + f" x {per_token} x "
-            f"{DTYPE_BYTES[m['dtype']]} B x {e['block_size']} tokens = "
+            f"{DTYPE_BYTES[m.dtype]} B x {e['block_size']} tokens = "
             f"{mem['block_bytes_per_gpu'] / 2**20:.3f} MiB"]
     lines += [
         f"KV blocks per GPU: {sizing.pool_blocks} ({sizing.usable_blocks} usable, "
