@@ -25,6 +25,7 @@ import os
 import pathlib
 import shutil
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from nexus_vllm.eval.budget import parse_budget
@@ -99,13 +100,13 @@ def _merge(args: argparse.Namespace) -> dict[str, Any]:
     return cfg
 
 
-def _as_list(v: Any, sep: str = ",") -> list[str]:
+def _as_list(v: object, sep: str = ",") -> list[str]:
     if isinstance(v, (list, tuple)):
         return [str(x) for x in v]
     return [t.strip() for t in str(v).split(sep) if t.strip()]
 
 
-def _methods(v: Any) -> list[str]:
+def _methods(v: object) -> list[str]:
     if isinstance(v, (list, tuple)):
         return [str(x) for x in v]
     text = str(v)
@@ -157,7 +158,7 @@ def run_config(opts: dict[str, Any]) -> RunConfig:
     return cfg
 
 
-def _peer_presses(opts: dict[str, Any]) -> list[str] | None:
+def _peer_presses(opts: Mapping[str, object]) -> list[str] | None:
     """The kvpress presses asked for (None: all), checked before anything runs.
 
     Raises
@@ -227,7 +228,7 @@ def _publish(out: pathlib.Path, dest: pathlib.Path) -> None:
     print(f"nexus-vllm eval: copied {len(copied)} files to {dest}", file=sys.stderr)
 
 
-def _write_config(out: pathlib.Path, config: dict[str, Any]) -> None:
+def _write_config(out: pathlib.Path, config: Mapping[str, object]) -> None:
     import yaml
 
     (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))

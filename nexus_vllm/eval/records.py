@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import json
 import pathlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -33,7 +33,7 @@ class SampleId:
     protocol: str
     index: int
 
-    def as_list(self) -> list[Any]:
+    def as_list(self) -> list[str | int]:
         return [self.task, self.context, self.protocol, self.index]
 
 
@@ -110,7 +110,7 @@ class Record:
     def sample(self) -> SampleId:
         return SampleId(self.task, self.context, self.protocol, self.index)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         d = dataclasses.asdict(self)
         d["answers"] = list(self.answers)
         for name in _PER_TURN:
@@ -181,7 +181,7 @@ def write_records(path: pathlib.Path, records: Iterable[Record]) -> int:
     return len(lines)
 
 
-def _field_value(text: str) -> Any:
+def _field_value(text: str) -> object:
     """A ``--where`` value: JSON when it parses (0.2, null, 2048), else the string."""
     try:
         return json.loads(text)
@@ -189,7 +189,7 @@ def _field_value(text: str) -> Any:
         return text
 
 
-def parse_where(items: Sequence[str]) -> dict[str, Any]:
+def parse_where(items: Sequence[str]) -> dict[str, object]:
     """``["FIELD=VALUE", ...]`` (the ``--where`` options) as a mapping.
 
     Raises
@@ -197,7 +197,7 @@ def parse_where(items: Sequence[str]) -> dict[str, Any]:
     ValueError
         For an item without ``=`` or without a field name.
     """
-    where: dict[str, Any] = {}
+    where: dict[str, object] = {}
     for item in items:
         name, eq, value = item.partition("=")
         if not eq or not name:
@@ -222,7 +222,7 @@ def load_selected(parser: argparse.ArgumentParser, sources: Sequence[pathlib.Pat
         parser.error(str(exc))
 
 
-def select_records(records: Sequence[Record], *, where: dict[str, Any] | None = None,
+def select_records(records: Sequence[Record], *, where: Mapping[str, object] | None = None,
                    exclude_method_prefixes: Sequence[str] = ()) -> list[Record]:
     """The records whose fields equal ``where`` and whose method starts with none of
     ``exclude_method_prefixes`` (order kept)."""

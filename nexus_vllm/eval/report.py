@@ -68,7 +68,7 @@ def _fmt(row: dict[str, Any], m: str, digits: int) -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]], *, metric: str = "score",
-                   budget: Any = None, digits: int = 2) -> str:
+                   budget: float | int | None = None, digits: int = 2) -> str:
     """One table: rows = method, columns = task/protocol, cells = mean [95% CI].
 
     ``budget`` selects one budget (dense rows are always included); ``None`` keeps every
@@ -163,7 +163,7 @@ def plot_vs_budget(rows: list[dict[str, Any]], path: pathlib.Path, *,
 
 
 def plot_bars(rows: list[dict[str, Any]], path: pathlib.Path, *, metric: str = "score",
-              budget: Any = None) -> pathlib.Path:
+              budget: float | int | None = None) -> pathlib.Path:
     """Grouped bars (one group per task/protocol, one bar per method) with 95% CI whiskers."""
     import matplotlib
 
@@ -203,7 +203,7 @@ def plot_bars(rows: list[dict[str, Any]], path: pathlib.Path, *, metric: str = "
     return path
 
 
-def summary_table(records: Sequence[Record], *, budget: Any, protocol: str | None = None,
+def summary_table(records: Sequence[Record], *, budget: float | int, protocol: str | None = None,
                   min_dense_score: float = 0.5) -> str:
     """Pooled over tasks: one row per method, mean [95% CI] over (task, protocol, sample).
 
@@ -220,13 +220,13 @@ def summary_table(records: Sequence[Record], *, budget: Any, protocol: str | Non
     lines = ["| method | score (tasks dense solves) | Δ answer log-lik (nats) | KL per token | "
              "samples |", "|---|---|---|---|---|"]
     for m in methods:
-        units: dict[tuple[Any, ...], list[Record]] = {}
+        units: dict[tuple[str, str, int], list[Record]] = {}
         for r in recs:
             if r.method == m:
                 units.setdefault((r.task, r.protocol, r.index), []).append(r)
 
         def ci(metric: str, tasks: set[str] | None = None,
-               _units: dict[tuple[Any, ...], list[Record]] = units) -> str:
+               _units: dict[tuple[str, str, int], list[Record]] = units) -> str:
             vals = [sum(getattr(x, metric) for x in v) / len(v) for k, v in _units.items()
                     if tasks is None or k[0] in tasks]
             mean, lo, hi = bootstrap_ci(vals)
@@ -242,7 +242,7 @@ def summary_table(records: Sequence[Record], *, budget: Any, protocol: str | Non
 _TURN_FIELDS = {"score": "turn_scores", "delta_loglik": "turn_delta_loglik"}
 
 
-def turn_means(records: Sequence[Record], task: str, budget: Any, metric: str
+def turn_means(records: Sequence[Record], task: str, budget: float | int, metric: str
                ) -> dict[str, list[float]]:
     """Per method, the mean of ``metric`` at each turn of ``task``'s streams (seeds
     averaged within a stream first, so every stream weighs the same)."""
@@ -258,7 +258,7 @@ def turn_means(records: Sequence[Record], task: str, budget: Any, metric: str
     return out
 
 
-def turn_table(records: Sequence[Record], task: str, budget: Any) -> str:
+def turn_table(records: Sequence[Record], task: str, budget: float | int) -> str:
     """Rows = method, columns = turn: mean score and Δ log-lik per turn."""
     scores = turn_means(records, task, budget, "score")
     deltas = turn_means(records, task, budget, "delta_loglik")
@@ -272,7 +272,7 @@ def turn_table(records: Sequence[Record], task: str, budget: Any) -> str:
     return "\n".join(lines)
 
 
-def plot_turns(records: Sequence[Record], task: str, budget: Any,
+def plot_turns(records: Sequence[Record], task: str, budget: float | int,
                path: pathlib.Path) -> pathlib.Path:
     """Score and Δ log-lik per turn (one line per method): where in a conversation a
     policy loses its facts."""

@@ -62,7 +62,7 @@ def aggregate(records: Sequence[Record]) -> list[dict[str, Any]]:
     ``n`` samples, ``runs``, ``<metric>``, ``<metric>_lo``, ``<metric>_hi`` for each of
     :data:`METRICS`, and the mean ``seconds`` per run.
     """
-    groups: dict[tuple[Any, ...], dict[int, list[Record]]] = {}
+    groups: dict[tuple[str, int, str, str, float | int | None], dict[int, list[Record]]] = {}
     for r in records:
         g = (r.task, r.context, r.protocol, r.method, r.budget)
         groups.setdefault(g, {}).setdefault(r.index, []).append(r)
@@ -146,7 +146,8 @@ def paired_comparison(records: Sequence[Record], a: str, b: str, *, metric: str 
     """
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS}; got {metric!r}")
-    per: dict[str, dict[tuple[Any, ...], list[float]]] = {a: {}, b: {}}
+    per: dict[str, dict[tuple[str, int, str, int, float | int | None], list[float]]] = {
+        a: {}, b: {}}
     for r in records:
         if r.method in per:
             unit = (r.task, r.context, r.protocol, r.index, r.budget)

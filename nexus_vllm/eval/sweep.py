@@ -20,11 +20,14 @@ import json
 import pathlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nexus_vllm.eval.records import Record, read_records
 from nexus_vllm.eval.report import tasks_dense_solves
 from nexus_vllm.eval.stats import bootstrap_ci
+
+if TYPE_CHECKING:
+    from matplotlib.artist import Artist
 
 __all__ = ["SweepPoint", "main", "plot_sweeps", "smallest_reaching", "sweep_points"]
 
@@ -165,7 +168,7 @@ def plot_sweeps(families: dict[str, list[SweepPoint]], path: pathlib.Path, *,
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(families):]:
         ax.axis("off")
-    handles: dict[str, Any] = {}
+    handles: dict[str, Artist] = {}
     for ax in axes.flat:
         for h, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, h)
