@@ -1,8 +1,9 @@
 """Triton launch code: grids, scratch buffers and strides for the ``_triton_kernels`` launches.
 
-Called by ``ops.py`` once arguments are checked and the backend resolved to ``"triton"``;
-``_tuning.py`` picks the tiling and ``_interpreter.py`` supplies the kernel module (compiled
-or interpreted) and the launch context. Importing this module does not import triton.
+Called by the typed launchers (``_scoring_ops.py``, ``_compaction_ops.py``) once arguments
+are checked and the backend resolved to ``"triton"``; ``_tuning.py`` picks the tiling and
+``_interpreter.py`` supplies the kernel module (compiled or interpreted) and the launch
+context. Importing this module does not import triton.
 """
 
 from __future__ import annotations
@@ -46,12 +47,10 @@ def block_mass_triton(
         if not accumulate:
             out.zero_()
         return
-    if kv_layout == "NHD":
-        _, bs, hkv, _ = key_cache.shape
-        s_kb, s_kt, s_kh, s_kd = key_cache.stride()
-    else:
-        _, hkv, bs, _ = key_cache.shape
-        s_kb, s_kh, s_kt, s_kd = key_cache.stride()
+    # The kernel reads the cache as NHD: an HND cache is its transposed view (same storage).
+    nhd = key_cache if kv_layout == "NHD" else key_cache.transpose(1, 2)
+    _, bs, hkv, _ = nhd.shape
+    s_kb, s_kt, s_kh, s_kd = nhd.stride()
     cfg = scoring_config(queries.dtype, w, hq, hkv, d, bs, interpret=triton_interpret_enabled())
     num_chunks = cdiv(max_blocks, CHUNK)
     base_programs = r * hkv * cfg.head_tiles

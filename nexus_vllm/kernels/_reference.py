@@ -4,7 +4,8 @@
 request (the definition the kernels are tested against); ``block_attention_mass_paged_batched``
 is the same math vectorised over requests (the vLLM plugin's CPU scorer);
 ``compact_block_tables_torch`` is the compaction in a handful of tensor ops. Arguments are
-checked by the public launchers in ``ops.py``; here only values are (``seq_lens``).
+checked by the public launchers (``_scoring_ops.py``, ``_compaction_ops.py``); here only
+values are (``seq_lens``).
 Pure torch: no triton import.
 """
 
@@ -19,9 +20,26 @@ from nexus_vllm.core.scoring import block_attention_mass_paged as _core_mass_pag
 from nexus_vllm.core.scoring import num_blocks_for
 
 
+def paged_dims(key_cache: torch.Tensor, kv_layout: str) -> tuple[int, int]:
+    """``(block_size, kv_heads)`` of a ``"NHD"`` or ``"HND"`` key cache (its shape entries:
+    symbolic under ``torch.compile``)."""
+    if kv_layout == "NHD":
+        return key_cache.shape[1], key_cache.shape[2]
+    return key_cache.shape[2], key_cache.shape[1]
+
+
 def block_size_of(key_cache: torch.Tensor, kv_layout: str) -> int:
     """Tokens per block of a ``"NHD"`` or ``"HND"`` key cache."""
-    return int(key_cache.shape[1] if kv_layout == "NHD" else key_cache.shape[2])
+    return int(paged_dims(key_cache, kv_layout)[0])
+
+
+def _combine_into(view: torch.Tensor, mass: torch.Tensor, attention_reduce: str) -> None:
+    """Combine ``mass`` into ``view`` in place: added, or with ``attention_reduce="max"``
+    the elementwise maximum (mass is >= 0, so a zeroed ``view`` is the identity of both)."""
+    if attention_reduce == "max":
+        torch.maximum(view, mass, out=view)
+    else:
+        view += mass
 
 
 def block_attention_mass_paged_torch(
@@ -57,11 +75,7 @@ def block_attention_mass_paged_torch(
             queries[r, w - w_live :], key_cache, block_tables[r], seq_len, kv_layout=kv_layout,
             attention_reduce=attention_reduce,
         )
-        view = out[r, w - w_live :, :n]
-        if attention_reduce == "max":
-            torch.maximum(view, mass, out=view)
-        else:
-            view += mass
+        _combine_into(out[r, w - w_live :, :n], mass, attention_reduce)
     return out
 
 
@@ -128,10 +142,7 @@ def block_attention_mass_paged_batched_layers(
     if layers == 0 or r == 0 or w == 0 or m == 0:
         return out
     nb = key_caches[0].shape[0]
-    if kv_layout == "NHD":
-        bs, hkv = key_caches[0].shape[1], key_caches[0].shape[2]
-    else:
-        hkv, bs = key_caches[0].shape[1], key_caches[0].shape[2]
+    bs, hkv = paged_dims(key_caches[0], kv_layout)
     g, t = hq // hkv, m * bs
     dev = queries.device
     # The softmax scale is folded into the (small) queries instead of the logits.
@@ -163,10 +174,8 @@ def block_attention_mass_paged_batched_layers(
                 # A finite floor keeps fully masked rows NaN-free (they are dropped).
                 logits.view(n, hkv, g, w, t)[..., first:].masked_fill_(hidden, _MASKED)
             per_head = torch.softmax(logits, dim=-1).view(n, hq, w, m, bs).sum(dim=-1)
-            if attention_reduce == "max":
-                torch.maximum(out[lo:hi], per_head.amax(dim=1) * live_rows, out=out[lo:hi])
-            else:
-                out[lo:hi] += per_head.mean(dim=1) * live_rows
+            heads = per_head.amax(dim=1) if attention_reduce == "max" else per_head.mean(dim=1)
+            _combine_into(out[lo:hi], heads * live_rows, attention_reduce)
     return out
 
 

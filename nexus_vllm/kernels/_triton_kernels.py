@@ -1,5 +1,6 @@
-"""Triton kernels (``@triton.jit`` only). Checks and public launchers: ``ops.py``; launches:
-``_launch.py``; tiling: ``_tuning.py``; the torch fallback: ``_reference.py``.
+"""Triton kernels (``@triton.jit`` only). Checks and public launchers: ``_scoring_ops.py`` and
+``_compaction_ops.py`` (exported by ``ops.py``); launches: ``_launch.py``; tiling:
+``_tuning.py``; the torch fallback: ``_reference.py``.
 
 This module imports ``triton`` unconditionally and is only imported lazily (by
 ``_interpreter.kernel_module``) once a Triton launch is requested. ``triton.jit`` decides at
@@ -35,6 +36,13 @@ import triton.language as tl
 # Finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) at 1, not NaN,
 # while a row has seen only masked logits.
 _NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _live_seq_len(seq_ptr, r, MAX_BLOCKS, BS: tl.constexpr):
+    # Request r's token count as int32, clamped to its block table: the three scoring
+    # kernels must agree on it, and none reads past the table whatever seq_lens says.
+    return tl.minimum(tl.load(seq_ptr + r).to(tl.int32), MAX_BLOCKS * BS)
 
 
 @triton.jit
@@ -88,9 +96,7 @@ def _block_mass_partial_kernel(
     kvh = pid_h // HEAD_TILES
     g0 = (pid_h % HEAD_TILES) * G_TILE
 
-    seq_len = tl.load(seq_ptr + r).to(tl.int32)
-    # Never read past the block table, whatever seq_len says.
-    seq_len = tl.minimum(seq_len, MAX_BLOCKS * BS)
+    seq_len = _live_seq_len(seq_ptr, r, MAX_BLOCKS, BS)
     n_blocks = tl.cdiv(seq_len, BS)
     n_chunks = tl.cdiv(n_blocks, CHUNK)
     c_begin = pid_s * CHUNKS_PER_PROG
@@ -190,7 +196,7 @@ def _block_mass_factor_kernel(
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
-    seq_len = tl.minimum(tl.load(seq_ptr + r).to(tl.int32), MAX_BLOCKS * BS)
+    seq_len = _live_seq_len(seq_ptr, r, MAX_BLOCKS, BS)
     n_chunks = tl.cdiv(tl.cdiv(seq_len, BS), CHUNK)
     win = tl.arange(0, W_P)
     w_ok = win < W
@@ -245,7 +251,7 @@ def _block_mass_combine_kernel(
 ):
     r = tl.program_id(0)
     pid_n = tl.program_id(1)
-    seq_len = tl.minimum(tl.load(seq_ptr + r).to(tl.int32), MAX_BLOCKS * BS)
+    seq_len = _live_seq_len(seq_ptr, r, MAX_BLOCKS, BS)
     n_blocks = tl.cdiv(seq_len, BS)
     win = tl.arange(0, W_P)
     j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

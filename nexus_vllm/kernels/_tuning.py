@@ -36,6 +36,11 @@ def next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
+def scoring_block_size_ok(block_size: int) -> bool:
+    """Whether the scoring kernels take ``block_size``: a power of two >= 16."""
+    return block_size >= 16 and (block_size & (block_size - 1)) == 0
+
+
 def factor_chunk_tile(w_p: int) -> int:
     """``C_TILE`` of ``_block_mass_factor_kernel`` for ``w_p`` (padded) window rows."""
     return max(1, min(FACTOR_MAX_CHUNKS, FACTOR_TILE_ELEMS // w_p))
@@ -68,7 +73,7 @@ class ScoringConfig:
     num_warps: int
 
     def __post_init__(self) -> None:
-        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+        if not scoring_block_size_ok(self.block_size):
             raise ValueError(
                 f"backend='triton' needs a power-of-two block size >= 16, got {self.block_size}"
             )
