@@ -2,8 +2,9 @@
 # vLLM 0.34 compat job: build (or reuse) the test-only vLLM 0.34 CPU build at
 # .venv-vllm034/ (scripts/setup_vllm034.sh) and run, with its interpreter, the canaries
 # and the 0.34 end-to-end subset (tests/compat/). Extra arguments go to pytest.
-#   bash scripts/test_vllm034.sh            # canaries, unit tests and the 0.34 e2e subset
-#                                           # (about 8 minutes on 2 cores, build cached)
+#   bash scripts/test_vllm034.sh            # canaries, unit tests, the 0.34 e2e subset and
+#                                           # head-paged attention on 0.34's CPU ops (about
+#                                           # 9 minutes on 2 cores, build cached)
 #   bash scripts/test_vllm034.sh --ci       # the same with its core e2e module only (one
 #                                           # server; what scripts/test.sh runs, ~4 min)
 #   bash scripts/test_vllm034.sh --quick    # canaries and unit tests only (no server)
@@ -32,7 +33,7 @@ unit=(tests/integration/test_vllm_hooks.py tests/integration/test_patch_safety.p
 case "$tier" in
   quick) e2e=() ;;
   ci) e2e=(tests/compat/test_vllm034_e2e.py) ;;
-  *) e2e=(tests/compat) ;;
+  *) e2e=(tests/compat tests/integration/test_head_attention.py) ;;
 esac
 exec "$py" -m pytest -m "not gpu and (not e2e or compat)" -p no:cacheprovider "${unit[@]}" \
   ${e2e[@]+"${e2e[@]}"} "$@"

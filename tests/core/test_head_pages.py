@@ -11,6 +11,7 @@ from nexus_vllm.core.head_pages import (
     HeadPages,
     apply_head_page_event,
     packable_budget_tiles,
+    select_packed,
     tail_block_of,
 )
 
@@ -168,3 +169,27 @@ def test_threshold_selection_fits_the_block_budget(seed: int) -> None:
                                            forced, budget, bs).view(units, edge)
         pages, _ = pages.plan_event(keep, seen)
         assert pages.blocks_held(seen).numel() <= budget_blocks
+
+
+@pytest.mark.parametrize("residue", range(8))
+@pytest.mark.parametrize("budget_blocks", [3, 6])
+def test_head_pages_hold_block_granularitys_blocks_at_every_residue(residue: int,
+                                                                    budget_blocks: int) -> None:
+    """At every residue of the length modulo the block size, an event under
+    select_packed leaves the sequence holding what block granularity holds at the same
+    budget: min(budget, blocks of the sequence) vLLM blocks."""
+    layers, heads, bs = 2, 3, 8
+    units = layers * heads
+    gen = torch.Generator().manual_seed(residue)
+    for full_blocks in (1, budget_blocks, 3 * budget_blocks):
+        seen = full_blocks * bs + residue
+        if seen == 0:
+            continue
+        pages = HeadPages.fresh(units, bs)
+        positions = torch.arange(seen)
+        live = pages.live(seen).view(layers, heads, seen)
+        forced = forced_positions(positions, seen, bs, sink_blocks=1, recent_blocks=1)
+        keep = select_packed(torch.rand(layers, heads, seen, generator=gen), live, forced,
+                             budget_blocks, bs, positions=positions, seen=seen)
+        pages, _ = pages.plan_event(keep.view(units, seen), seen)
+        assert pages.blocks_held(seen).numel() == min(budget_blocks, -(-seen // bs))

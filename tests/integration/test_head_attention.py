@@ -51,16 +51,16 @@ class VllmCpuCache:
               start: int, end: int) -> None:
         """Tokens ``[start, end)`` of ``keys``/``values`` ``[L, N, Hkv, D]`` at their
         logical slots, with vLLM's writer (what the stock attention layer does)."""
-        from vllm import _custom_ops as ops
+        from nexus_vllm.integration.compat.vllm_compat import cpu_cache_writer
 
+        writer = cpu_cache_writer()
         pos = torch.arange(start, end)
         slots = block_ids[pos // self.bs].long() * self.bs + pos % self.bs
         for layer, cache in enumerate(self.layers):
             nb, hkv, bs, two_d = cache.shape
             kc, vc = cache.view(nb, hkv, 2 * bs, two_d // 2).chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(keys[layer, start:end].contiguous(),
-                                           values[layer, start:end].contiguous(), kc, vc,
-                                           slots, self.isa)
+            writer(keys[layer, start:end].contiguous(), values[layer, start:end].contiguous(),
+                   kc, vc, slots, self.isa, 1.0, 1.0, "auto")
 
 
 def _random_keep(pages: HeadPages, seen: int, gen: torch.Generator) -> torch.Tensor:

@@ -81,6 +81,8 @@ accessor                      vLLM internal                         why
                               world_size``                          (the last one replies)
 ``cpu_key_layout_probe``      ``_custom_ops`` (0.34: ``_cpu_ops``)  how the CPU kernel stores
                               ``.cpu_attn_reshape_and_cache``       keys inside a block
+``cpu_attention_op``          the same modules' CPU attention ops   head-paged attention: the
+                                                                    stock kernel per KV head
 ============================  ====================================  ===========================
 
 The entries live by process: the scheduler's in ``scheduler_internals``, the workers'
@@ -126,6 +128,7 @@ from nexus_vllm.integration.compat.worker_internals import (
     StageLink,
     attention_groups,
     attention_layers,
+    cpu_attention_op,
     cpu_cache_writer,
     cpu_key_layout_probe,
     gpu_sync_check,
@@ -167,6 +170,7 @@ __all__ = [
     "group_role",
     "kv_cache_groups",
     "lone_request_prefill_cap",
+    "cpu_attention_op",
     "cpu_cache_writer",
     "cpu_key_layout_probe",
     "gpu_sync_check",

@@ -245,22 +245,26 @@ def gpu_sync_check(fn: _Fn) -> _Fn:
     return checked
 
 
-def cpu_cache_writer() -> Callable[..., None]:
-    """vLLM's CPU KV-cache writer ``cpu_attn_reshape_and_cache(key, value, key_cache,
-    value_cache, slot_mapping, isa, k_scale, v_scale, kv_cache_dtype)``: in
+def cpu_attention_op(name: str) -> Callable[..., None]:
+    """vLLM's CPU attention op ``name`` (``cpu_attn_reshape_and_cache``,
+    ``cpu_attention_with_kv_cache``, ``cpu_attn_get_scheduler_metadata``): in
     ``vllm._custom_ops`` up to 0.33, in ``vllm._cpu_ops`` from 0.34."""
     import importlib
 
     for module in ("vllm._cpu_ops", "vllm._custom_ops"):
         try:
-            writer = getattr(importlib.import_module(module), "cpu_attn_reshape_and_cache",
-                             None)
+            op = getattr(importlib.import_module(module), name, None)
         except ImportError:
             continue
-        if writer is not None:
-            return writer  # type: ignore[no-any-return]
-    raise RuntimeError("nexus-vllm: vLLM's CPU cache writer (cpu_attn_reshape_and_cache) "
-                       "was not found; cannot learn the CPU key layout")
+        if op is not None:
+            return op  # type: ignore[no-any-return]
+    raise RuntimeError(f"nexus-vllm: vLLM's CPU attention op {name!r} was not found")
+
+
+def cpu_cache_writer() -> Callable[..., None]:
+    """vLLM's CPU KV-cache writer ``cpu_attn_reshape_and_cache(key, value, key_cache,
+    value_cache, slot_mapping, isa, k_scale, v_scale, kv_cache_dtype)``."""
+    return cpu_attention_op("cpu_attn_reshape_and_cache")
 
 
 def cpu_key_layout_probe(head_size: int, block_size: int, dtype: torch.dtype,

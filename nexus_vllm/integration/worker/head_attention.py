@@ -15,28 +15,15 @@ it with vLLM's own writer).
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from nexus_vllm.core.head_pages import HeadPageEvent
+from nexus_vllm.integration.compat.vllm_compat import cpu_attention_op
 
 __all__ = ["TileSpace", "cpu_token_offsets", "head_paged_attention"]
-
-
-def _cpu_op(name: str) -> Callable[..., object]:
-    """vLLM's CPU attention op ``name``: in ``vllm._custom_ops`` up to 0.33, in
-    ``vllm._cpu_ops`` from 0.34."""
-    for module in ("vllm._cpu_ops", "vllm._custom_ops"):
-        try:
-            op = getattr(importlib.import_module(module), name, None)
-        except ImportError:
-            continue
-        if op is not None:
-            return op
-    raise RuntimeError(f"nexus-vllm: vLLM has no CPU attention op {name!r}")
 
 
 @dataclass(frozen=True)
@@ -140,7 +127,7 @@ def cpu_token_offsets(isa: str, head_size: int, block_size: int,
     key = (isa, head_size, block_size, dtype)
     if key in _OFFSETS:
         return _OFFSETS[key]
-    writer = _cpu_op("cpu_attn_reshape_and_cache")
+    writer = cpu_attention_op("cpu_attn_reshape_and_cache")
     bs, d = block_size, head_size
 
     def written(k_mark: torch.Tensor, v_mark: torch.Tensor) -> torch.Tensor:
@@ -209,11 +196,11 @@ def head_paged_attention(query: torch.Tensor, output: torch.Tensor, space: TileS
     unit_starts[1:] = torch.cumsum(q_len.repeat_interleave(hkv), 0)
     seq_lens = lengths.reshape(-1).to(torch.int32)
     key_cache, value_cache = space.key_value()
-    metadata = _cpu_op("cpu_attn_get_scheduler_metadata")(
+    metadata = cpu_attention_op("cpu_attn_get_scheduler_metadata")(
         num_reqs=r * hkv, num_heads=group, num_kv_heads=1, head_dim=d, seq_lens=seq_lens,
         dtype=query.dtype, query_start_loc=unit_starts, causal=True,
         sliding_window_size=sliding_window, isa=isa, enable_kv_split=False)
-    _cpu_op("cpu_attention_with_kv_cache")(
+    cpu_attention_op("cpu_attention_with_kv_cache")(
         query=grouped, key_cache=key_cache, value_cache=value_cache, output=unit_out,
         query_start_loc=unit_starts, seq_lens=seq_lens, scale=scale, causal=True,
         alibi_slopes=None, sliding_window=sliding_window,
