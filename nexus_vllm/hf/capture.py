@@ -30,12 +30,15 @@ import contextlib
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nexus_vllm.core import Rotary
 from nexus_vllm.hf.mla import is_mla_attention, latent_query
+
+if TYPE_CHECKING:
+    from transformers import Cache, PretrainedConfig, PreTrainedModel
 
 __all__ = ["CAPTURE_ATTENTION", "CAPTURE_ATTENTION_SINKS", "attention_inputs",
            "has_attention_sinks", "rotary_of", "sliding_layers", "use_capture_attention",
@@ -49,11 +52,13 @@ _registered = False
 _register_lock = threading.Lock()
 
 
+# The attention functions below are transformers' callbacks (AttentionInterface): the
+# module and the keywords are whatever its layers pass, untyped as transformers has them.
 def _capture_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: Any, *,
+                       attention_mask: torch.Tensor | None, *,
                        nexus_capture: Callable[[int, torch.Tensor], torch.Tensor | None]
                        | None = None,
-                       **kwargs: Any) -> tuple[torch.Tensor, Any]:
+                       **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """SDPA that first hands the layer's post-RoPE queries ``[1, Hq, n, D]`` to the
     forward's ``nexus_capture`` callback (one session's), when there is one; a callback
     that returns a per-KV-head live mask of the cached slots (head granularity) has the
@@ -91,10 +96,10 @@ def with_head_mask(attention_mask: torch.Tensor | None, live: torch.Tensor,
 
 
 def _capture_attention_sinks(module: Any, query: torch.Tensor, key: torch.Tensor,
-                             value: torch.Tensor, attention_mask: Any, *,
+                             value: torch.Tensor, attention_mask: torch.Tensor | None, *,
                              nexus_capture: Callable[[int, torch.Tensor], torch.Tensor | None]
                              | None = None,
-                             **kwargs: Any) -> tuple[torch.Tensor, Any]:
+                             **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`_capture_attention` for a layer with learned sinks: the callback, then the
     layer's own ``eager_attention_forward`` (its modeling module's, which adds the sink
     logit ``s_aux`` to every row's softmax)."""
@@ -104,7 +109,7 @@ def _capture_attention_sinks(module: Any, query: torch.Tensor, key: torch.Tensor
                          "eager_attention_forward to attend with")
     if nexus_capture is not None:
         nexus_capture(int(module.layer_idx), query)
-    out: tuple[torch.Tensor, Any] = eager(module, query, key, value, attention_mask, **kwargs)
+    out: tuple[torch.Tensor, torch.Tensor | None] = eager(module, query, key, value, attention_mask, **kwargs)
     return out
 
 
@@ -127,14 +132,14 @@ def _register() -> None:
         _registered = True
 
 
-def has_attention_sinks(model: Any) -> bool:
+def has_attention_sinks(model: torch.nn.Module) -> bool:
     """Whether ``model``'s attention layers have learned sinks (a ``sinks`` parameter,
     transformers' gpt-oss)."""
     return any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter)
                for m in model.modules())
 
 
-def use_capture_attention(model: Any) -> None:
+def use_capture_attention(model: PreTrainedModel) -> None:
     """Make ``model`` attend with :data:`CAPTURE_ATTENTION` (``set_attn_implementation``;
     idempotent). Only an SDPA model is switched: the capture is SDPA, so the model's
     outputs stay the same for every caller; another implementation's would change. A
@@ -155,7 +160,7 @@ def use_capture_attention(model: Any) -> None:
         model.set_attn_implementation(CAPTURE_ATTENTION_SINKS if sinks else CAPTURE_ATTENTION)
 
 
-def rotary_of(model: Any, positions: int) -> Rotary:
+def rotary_of(model: PreTrainedModel, positions: int) -> Rotary:
     """A transformers model's rotary embedding as a :class:`Rotary` table of ``positions``
     rows (its ``rotary_emb``: ``inv_freq`` and ``attention_scaling``; Llama-style
     rotate-half pairs). A model with one rotary per layer type (Gemma 3:
@@ -179,7 +184,7 @@ def rotary_of(model: Any, positions: int) -> Rotary:
 
 
 @contextlib.contextmanager
-def attention_inputs(model: Any, layers: list[int]) -> Iterator[dict[int, torch.Tensor]]:
+def attention_inputs(model: PreTrainedModel, layers: list[int]) -> Iterator[dict[int, torch.Tensor]]:
     """While the block runs: each of ``layers``' attention input (its input norm's output,
     ``[T, D]``) of the one forward inside, by layer index (empty for no layers)."""
     inputs: dict[int, torch.Tensor] = {}
@@ -189,7 +194,7 @@ def attention_inputs(model: Any, layers: list[int]) -> Iterator[dict[int, torch.
     decoder = model.get_decoder().layers
 
     def keep(li: int) -> Callable[..., None]:
-        def hook(_module: Any, _args: Any, out: torch.Tensor) -> None:
+        def hook(_module: torch.nn.Module, _args: object, out: torch.Tensor) -> None:
             inputs[li] = out[0].detach()
         return hook
 
@@ -202,7 +207,7 @@ def attention_inputs(model: Any, layers: list[int]) -> Iterator[dict[int, torch.
 
 
 
-def sliding_layers(cache: Any, model_config: Any, *, evicting: bool) -> list[bool]:
+def sliding_layers(cache: Cache, model_config: PretrainedConfig, *, evicting: bool) -> list[bool]:
     """Per cache layer: whether it is a sliding-window layer.
 
     Parameters

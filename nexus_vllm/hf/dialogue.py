@@ -19,7 +19,6 @@ log-probabilities for the likelihood metrics.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -64,7 +63,7 @@ class ProbeResult:
 
 
 @torch.no_grad()
-def run_probes(model: Any, ids: torch.Tensor, probes: list[Probe] | tuple[Probe, ...],
+def run_probes(model: torch.nn.Module, ids: torch.Tensor, probes: list[Probe] | tuple[Probe, ...],
                config: EvictionConfig | None, *, chunk_size: int = 512, request_seed: int = 0,
                eos_token_ids: set[int] | None = None) -> list[ProbeResult]:
     """Run every probe over ``ids`` (LongTensor[L]) as its own request.

@@ -4,7 +4,6 @@ session is built from by method and budget."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -13,7 +12,7 @@ from nexus_vllm.core import EvictionConfig
 __all__ = ["EvictionEvent", "make_config"]
 
 
-def make_config(method: str, budget: float | int | None, **knobs: Any) -> EvictionConfig | None:
+def make_config(method: str, budget: float | int | None, **knobs: object) -> EvictionConfig | None:
     """Build the :class:`EvictionConfig` for ``method`` at ``budget`` (``None`` for dense).
 
     Parameters
@@ -24,7 +23,7 @@ def make_config(method: str, budget: float | int | None, **knobs: Any) -> Evicti
         A float in (0, 1] is the kept fraction of tokens seen (``keep_ratio``); an int is a
         token count (``max_tokens``). Ignored for dense.
     **knobs
-        Any other ``EvictionConfig`` field (block_size, window, sampler, ...).
+        Every other ``EvictionConfig`` field (block_size, window, sampler, ...).
     """
     if method in ("dense", "none"):
         return None

@@ -15,12 +15,15 @@ mode only decode events, over the generated tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
 from nexus_vllm.core import EvictionConfig
 from nexus_vllm.hf.streaming import StreamingSession, make_config
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["PromptSplit", "PromptState", "SampleResult", "encode_prompt", "eos_ids",
            "finish_sample", "generate", "generate_ids", "greedy_ids", "greedy_text",
@@ -36,7 +39,7 @@ class PromptSplit:
     n_prompt: int  # + question tokens (== L when no answer was appended)
 
 
-def _count_before(tokenizer: Any, text: str, boundary: int) -> tuple[list[int], int]:
+def _count_before(tokenizer: PreTrainedTokenizerBase, text: str, boundary: int) -> tuple[list[int], int]:
     """Token ids of ``text`` and how many start before character ``boundary``."""
     try:
         enc = tokenizer(text, return_offsets_mapping=True)
@@ -50,7 +53,7 @@ def _count_before(tokenizer: Any, text: str, boundary: int) -> tuple[list[int], 
         return ids, min(len(tokenizer(text[:boundary])["input_ids"]), len(ids))
 
 
-def encode_prompt(tokenizer: Any, context: str, question: str, *, preamble: str = "",
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, context: str, question: str, *, preamble: str = "",
                   answer: str | None = None) -> PromptSplit:
     """Tokenize ``preamble + context + question (+ answer)`` as one string and split it."""
     head = preamble + context
@@ -65,7 +68,7 @@ def encode_prompt(tokenizer: Any, context: str, question: str, *, preamble: str 
     return PromptSplit(torch.tensor(ids, dtype=torch.long), n_ctx, n_prompt)
 
 
-def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+def eos_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """The ids that end greedy decoding: the generation config's and the tokenizer's."""
     ids: set[int] = set()
     for src in (getattr(model, "generation_config", None), tokenizer):
@@ -97,15 +100,31 @@ def _prompt_end(session: StreamingSession) -> None:
         session.evict(prefill=True)
 
 
-def _device_of(model: Any) -> torch.device:
+def _device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+@overload
+def generate(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, context: str,
+             question: str, *, method: str, budget: float | int | None, chunk_size: int = ...,
+             max_new_tokens: int = ..., seed: int = ..., preamble: str = ...,
+             return_session: Literal[False] = ..., **knobs: object) -> str: ...
+
+
+@overload
+def generate(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, context: str,
+             question: str, *, method: str, budget: float | int | None, chunk_size: int = ...,
+             max_new_tokens: int = ..., seed: int = ..., preamble: str = ...,
+             return_session: Literal[True], **knobs: object
+             ) -> tuple[str, StreamingSession]: ...
+
+
 @torch.no_grad()
-def generate(model: Any, tokenizer: Any, context: str, question: str, *, method: str,
-             budget: float | int | None, chunk_size: int = 512, max_new_tokens: int = 64,
-             seed: int = 0, preamble: str = "", return_session: bool = False,
-             **knobs: Any) -> Any:
+def generate(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, context: str,
+             question: str, *, method: str, budget: float | int | None, chunk_size: int = 512,
+             max_new_tokens: int = 64, seed: int = 0, preamble: str = "",
+             return_session: bool = False, **knobs: object
+             ) -> str | tuple[str, StreamingSession]:
     """Greedy continuation of ``preamble + context + question`` under streaming eviction.
 
     Parameters
@@ -190,14 +209,14 @@ def teacher_force(session: StreamingSession, ids: torch.Tensor) -> list[torch.Te
     return out
 
 
-def _decode_greedy(session: StreamingSession, tokenizer: Any, logits: torch.Tensor,
+def _decode_greedy(session: StreamingSession, tokenizer: PreTrainedTokenizerBase, logits: torch.Tensor,
                    max_new_tokens: int) -> str:
     out = greedy_ids(session, logits, max_new_tokens, eos_ids(session.model, tokenizer))
     return str(tokenizer.decode(out, skip_special_tokens=True))
 
 
 @torch.no_grad()
-def generate_ids(model: Any, prompt_ids: list[int], config: EvictionConfig | None, *,
+def generate_ids(model: torch.nn.Module, prompt_ids: list[int], config: EvictionConfig | None, *,
                  max_new_tokens: int, request_seed: int = 0,
                  eos_token_ids: set[int] | None = None) -> tuple[list[int], StreamingSession]:
     """Greedy token ids for ``prompt_ids`` exactly as the vLLM plugin streams them.
@@ -262,7 +281,7 @@ class PromptState:
 
 
 @torch.no_grad()
-def prefill_sample(model: Any, tokenizer: Any, context: str, question: str, answer: str, *,
+def prefill_sample(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, context: str, question: str, answer: str, *,
                    config: EvictionConfig | None, chunk_size: int = 512, preamble: str = "",
                    capture_rows: int = 0) -> PromptState:
     """Stream ``preamble + context`` in chunks (an event after each), then the question in
@@ -277,7 +296,7 @@ def prefill_sample(model: Any, tokenizer: Any, context: str, question: str, answ
 
 
 @torch.no_grad()
-def greedy_text(state: PromptState, tokenizer: Any, *, max_new_tokens: int) -> str:
+def greedy_text(state: PromptState, tokenizer: PreTrainedTokenizerBase, *, max_new_tokens: int) -> str:
     """The prompt-end event (``end`` mode), then greedy generation only (no reference to
     teacher-force). ``state``'s session is consumed."""
     _prompt_end(state.session)
@@ -285,7 +304,7 @@ def greedy_text(state: PromptState, tokenizer: Any, *, max_new_tokens: int) -> s
 
 
 @torch.no_grad()
-def finish_sample(state: PromptState, tokenizer: Any, *, max_new_tokens: int) -> SampleResult:
+def finish_sample(state: PromptState, tokenizer: PreTrainedTokenizerBase, *, max_new_tokens: int) -> SampleResult:
     """The prompt-end event (``end`` mode), then two branches: greedy generation and
     teacher forcing of the reference answer (:func:`teacher_force`, the cache states
     greedy decoding would have had). ``state``'s session is consumed."""
@@ -309,10 +328,10 @@ def finish_sample(state: PromptState, tokenizer: Any, *, max_new_tokens: int) ->
 
 
 @torch.no_grad()
-def run_sample(model: Any, tokenizer: Any, context: str, question: str, answer: str, *,
+def run_sample(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, context: str, question: str, answer: str, *,
                method: str, budget: float | int | None, chunk_size: int = 512,
                max_new_tokens: int = 64, seed: int = 0, preamble: str = "",
-               **knobs: Any) -> SampleResult:
+               **knobs: object) -> SampleResult:
     """One prefill (:func:`prefill_sample`), the prompt-end event in ``end`` mode, then
     branch: greedy generation and teacher forcing of ``answer`` (:func:`finish_sample`)."""
     cfg = make_config(method, budget, chunk_size=chunk_size, seed=seed, **knobs) \

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypeGuard
 
 import torch
 
@@ -25,6 +25,9 @@ from nexus_vllm.core.head_paged import (
 from nexus_vllm.core.head_pages import select_packed
 from nexus_vllm.core.head_scorer import HeadScorer, load_head_scorer, shipped_head_scorers
 from nexus_vllm.hf.capture import has_attention_sinks
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["HeadLedger"]
 
@@ -62,7 +65,7 @@ class HeadLedger:
     estimate: torch.Tensor | None = None
 
     @classmethod
-    def start(cls, model: Any, full_layers: list[int], latent: bool,
+    def start(cls, model: PreTrainedModel, full_layers: list[int], latent: bool,
               config: EvictionConfig, policies: EventPolicies) -> HeadLedger:
         """The ledger of a session with no slot yet; ``policies``: the session's, whose
         reading the ``reconstruction`` evidence loads the head scorer."""
@@ -75,8 +78,7 @@ class HeadLedger:
         text = model.config.get_text_config(decoder=True)
         hkv = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
         scales = {int(m.layer_idx): float(m.scaling) for m in model.modules()
-                  if hasattr(m, "q_proj") and hasattr(m, "scaling")
-                  and getattr(m, "layer_idx", None) is not None}
+                  if _is_scaled_attention(m)}
         shape = (len(full_layers), hkv, 0)
         shares = None
         profile = config.head_profile
@@ -173,7 +175,20 @@ class HeadLedger:
                           estimate=None if self.estimate is None else self.estimate.clone())
 
 
-def _head_scorer_for(model: Any, ref: str | None, layers: int, heads: int) -> HeadScorer:
+class _ScaledAttention(Protocol):
+    """What is read of a transformers attention layer: its index and logit scale."""
+
+    layer_idx: int
+    scaling: float
+
+
+def _is_scaled_attention(module: object) -> TypeGuard[_ScaledAttention]:
+    """An attention layer with ``q_proj``, ``scaling`` and a ``layer_idx``."""
+    return hasattr(module, "q_proj") and hasattr(module, "scaling") \
+        and getattr(module, "layer_idx", None) is not None
+
+
+def _head_scorer_for(model: PreTrainedModel, ref: str | None, layers: int, heads: int) -> HeadScorer:
     """The config's ``head_scorer``, or the one shipped under the model's name (its
     checkpoint folder's, lower-cased), checked against the model's shape."""
     name = ref or Path(str(model.config.name_or_path)).name.lower()

@@ -14,22 +14,42 @@ channels only (:func:`latent_rotary`).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypeGuard
 
 import torch
 
 from nexus_vllm.core import Rotary
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 __all__ = ["is_mla_attention", "latent_keys", "latent_query", "latent_rotary"]
 
 
-def is_mla_attention(module: Any) -> bool:
+class MLAAttention(Protocol):
+    """What is read of an MLA attention module (transformers' DeepSeek-V2/V3 attention)."""
+
+    kv_b_proj: torch.nn.Linear
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    scaling: float
+
+
+class KVCacheLayer(Protocol):
+    """A transformers cache layer as read here: its key and value rows."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+def is_mla_attention(module: object) -> TypeGuard[MLAAttention]:
     """A transformers attention module of the DeepSeek-V2/V3 kind (latent cache)."""
     return all(hasattr(module, name) for name in ("kv_b_proj", "kv_lora_rank",
                                                   "qk_nope_head_dim", "qk_rope_head_dim"))
 
 
-def latent_query(module: Any, query: torch.Tensor) -> torch.Tensor:
+def latent_query(module: MLAAttention, query: torch.Tensor) -> torch.Tensor:
     """Post-RoPE queries ``[B, N, n, qk_nope + qk_rope]`` of an MLA ``module`` as scaled
     latent queries ``[B, N, n, kv_lora_rank + qk_rope]``."""
     p, lora = int(module.qk_nope_head_dim), int(module.kv_lora_rank)
@@ -41,13 +61,13 @@ def latent_query(module: Any, query: torch.Tensor) -> torch.Tensor:
     return latent * (float(module.scaling) * math.sqrt(latent.shape[-1]))
 
 
-def latent_keys(layer: Any) -> torch.Tensor:
+def latent_keys(layer: KVCacheLayer) -> torch.Tensor:
     """A cache layer's latent rows ``[T, 1, kv_lora_rank + qk_rope]`` (its ``keys`` then
     its ``values``, batch 0)."""
     return torch.cat([layer.keys[0], layer.values[0]], dim=-1).transpose(0, 1)
 
 
-def latent_rotary(config: Any, rotary: Rotary) -> Rotary:
+def latent_rotary(config: PretrainedConfig, rotary: Rotary) -> Rotary:
     """transformers' DeepSeek rotary table (``qk_rope_head_dim`` wide; it rotates pairs of
     adjacent channels, as complex numbers) acting on latent queries: their last
     ``qk_rope_head_dim`` channels rotate."""

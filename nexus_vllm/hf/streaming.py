@@ -24,7 +24,7 @@ HeadLedger`. Which policy each event runs is resolved once per session
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -41,6 +41,7 @@ from nexus_vllm.core.budget import evicts_mid_prompt, target_blocks
 from nexus_vllm.core.event_policies import EventPolicies
 from nexus_vllm.core.evidence import DenseLayer, DenseSequence
 from nexus_vllm.core.head_paged import HeadEvidence, head_tokens_held
+from nexus_vllm.core.policies import PolicyState
 from nexus_vllm.hf.capture import (
     CAPTURE_ATTENTION,
     CAPTURE_ATTENTION_SINKS,
@@ -54,6 +55,9 @@ from nexus_vllm.hf.capture import (
 from nexus_vllm.hf.events import EvictionEvent, make_config
 from nexus_vllm.hf.heads import HeadLedger
 from nexus_vllm.hf.mla import is_mla_attention, latent_keys, latent_rotary
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # The capture hook's names are re-exported: callers import them from here.
 __all__ = ["CAPTURE_ATTENTION", "CAPTURE_ATTENTION_SINKS", "EvictionEvent", "HeadEvidence",
@@ -90,14 +94,18 @@ class StreamingSession:
         :meth:`with_config` later turns into an evicting one).
     """
 
-    def __init__(self, model: Any, config: EvictionConfig | None, *, request_seed: int = 0,
+    def __init__(self, model: torch.nn.Module, config: EvictionConfig | None, *, request_seed: int = 0,
                  record_events: bool = False, prompt_tokens: int | None = None,
                  capture_rows: int = 0) -> None:
         from transformers import DynamicCache
 
-        use_capture_attention(model)
-        self.model = model
+        # A transformers causal LM, whatever the caller holds it as.
+        self.model = cast("PreTrainedModel", model)
+        use_capture_attention(self.model)
+        model = self.model
         self.config = config
+        # Untyped: transformers types a cache layer as a union with linear-attention
+        # layers (no keys), which sliding_layers refuses here.
         self.cache: Any = DynamicCache(config=model.config)
         self.num_layers = int(model.config.num_hidden_layers)
         # Which cache layers are sliding-window ones (transformers' own window cache, never
@@ -106,7 +114,7 @@ class StreamingSession:
         self._full = [i for i, s in enumerate(self._sliding) if not s]
         self.seen = 0
         self.positions = torch.empty(0, dtype=torch.long)
-        self.state: dict[str, Any] = {}
+        self.state: PolicyState = {}
         self.generator = config.generator(request_seed) if config is not None else None
         self.events: list[EvictionEvent] = []
         self.record_events = record_events

@@ -15,12 +15,16 @@ Nothing is downloaded; everything builds in a second or two.
 from __future__ import annotations
 
 import pathlib
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 __all__ = ["CORPUS", "FAMILIES", "byte_tokenizer", "save_tiny_checkpoint", "tiny_llama",
            "tiny_model", "trained_tokenizer"]
 
 _EOS = "<|eos|>"
+_Model = TypeVar("_Model", bound="PreTrainedModel")
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gpt_oss")
 # The gemma3 and gpt_oss families' sliding window (tokens): short, so that test prompts
 # outgrow it.
@@ -42,7 +46,7 @@ CORPUS = [
 ]
 
 
-def byte_tokenizer() -> Any:
+def byte_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer without merges (one token per byte) plus an eos token.
 
     Returns a ``PreTrainedTokenizerFast`` (offsets and decode round-trip like a real
@@ -61,7 +65,7 @@ def byte_tokenizer() -> Any:
     return fast
 
 
-def trained_tokenizer(vocab_size: int = 400) -> Any:
+def trained_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained on :data:`CORPUS` (``<s>`` bos id 0, ``</s>`` eos id 1)
     with a plain-text chat template. Returns a ``PreTrainedTokenizerFast``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -85,7 +89,8 @@ def trained_tokenizer(vocab_size: int = 400) -> Any:
 
 def tiny_model(family: str = "llama", vocab_size: int = 260, *, layers: int = 3,
                heads: int = 4, kv_heads: int = 2, head_dim: int = 16, seed: int = 0,
-               eos_token_id: int | None = None, bos_token_id: int | None = None) -> Any:
+               eos_token_id: int | None = None, bos_token_id: int | None = None
+               ) -> PreTrainedModel:
     """A randomly initialised causal LM of ``family`` (hidden 64, intermediate 128).
 
     Parameters
@@ -120,7 +125,7 @@ def tiny_model(family: str = "llama", vocab_size: int = 260, *, layers: int = 3,
     model_cls = getattr(transformers, "Gemma3ForCausalLM" if family == "gemma3"
                         else f"{names[family]}ForCausalLM")
     torch.manual_seed(seed)
-    extra: dict[str, Any] = {}
+    extra: dict[str, object] = {}
     if family == "gemma3":
         extra = {"sliding_window": TINY_SLIDING_WINDOW, "query_pre_attn_scalar": head_dim,
                  "layer_types": ["full_attention" if i % 2 else "sliding_attention"
@@ -154,7 +159,7 @@ def tiny_model(family: str = "llama", vocab_size: int = 260, *, layers: int = 3,
     return model
 
 
-def finish_tiny_model(model: Any, eos_token_id: int | None) -> Any:
+def finish_tiny_model(model: _Model, eos_token_id: int | None) -> _Model:
     """``model`` in eval mode with every matrix redrawn from ``N(0, INIT_STD)`` (the torch
     seed set by the caller) and its generation config's eos and pad set.
 
@@ -173,7 +178,7 @@ def finish_tiny_model(model: Any, eos_token_id: int | None) -> Any:
 
 
 def tiny_llama(vocab_size: int = 260, *, layers: int = 3, seed: int = 0,
-               eos_token_id: int | None = None) -> Any:
+               eos_token_id: int | None = None) -> PreTrainedModel:
     """``tiny_model("llama", ...)``."""
     return tiny_model("llama", vocab_size, layers=layers, seed=seed, eos_token_id=eos_token_id)
 

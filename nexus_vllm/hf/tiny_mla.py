@@ -14,7 +14,10 @@ Nothing is downloaded; it builds in a second or two.
 from __future__ import annotations
 
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import DeepseekV2ForCausalLM
 
 __all__ = ["MLA_KV_LORA_RANK", "MLA_LATENT_SIZE", "MLA_ROPE_DIM", "save_tiny_deepseek_v2",
            "tiny_deepseek_v2"]
@@ -28,7 +31,7 @@ MLA_LATENT_SIZE = MLA_KV_LORA_RANK + MLA_ROPE_DIM
 def tiny_deepseek_v2(vocab_size: int, *, layers: int = 4, heads: int = 2,
                      dense_layers: int = 1, experts: int = 4, seed: int = 0,
                      eos_token_id: int | None = None,
-                     bos_token_id: int | None = None) -> Any:
+                     bos_token_id: int | None = None) -> DeepseekV2ForCausalLM:
     """A randomly initialised ``DeepseekV2ForCausalLM`` (transformers).
 
     Parameters
