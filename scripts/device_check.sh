@@ -6,8 +6,11 @@
 # Phases (each bounded by `timeout`; results, logs and JSON go to $OUT, or
 # $NEXUS_VLLM_CHECK_OUT, or /tmp/nexus_vllm_device_check):
 #   1. kernels   GPU kernel tests: scoring and compaction vs the torch reference, CUDA
-#                graphs, and scoring on caches written by vLLM's CUDA cache writer
-#                (`pytest -m gpu tests/kernels tests/gpu/test_gpu_kernels.py`)
+#                graphs, scoring on caches written by vLLM's CUDA cache writer, and
+#                head-paged attention (vLLM's Triton unified attention and FlashAttention
+#                over per-(request, KV head) tile tables of an HND buffer) vs attention
+#                over the kept tokens (`pytest -m gpu tests/kernels
+#                tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_head_paged.py`)
 #   2. e2e       vLLM on CUDA (Model Runner V2, the runner vLLM picks) with eviction on
 #                FLASH_ATTN, FLASHINFER and TRITON_ATTN under
 #                VLLM_GPU_SYNC_CHECK=error and NEXUS_VLLM_SELF_CHECK=1: tokens equal stock
@@ -97,7 +100,8 @@ phase() {  # name, timeout seconds, command...
 }
 skip() { echo "$1 SKIP ($2)" | tee -a "$summary"; }
 
-phase kernels 200 "$py" -m pytest -m gpu tests/kernels tests/gpu/test_gpu_kernels.py -q \
+phase kernels 260 "$py" -m pytest -m gpu tests/kernels tests/gpu/test_gpu_kernels.py \
+  tests/gpu/test_gpu_head_paged.py -q \
   -p no:cacheprovider --junitxml "$out/kernels.xml"
 if [ -z "$vllm_reason" ]; then
   phase e2e 480 "$py" -m pytest -m gpu tests/gpu/test_gpu_e2e.py -q -p no:cacheprovider \

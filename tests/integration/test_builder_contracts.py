@@ -16,6 +16,12 @@ does with the result, so a vLLM upgrade that changes it fails here, without a GP
   The TRT-LLM paths read the device table and ``seq_lens`` directly, as FA does.
 
 Batches: the hand-made batch of ``test_worker_state`` plus seeded random ones.
+
+Head-paged metadata (``integration/worker/head_tiles.py``): each layer's batch as
+(request, KV head) units over one-KV-head tile views, rows = units, block table = each
+unit's tile ids, lengths = each unit's kept tokens (``tests/integration/head_paged_case``:
+three layers in one HND buffer, a decode request and a prefill chunk). The same three
+builders take it and hold the tables and lengths given.
 """
 
 from __future__ import annotations
@@ -265,7 +271,7 @@ class Pages:
 
 
 def _flashinfer_pages(module: types.ModuleType, table: torch.Tensor,
-                      upper: torch.Tensor, num_reqs: int) -> Pages:
+                      upper: torch.Tensor, num_reqs: int, page_size: int = BS) -> Pages:
     """``_compute_flashinfer_kv_metadata`` on a bare builder, fed as ``build()`` feeds
     it without speculative decoding: lengths from ``seq_lens_cpu_upper_bound``, page
     counts ``ceil(len / page_size)``, indices from the block table."""
@@ -280,9 +286,9 @@ def _flashinfer_pages(module: types.ModuleType, table: torch.Tensor,
     b.paged_kv_last_page_len = CpuGpuBuffer(num_reqs, dtype=torch.int32, device=cpu,
                                             pin_memory=False)
     seq_lens_np = upper.numpy()
-    num_blocks_np = (seq_lens_np + (BS - 1)) // BS
+    num_blocks_np = (seq_lens_np + (page_size - 1)) // page_size
     flat = b._compute_flashinfer_kv_metadata(num_blocks_np, seq_lens_np, table, num_reqs,
-                                             BS)
+                                             page_size)
     indptr = b.paged_kv_indptr.gpu[: num_reqs + 1].tolist()
     pages = [flat[indptr[r]: indptr[r + 1]].tolist() for r in range(num_reqs)]
     return Pages(pages, indptr, b.paged_kv_last_page_len.gpu[:num_reqs].tolist())
@@ -320,3 +326,74 @@ def test_flashinfer_logical_upper_bound_pulls_in_null_block(
         assert pages == ids + [NULL] * (nblk - len(ids))
         evicting += nblk > len(ids)
     assert evicting > 0
+
+
+# -- Head-paged metadata ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def head_case() -> Any:
+    """A head-paged batch on an HND (LBHNC) buffer: three layers, two KV heads, tables
+    that borrow tiles across layers."""
+    from tests.integration.head_paged_case import build_case
+
+    case = build_case("LBHNC", "FLASH_ATTN", seed=1)
+    assert case.borrowed() > 0
+    return case
+
+
+def _head_metadata(batch: Any) -> Any:
+    """``CommonAttentionMetadata`` of one layer's unit batch, as the worker would hand it
+    to the builders (CPU tensors)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    rows = int(batch.order.numel())
+    return CommonAttentionMetadata(
+        query_start_loc=batch.query_start_loc,
+        query_start_loc_cpu=batch.query_start_loc.clone(), seq_lens=batch.seq_lens,
+        num_reqs=batch.num_units, num_actual_tokens=rows,
+        max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
+        block_table_tensor=batch.block_table,
+        slot_mapping=torch.zeros(rows, dtype=torch.int64),
+        seq_lens_cpu_upper_bound=batch.seq_lens.clone())
+
+
+def _check_head_metadata(m: Any, batch: Any, case: Any) -> None:
+    assert m.block_table is batch.block_table
+    assert m.seq_lens is batch.seq_lens
+    assert m.query_start_loc is batch.query_start_loc
+    assert m.max_seq_len == batch.max_seq_len
+    assert m.max_query_len == max(case.query_start_loc.diff().tolist())
+    assert m.num_actual_tokens == case.query.shape[0] * case.hkv
+    # One row per (request, KV head): the decode request's units, then the chunk's.
+    assert batch.query_start_loc.diff().tolist() == [1] * case.hkv + [7] * case.hkv
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_flash_attn_build_takes_head_paged_metadata(head_case: Any, layer: int) -> None:
+    batch = head_case.batches[layer]
+    m = _flash_attn_builder().build(0, _head_metadata(batch))
+    _check_head_metadata(m, batch, head_case)
+    assert m.scheduler_metadata is None
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_triton_build_takes_head_paged_metadata(head_case: Any, layer: int) -> None:
+    batch = head_case.batches[layer]
+    m = _triton_builder().build(0, _head_metadata(batch))
+    _check_head_metadata(m, batch, head_case)
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_flashinfer_pages_are_the_units_tiles(head_case: Any, layer: int,
+                                              flashinfer_backend: types.ModuleType) -> None:
+    """Each unit's FlashInfer pages are its tile ids, as many as its length needs; the
+    last page holds the rest of its length."""
+    batch = head_case.batches[layer]
+    bs = head_case.space.block_size
+    cm = _head_metadata(batch)
+    got = _flashinfer_pages(flashinfer_backend, cm.block_table_tensor,
+                            cm.seq_lens_cpu_upper_bound, cm.num_reqs, page_size=bs)
+    lens = batch.seq_lens.tolist()
+    want = [batch.block_table[u, : -(-n // bs)].tolist() for u, n in enumerate(lens)]
+    assert got.pages == want
+    assert got.indptr == [0, *np.cumsum([len(p) for p in want]).tolist()]
+    assert got.last_page_len == [(n - 1) % bs + 1 for n in lens]
