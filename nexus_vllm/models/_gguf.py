@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import pathlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["plain_model", "save_checkpoint"]
 
@@ -21,9 +24,10 @@ _DROPPED = ("quantization_config", "_name_or_path", "_model_name_or_path", "arch
             "transformers_version")
 
 
-def plain_model(gguf_model: Any, config_cls: type, model_cls: type,
-                special_ids: Mapping[str, int],
-                check: Callable[[Any], None] | None = None) -> Any:
+def plain_model(gguf_model: PreTrainedModel, config_cls: type[PretrainedConfig],
+                model_cls: type[PreTrainedModel],
+                special_ids: Mapping[str, int | list[int]],
+                check: Callable[[PretrainedConfig], None] | None = None) -> PreTrainedModel:
     """``gguf_model`` (a causal LM transformers loaded from a GGUF file) rebuilt as a plain
     float32 ``model_cls`` with a ``config_cls`` config, its weights copied.
 
@@ -57,9 +61,10 @@ def plain_model(gguf_model: Any, config_cls: type, model_cls: type,
     return model
 
 
-def save_checkpoint(model: Any, tokenizer: Any, out: pathlib.Path,
-                    special_ids: Mapping[str, int],
-                    tokenizer_config: Mapping[str, Any]) -> None:
+def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                    out: pathlib.Path,
+                    special_ids: Mapping[str, int | list[int]],
+                    tokenizer_config: Mapping[str, object]) -> None:
     """Write ``model`` (safetensors, with a greedy generation config of ``special_ids``)
     and ``tokenizer`` to ``out``; ``tokenizer_config.json`` gets ``tokenizer_config``'s
     entries (a tokenizer class every supported transformers version loads, flags) and the

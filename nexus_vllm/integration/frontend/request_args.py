@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 from nexus_vllm.argtypes import describe_value
 from nexus_vllm.core import EvictionConfig
@@ -47,7 +46,7 @@ class RequestArgError(ValueError):
         super().__init__(f"{self.field}: {message}")
 
 
-def _check_unknown_keys(extra_args: dict[str, Any]) -> None:
+def _check_unknown_keys(extra_args: Mapping[str, object]) -> None:
     for key in extra_args:
         if not isinstance(key, str) or key in REQUEST_FIELDS or key in FOREIGN_XARGS:
             continue
@@ -66,18 +65,18 @@ def _check_unknown_keys(extra_args: dict[str, Any]) -> None:
             "for nexus-vllm)")
 
 
-def _tokens(key: str, value: Any) -> int:
+def _tokens(key: str, value: object) -> int:
     """A per-request token count: a positive integer (an integral float passes)."""
-    ok = not isinstance(value, bool) and (
-        isinstance(value, int)
-        or (isinstance(value, float) and math.isfinite(value) and value.is_integer()))
-    if not ok or value <= 0:
+    if isinstance(value, bool) or not (
+            isinstance(value, int)
+            or (isinstance(value, float) and math.isfinite(value) and value.is_integer())) \
+            or value <= 0:
         raise RequestArgError(
             key, f"must be a positive integer number of tokens; got {describe_value(value)}")
     return int(value)
 
 
-def _choice(key: str, value: Any, choices: Sequence[str]) -> str:
+def _choice(key: str, value: object, choices: Sequence[str]) -> str:
     """A per-request value that must be one of ``choices`` (a close match is suggested)."""
     if not isinstance(value, str) or value not in choices:
         match = difflib.get_close_matches(str(value).strip().lower(), choices, n=1)
@@ -96,11 +95,11 @@ def _needs_eviction(key: str, server_cfg: EvictionConfig | None, opt_out: bool,
                                    f"was started with --kv-eviction none{allowed}")
 
 
-def _check_budget_fits(extra_args: dict[str, Any], server_cfg: EvictionConfig,
+def _check_budget_fits(extra_args: Mapping[str, object], server_cfg: EvictionConfig,
                        max_model_len: int | None) -> None:
     """A budget above the server's ``max_model_len`` could never evict (a limit of the
     server's model, which ``EvictionConfig`` does not know)."""
-    if max_model_len is not None and int(extra_args["kv_budget"]) > max_model_len:
+    if max_model_len is not None and _tokens("kv_budget", extra_args["kv_budget"]) > max_model_len:
         raise RequestArgError(
             "kv_budget", f"{describe_value(extra_args['kv_budget'])} is above this server's "
             f"max model length ({max_model_len} tokens): no request holds more, so "
@@ -124,17 +123,17 @@ def _budget_span(server_cfg: EvictionConfig, max_model_len: int | None) -> str:
     return f"{floor}..{max_model_len}" if max_model_len else f">= {floor}"
 
 
-def _budget(extra_args: dict[str, Any], server_cfg: EvictionConfig) -> tuple[int, str]:
+def _budget(extra_args: Mapping[str, object], server_cfg: EvictionConfig) -> tuple[int, str]:
     """The request's budget in tokens, and where it comes from (the always-kept blocks
     when neither the request nor the server gives one: a keep-ratio server)."""
     if "kv_budget" in extra_args:
-        return int(extra_args["kv_budget"]), "this request's kv_budget"
+        return _tokens("kv_budget", extra_args["kv_budget"]), "this request's kv_budget"
     if server_cfg.max_tokens is not None:
         return int(server_cfg.max_tokens), "this server's --kv-budget"
     return server_cfg.forced_tokens, "the always-kept blocks"
 
 
-def _blamed_key(field: str, reads: tuple[str, ...], extra_args: dict[str, Any]) -> str:
+def _blamed_key(field: str, reads: tuple[str, ...], extra_args: Mapping[str, object]) -> str:
     """The request field to blame for a bad config ``field`` whose rule read ``reads``
     (``ConfigError.field`` and ``.reads``): the first of them the request set
     (:data:`REQUEST_FIELD_OF`), else the first request field it set."""
@@ -145,7 +144,7 @@ def _blamed_key(field: str, reads: tuple[str, ...], extra_args: dict[str, Any]) 
     return next((k for k in REQUEST_FIELDS if k in extra_args), "kv_eviction")
 
 
-def _blame(error: ValueError, extra_args: dict[str, Any], server_cfg: EvictionConfig,
+def _blame(error: ValueError, extra_args: Mapping[str, object], server_cfg: EvictionConfig,
            max_model_len: int | None) -> RequestArgError:
     """The request field to blame for the ``EvictionConfig`` the request's fields could
     not make (:func:`_blamed_key`), the budget rules explained in the request's terms:
@@ -158,7 +157,8 @@ def _blame(error: ValueError, extra_args: dict[str, Any], server_cfg: EvictionCo
             "kv_budget", f"must be at least {server_cfg.forced_tokens} tokens on this "
             f"server (the always-kept sink, recent and current blocks: "
             f"{server_cfg.num_forced} blocks of {server_cfg.block_size} tokens); allowed: "
-            f"{_budget_span(server_cfg, max_model_len)}; got {int(extra_args['kv_budget'])}")
+            f"{_budget_span(server_cfg, max_model_len)}; got "
+            f"{_tokens('kv_budget', extra_args['kv_budget'])}")
     if field != "prefill_budget":
         return RequestArgError(key, str(error))
     if "prompt_mode" in reads:  # a prefill budget outside prompt mode end
@@ -176,10 +176,10 @@ def _blame(error: ValueError, extra_args: dict[str, Any], server_cfg: EvictionCo
             "kv_prefill_budget of at least the budget with it")
     return RequestArgError(
         "kv_prefill_budget", f"must be at least the budget ({budget} tokens, "
-        f"{whose_budget}); got {int(extra_args['kv_prefill_budget'])}")
+        f"{whose_budget}); got {_tokens('kv_prefill_budget', extra_args['kv_prefill_budget'])}")
 
 
-def validate_request_args(extra_args: dict[str, Any] | None,
+def validate_request_args(extra_args: Mapping[str, object] | None,
                           server_cfg: EvictionConfig | None,
                           *, max_model_len: int | None = None,
                           latent: LatentAttention | None = None) -> None:

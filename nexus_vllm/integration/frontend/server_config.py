@@ -18,7 +18,7 @@ import argparse
 import json
 import pathlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from nexus_vllm.argtypes import float_in, int_at_least
 from nexus_vllm.core.config import PROMPT_MODES, EvictionConfig
@@ -109,8 +109,8 @@ def add_cli_flags(parser: _Parser) -> _Parser:
 
 
 def additional_config_from_cli(args: argparse.Namespace,
-                               additional_config: Mapping[str, Any] | None,
-                               block_size: int | None) -> dict[str, Any] | None:
+                               additional_config: Mapping[str, object] | None,
+                               block_size: int | None) -> dict[str, object] | None:
     """vLLM's ``additional_config`` with the server's resolved config under ``nexus``.
 
     Parameters
@@ -133,7 +133,7 @@ def additional_config_from_cli(args: argparse.Namespace,
     ValueError
         Naming the flag or source that holds the bad value.
     """
-    flags: dict[str, Any] = {field: getattr(args, flag[2:].replace("-", "_"), None)
+    flags: dict[str, object] = {field: getattr(args, flag[2:].replace("-", "_"), None)
                              for flag, field in CLI_FLAGS.items()}
     file = getattr(args, "kv_eviction_config", None)
     additional = dict(additional_config or {})
@@ -151,7 +151,7 @@ def additional_config_from_cli(args: argparse.Namespace,
 
 
 # -- files, --additional-config, and the layering ----------------------------------------
-def load_config_file(path: str | pathlib.Path) -> dict[str, Any]:
+def load_config_file(path: str | pathlib.Path) -> dict[str, object]:
     """Read a YAML or JSON eviction preset: a file, or a shipped preset by name.
 
     The file holds either the knobs at top level or under a ``nexus:`` key. An existing
@@ -194,7 +194,8 @@ def load_config_file(path: str | pathlib.Path) -> dict[str, Any]:
     return dict(data)
 
 
-def _blamed_flag(field: str, reads: tuple[str, ...], given: dict[str, Any]) -> str | None:
+def _blamed_flag(field: str, reads: tuple[str, ...], given: Mapping[str, object]
+                 ) -> str | None:
     """The given flag a bad ``field`` (a ``ConfigError.field``) is blamed on: its own
     flag, else the flag of a field its rule read (``ConfigError.reads``; None when no flag
     is involved)."""
@@ -204,8 +205,8 @@ def _blamed_flag(field: str, reads: tuple[str, ...], given: dict[str, Any]) -> s
     return None
 
 
-def _build(knobs: dict[str, Any], source: str,
-           given: dict[str, Any] | None = None) -> EvictionConfig:
+def _build(knobs: Mapping[str, object], source: str,
+           given: Mapping[str, object] | None = None) -> EvictionConfig:
     """``EvictionConfig`` from ``knobs``; an error names the flag it is about (from
     ``ConfigError.field``), else ``source``."""
     try:
@@ -220,8 +221,8 @@ def _build(knobs: dict[str, Any], source: str,
 def resolve_config(
     *,
     file: str | None = None,
-    additional: dict[str, Any] | None = None,
-    flags: dict[str, Any] | None = None,
+    additional: object = None,
+    flags: Mapping[str, object] | None = None,
 ) -> EvictionConfig:
     """Merge the three sources into one validated ``EvictionConfig``.
 
@@ -244,7 +245,7 @@ def resolve_config(
     # Each layer is checked on its own so an error names it; a policy's knobs are checked
     # against the method that will run (the flag's, when given).
     method = {"method": given["method"]} if "method" in given else {}
-    knobs: dict[str, Any] = {}
+    knobs: dict[str, object] = {}
     if file:
         knobs.update(load_config_file(file))
         _build({**knobs, **method}, "--kv-eviction-config")
