@@ -29,7 +29,9 @@ from .policies import (
     EvictionPolicy,
     check_shared_knobs,
     forced_count,
-    head_granular_methods,
+    knob_owners,
+    knob_refusal,
+    no_head_score,
 )
 from .scoring import ATTENTION_REDUCES
 
@@ -260,7 +262,7 @@ SHARED_KNOBS`, as ``carry``'s).
             for knob in getattr(self, name):
                 if knob not in takes:
                     raise ConfigError(f"{name}.{knob}",
-                                      f"{name}.{knob}: {_not_a_knob(knob, self.method)}",
+                                      f"{name}.{knob}: {knob_refusal(knob, self.method)}",
                                       reads=("method",))
         for kind in EVENT_KINDS:
             try:
@@ -270,7 +272,7 @@ SHARED_KNOBS`, as ``carry``'s).
             except (TypeError, ValueError) as exc:
                 raise ConfigError("policy_args", f"policy_args: {exc}") from None
             if self.granularity == "head" and not policy.head_needs:
-                raise ConfigError("granularity", _no_head_score(policy), reads=("method",))
+                raise ConfigError("granularity", no_head_score(policy), reads=("method",))
             if self.granularity != "head" and policy.head_only:
                 raise ConfigError("method", f"policy {policy.name!r} scores "
                                   "(layer, KV head, token) units only: it needs "
@@ -316,10 +318,10 @@ SHARED_KNOBS`, as ``carry``'s).
             if knob in takes:
                 if not (prefill and value is None):
                     lifted["prefill_args" if prefill else "policy_args"][knob] = value
-            elif _owners(knob):
+            elif knob_owners(knob):
                 if method == "none":
                     continue  # no policy runs: the knobs a preset was written with are moot
-                raise ConfigError(key, f"{key}: {_not_a_knob(knob, method)}")
+                raise ConfigError(key, f"{key}: {knob_refusal(knob, method)}")
             else:
                 unknown.append(key)
         if unknown:
@@ -432,25 +434,3 @@ build_event_policy`; a config that wraps its policies overrides this)."""
         digest = hashlib.blake2b(f"{self.seed}:{request_seed}".encode(), digest_size=8).digest()
         return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
 
-
-def _owners(knob: str) -> list[str]:
-    """The registered policies that take ``knob``."""
-    return [name for name, cls in POLICIES.items() if knob in cls.knobs()]
-
-
-def _no_head_score(policy: EvictionPolicy) -> str:
-    return (f"granularity 'head' needs a policy with a per-head score; {policy.name!r} has "
-            f"none (with one: {', '.join(head_granular_methods())})")
-
-
-def _not_a_knob(knob: str, method: str) -> str:
-    """Why ``knob`` is refused for ``method``: whose knob it is, or a close match."""
-    takes = POLICIES[method].knobs()
-    its = f"its knobs: {', '.join(takes)}" if takes else "it takes no knobs"
-    owners = _owners(knob)
-    if owners:
-        whose = ", ".join(repr(o) for o in owners)
-        return f"a knob of policy {whose}, not of method {method!r} ({its})"
-    match = difflib.get_close_matches(knob, takes, n=1)
-    hint = f" (did you mean {match[0]!r}?)" if match else ""
-    return f"not a knob of policy {method!r}{hint}; {its}"

@@ -95,6 +95,20 @@ class HeadLedger:
                    best=torch.zeros(shape), scales=scales, shares=shares, scorer=scorer,
                    estimate=torch.zeros(shape) if scorer is not None else None)
 
+    @classmethod
+    def after_dense(cls, model: PreTrainedModel, full_layers: list[int], latent: bool,
+                    config: EvictionConfig, policies: EventPolicies, cached: int
+                    ) -> HeadLedger:
+        """The ledger of a dense session's ``cached`` slots forked into ``config``
+        (``StreamingSession.with_config``): every slot live in every head."""
+        ledger = cls.start(model, full_layers, latent, config, policies)
+        if ledger.scorer is not None:
+            # Its estimates are made as tokens are fed, from inputs not kept after.
+            raise ValueError("the reconstruction stand-in scores tokens as they are "
+                             "fed: run the session under its config from the start")
+        ledger.append(cached)
+        return ledger
+
     def evidence(self, kinds: frozenset[str], rows: list[torch.Tensor],
                  keys: list[torch.Tensor], seen: int, rotary: Rotary | None
                  ) -> HeadEvidence:

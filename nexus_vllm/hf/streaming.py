@@ -13,12 +13,11 @@ layer, scored against the cached keys of the layers ``>= skip_layers`` with
 config's ``attention_reduce`` (their maximum by default); the decision (which blocks of
 ``block_size`` tokens to keep) is shared by every layer and head, as in the vLLM plugin.
 
-Hybrid models (Gemma 3) follow the server's rules: only the full-attention layers' caches
-are evicted and scored (:func:`~nexus_vllm.hf.capture.sliding_layers`). The queries are
-captured through transformers' public attention hook (:mod:`nexus_vllm.hf.capture`);
-head granularity keeps its per-head bookkeeping in a :class:`~nexus_vllm.hf.heads.\
-HeadLedger`. Which policy each event runs is resolved once per session
-(:class:`~nexus_vllm.core.event_policies.EventPolicies`).
+Hybrid models (Gemma 3): only the full-attention layers are evicted and scored
+(:func:`~nexus_vllm.hf.capture.sliding_layers`). Queries come through transformers'
+attention hook (:mod:`nexus_vllm.hf.capture`); head granularity's bookkeeping is a
+:class:`~nexus_vllm.hf.heads.HeadLedger`; each event's policy is resolved once per
+session (:class:`~nexus_vllm.core.event_policies.EventPolicies`).
 """
 
 from __future__ import annotations
@@ -76,9 +75,8 @@ class StreamingSession:
     Parameters
     ----------
     model : transformers PreTrainedModel
-        A decoder-only Llama-family model (q/k/v attention modules with ``layer_idx``), or
-        a hybrid one whose cache mixes full-attention and sliding-window layers (Gemma 3):
-        only the full-attention layers are evicted and scored.
+        A decoder-only Llama-family model (attention modules with ``layer_idx``), or a
+        hybrid one (Gemma 3): only its full-attention layers are evicted and scored.
     config : EvictionConfig or None
         ``None`` keeps everything (dense).
     request_seed : int
@@ -86,9 +84,8 @@ class StreamingSession:
     record_events : bool
         Keep an :class:`EvictionEvent` per event in ``self.events`` (tests, statistics).
     prompt_tokens : int, optional
-        The prompt's length, where prefill ends (``prompt_mode`` ``end`` and ``keep`` read
-        it); None: not known yet, every token fed counts as prompt until
-        :meth:`set_prompt_tokens`.
+        The prompt's length (``prompt_mode`` ``end`` and ``keep`` read it); None: every
+        token fed counts as prompt until :meth:`set_prompt_tokens`.
     capture_rows : int
         Query rows to keep per layer besides what ``config`` scores (a dense session that
         :meth:`with_config` later turns into an evicting one).
@@ -427,13 +424,8 @@ class StreamingSession:
         other.trigger = EvictionTrigger(config, self.prompt_tokens)
         other.policies = config.event_policies(self.prompt_tokens)
         if config.granularity == "head":
-            other._heads = HeadLedger.start(self.model, self._full, self._latent, config,
-                                            other.policies)
-            if other._heads.scorer is not None:
-                # Its estimates are made as tokens are fed, from inputs not kept after.
-                raise ValueError("the reconstruction stand-in scores tokens as they are "
-                                 "fed: run the session under its config from the start")
-            other._heads.append(self.cache_len)
+            other._heads = HeadLedger.after_dense(self.model, self._full, self._latent,
+                                                  config, other.policies, self.cache_len)
         return other
 
     def clone(self) -> StreamingSession:

@@ -48,6 +48,9 @@ from .base import (
     forced_tail,
     get_policy,
     head_granular_methods,
+    knob_owners,
+    knob_refusal,
+    no_head_score,
     register_policy,
 )
 from .baselines import (
@@ -93,6 +96,9 @@ __all__ = [
     "forced_tail",
     "get_policy",
     "head_granular_methods",
+    "knob_owners",
+    "knob_refusal",
+    "no_head_score",
     "key_norms_are_flat",
     "register_policy",
     "standardized_head_norms",

@@ -10,6 +10,7 @@ the one a server runs.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from types import MappingProxyType
@@ -24,7 +25,8 @@ from ..sampling import top_k_indices
 
 __all__ = ["METHODS", "POLICIES", "SHARED_KNOBS", "EvictionPolicy", "MethodNames",
            "PolicyState", "carry_forward", "check_shared_knobs", "forced_blocks", "forced_count",
-           "forced_tail", "get_policy", "head_granular_methods", "register_policy"]
+           "forced_tail", "get_policy", "head_granular_methods", "knob_owners", "knob_refusal",
+           "no_head_score", "register_policy"]
 
 # The knobs every policy takes besides its own, and their defaults: the forced set (one
 # sink block, the two newest full blocks, the current block) and one block of carry.
@@ -361,6 +363,30 @@ METHODS = MethodNames()
 def head_granular_methods() -> list[str]:
     """The registered policies with a per-head score (``granularity: head``), sorted."""
     return sorted(m for m, cls in POLICIES.items() if cls().head_needs)
+
+
+def knob_owners(knob: str) -> list[str]:
+    """The registered policies that take ``knob``."""
+    return [name for name, cls in POLICIES.items() if knob in cls.knobs()]
+
+
+def no_head_score(policy: EvictionPolicy) -> str:
+    """Why ``policy`` cannot run at ``granularity: head``."""
+    return (f"granularity 'head' needs a policy with a per-head score; {policy.name!r} has "
+            f"none (with one: {', '.join(head_granular_methods())})")
+
+
+def knob_refusal(knob: str, method: str) -> str:
+    """Why ``knob`` is refused for ``method``: whose knob it is, or a close match."""
+    takes = POLICIES[method].knobs()
+    its = f"its knobs: {', '.join(takes)}" if takes else "it takes no knobs"
+    owners = knob_owners(knob)
+    if owners:
+        whose = ", ".join(repr(o) for o in owners)
+        return f"a knob of policy {whose}, not of method {method!r} ({its})"
+    match = difflib.get_close_matches(knob, takes, n=1)
+    hint = f" (did you mean {match[0]!r}?)" if match else ""
+    return f"not a knob of policy {method!r}{hint}; {its}"
 
 
 def get_policy(name: str, **knobs: object) -> EvictionPolicy:
