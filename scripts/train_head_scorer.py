@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/train_head_scorer.py [--docs 32] [--held-out 4]
         [--data runs/head_scorer_data.pt] [--out nexus_vllm/core/head_scorers/NAME.pt]
+        [--compare-features]
 
 The text: Python's own language reference (``pydoc_data.topics``) and the long descriptions
 of the packages installed in this environment, cut into ~2k-token documents, each in a
@@ -176,6 +177,37 @@ def report(x: torch.Tensor, y: torch.Tensor, doc: torch.Tensor, weight: torch.Te
           + " ".join(f"{o:.2f}" for o in overlaps))
 
 
+def key_features(model: Any, x: torch.Tensor, kind: str) -> list[torch.Tensor]:
+    """What a server's attention op could score from instead of the attention input: per
+    layer ``[N, F]`` of the keys before RoPE (``keys``, every KV head of the layer), or the
+    norms of their RoPE pairs (``key_pair_norms``: the same before and after RoPE, so a
+    worker reads them off the cached keys with no positions)."""
+    text = model.config
+    hkv = int(text.num_key_value_heads)
+    out = []
+    for li in range(x.shape[1]):
+        wk = model.model.layers[li].self_attn.k_proj.weight.detach().double()
+        k = (x[:, li].double() @ wk.T).view(x.shape[0], hkv, -1)
+        if kind == "key_pair_norms":
+            half = k.shape[-1] // 2  # transformers' rotate_half pairs i with i + D/2
+            k = k[..., :half] ** 2 + k[..., half:] ** 2
+        out.append(k.reshape(x.shape[0], -1).float())
+    return out
+
+
+def compare_features(model: Any, x: torch.Tensor, y: torch.Tensor, doc: torch.Tensor,
+                     train: torch.Tensor, ridge: float) -> None:
+    """The held-out report of each feature a map could read (the attention input first)."""
+    print("features: attention input")
+    weight, bias = fit(x[train], y[train], ridge)
+    report(x[~train], y[~train], doc[~train], weight, bias)
+    for kind in ("keys", "key_pair_norms"):
+        feats = torch.stack(key_features(model, x, kind), dim=1)  # [N, L, F]
+        print(f"features: {kind}")
+        weight, bias = fit(feats[train], y[train], ridge)
+        report(feats[~train], y[~train], doc[~train], weight, bias)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
@@ -186,6 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ridge", type=float, default=RIDGE)
     ap.add_argument("--out", default=None,
                     help="write the scorer fitted on every document here (.pt)")
+    ap.add_argument("--compare-features", action="store_true",
+                    help="also fit maps from the keys and from their RoPE pair norms "
+                         "(what vLLM's attention op sees) and report them beside it")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -202,8 +237,11 @@ def main(argv: list[str] | None = None) -> None:
         torch.save(data, data_path)
     x, y, doc = data["x"], data["y"], data["doc"]
     train = doc < int(doc.max()) + 1 - args.held_out
-    weight, bias = fit(x[train], y[train], args.ridge)
-    report(x[~train], y[~train], doc[~train], weight, bias)
+    if args.compare_features:
+        compare_features(model, x, y, doc, train, args.ridge)
+    else:
+        weight, bias = fit(x[train], y[train], args.ridge)
+        report(x[~train], y[~train], doc[~train], weight, bias)
     if args.out:
         from nexus_vllm.core.head_scorer import HeadScorer
 
