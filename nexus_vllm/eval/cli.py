@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# A published run's config.yaml (``config_dict``) names these as the run holds them.
+_PUBLISHED_NAMES = {"contexts": "context", "protocols": "protocol"}
+# Written beside a run's options for the record, not options themselves.
+_PROVENANCE = ("torch",)
+
+
 def _merge(args: argparse.Namespace) -> dict[str, Any]:
     cfg: dict[str, Any] = {}
     if args.config is not None:
@@ -93,7 +99,13 @@ def _merge(args: argparse.Namespace) -> dict[str, Any]:
         cfg = yaml.safe_load(args.config.read_text()) or {}
         if not isinstance(cfg, dict):
             raise ValueError(f"--config {args.config} must hold a mapping")
-        cfg = {k.replace("-", "_"): v for k, v in cfg.items()}
+        cfg = {_PUBLISHED_NAMES.get(k.replace("-", "_"), k.replace("-", "_")): v
+               for k, v in cfg.items() if k not in _PROVENANCE}
+        known = set(vars(args)) - {"config"}
+        unknown = sorted(set(cfg) - known)
+        if unknown:  # a typo must not pass silently (it would run the default instead)
+            raise SystemExit(f"nexus-vllm eval: --config {args.config}: unknown key(s) "
+                             f"{', '.join(unknown)}; known: {', '.join(sorted(known))}")
     for k, v in vars(args).items():
         if v is not None and k != "config" and v is not False:
             cfg[k] = v

@@ -199,6 +199,25 @@ def test_every_committed_eval_config_is_valid(path: pathlib.Path) -> None:
     assert cfg.tasks and cfg.methods
 
 
+def test_a_published_config_runs_what_was_published(tmp_path: pathlib.Path) -> None:
+    """A run's config.yaml (config_dict: contexts, protocols, torch) read back with
+    --config gives the same RunConfig; an unknown key is refused, naming it."""
+    from nexus_vllm.eval.cli import _merge, _write_config, build_parser, run_config
+    from nexus_vllm.eval.runner import config_dict
+
+    argv = ["--tasks", "niah_multikey", "--methods", "dense;knorm", "--budgets", "416",
+            "--context", "1024", "--protocol", "question-last", "--samples", "3"]
+    cfg = run_config(_merge(build_parser().parse_args(argv)))
+    _write_config(tmp_path, config_dict(cfg))
+    again = run_config(_merge(build_parser().parse_args(
+        ["--config", str(tmp_path / "config.yaml")])))
+    assert again == cfg
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("tasks: [niah_multikey]\nprotocols: [chat]\nsample: 3\n")
+    with pytest.raises(SystemExit, match="unknown key.*sample;"):
+        _merge(build_parser().parse_args(["--config", str(typo)]))
+
+
 def test_run_config_names_a_bad_knob(tmp_path: pathlib.Path) -> None:
     from nexus_vllm.eval.cli import _merge, build_parser, run_config
 
