@@ -9,12 +9,13 @@ import math
 import pytest
 import torch
 
-from nexus_vllm.core.head_pages import HeadPages, tail_block_of
+from nexus_vllm.core.head_pages import HeadPages
 from nexus_vllm.integration.worker.head_attention import (
     TileSpace,
     cpu_token_offsets,
     head_paged_attention,
 )
+from tests.core.test_head_pages import _random_keep
 
 pytest.importorskip("vllm")
 
@@ -61,19 +62,6 @@ class VllmCpuCache:
             kc, vc = cache.view(nb, hkv, 2 * bs, two_d // 2).chunk(2, dim=2)
             writer(keys[layer, start:end].contiguous(), values[layer, start:end].contiguous(),
                    kc, vc, slots, self.isa, 1.0, 1.0, "auto")
-
-
-def _random_keep(pages: HeadPages, seen: int, gen: torch.Generator) -> torch.Tensor:
-    bs = pages.block_size
-    edge = tail_block_of(seen, bs) * bs
-    live = pages.live(seen)
-    keep = torch.zeros_like(live)
-    keep[:, edge:] = True
-    for u in range(pages.num_units):
-        held = torch.nonzero(live[u, :edge]).view(-1)
-        n = int(torch.randint(0, held.numel() // bs + 1, (1,), generator=gen))
-        keep[u, held[torch.randperm(held.numel(), generator=gen)[:n * bs]]] = True
-    return keep
 
 
 def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -17,9 +17,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +25,7 @@ import torch
 from nexus_vllm.integration.worker.head_tiles import TileSpace, kv_layout_name, unit_batch
 from tests.integration.conftest import HAS_VLLM
 from tests.integration.head_paged_case import build_case, vllm_layer_caches
+from tests.integration.test_triton_unified_attention import _run_kernel
 
 pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 
@@ -131,46 +129,8 @@ def test_unit_batch_orders_rows_by_request_then_head() -> None:
 
 
 # -- vLLM's Triton unified attention (interpreted) on head-paged tiles --------------------
-_RUNNER = r"""
-import sys
-
-import torch
-import triton
-import triton.language as tl
-
-import vllm.triton_utils
-
-# Must precede the kernel imports: their ``@triton.jit`` runs at import time.
-vllm.triton_utils.triton, vllm.triton_utils.tl = triton, tl
-from vllm.v1.attention.ops import triton_unified_attention as tua  # noqa: E402
-
-assert type(tua.kernel_unified_attention).__name__ == "InterpretedFunction"
-cases = torch.load(sys.argv[1])
-results = []
-for c in cases:
-    # The tiles are a layer cache with one KV head: the TRITON_ATTN backend's own split.
-    key_cache, value_cache = c["tiles"].transpose(1, 2).split(c["head_size"], dim=-1)
-    q = c["query"]
-    out = torch.full_like(q, float("nan"))
-    segm = {}
-    if c["use_3d"]:
-        n, h, s = c["seq_threshold_3D"], q.shape[1], c["segments"]
-        segm = dict(
-            seq_threshold_3D=n, num_par_softmax_segments=s,
-            softmax_segm_output=torch.full((n, h, s, triton.next_power_of_2(q.shape[2])),
-                                           float("nan")),
-            softmax_segm_max=torch.full((n, h, s), float("nan")),
-            softmax_segm_expsum=torch.full((n, h, s), float("nan")))
-    tua.unified_attention(
-        q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=c["query_start_loc"],
-        max_seqlen_q=c["max_query_len"], seqused_k=c["seq_lens"],
-        max_seqlen_k=c["max_seq_len"], softmax_scale=c["scale"], causal=True,
-        window_size=(-1, -1), block_table=c["block_table"], softcap=0.0,
-        q_descale=None, k_descale=None, v_descale=None, **segm)
-    ran_3d = bool(segm) and not torch.isnan(segm["softmax_segm_max"]).all().item()
-    results.append({"out": out, "ran_3d": ran_3d})
-torch.save(results, sys.argv[2])
-"""
+# The tiles are a layer cache with one KV head: the block-path test's child process runs
+# them through the TRITON_ATTN backend's own split unchanged.
 
 
 @pytest.mark.slow  # one child process that imports vllm (~5 s) and interprets 4 launches
@@ -187,15 +147,9 @@ def test_triton_unified_attention_on_head_paged_tiles(tmp_path: Path) -> None:
     cases = []
     for layer, rows, use_3d in launches:
         c = case.kernel_inputs(layer, rows)
-        c.update(tiles=case.space.tiles, use_3d=use_3d, seq_threshold_3D=128, segments=16)
+        c.update(kv=case.space.tiles, use_3d=use_3d, seq_threshold_3D=128, segments=16)
         cases.append(c)
-    src, dst = tmp_path / "cases.pt", tmp_path / "out.pt"
-    torch.save(cases, src)
-    env = dict(os.environ, TRITON_INTERPRET="1", VLLM_BATCH_INVARIANT="0")
-    proc = subprocess.run([sys.executable, "-c", _RUNNER, str(src), str(dst)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = torch.load(dst)
+    results = _run_kernel(cases, tmp_path)
     for (layer, rows, use_3d), c, res in zip(launches, cases, results):
         assert res["ran_3d"] == use_3d, (layer, use_3d)
         got = case.token_outputs(res["out"].double(), c["order"])
