@@ -43,6 +43,7 @@ from nexus_vllm.core._validate import check_int
 __all__ = [
     "BLOCK_CLASSES",
     "DEFAULT_POLICIES",
+    "SIMULATED_KINDS",
     "SimulationConfig",
     "SimulationResult",
     "simulate",
@@ -50,14 +51,24 @@ __all__ = [
 
 BLOCK_CLASSES = ("background", "intermittent", "bridge", "spike")
 
+# The evidence kinds the synthetic stream makes (``_Stream.evidence``). A kind registered
+# since is not simulated until it is synthesised there: its policies are left out.
+SIMULATED_KINDS = frozenset({"mass", "key_norms", "expected_attention"})
+
+
+def _simulated(cls: type[EvictionPolicy]) -> bool:
+    """A block score (the simulator pages blocks) reading only simulated kinds."""
+    return not cls.head_only and cls().needs <= SIMULATED_KINDS
+
+
 # name -> (policy, knobs): Nexus with each sampler, then every other registered policy
-# with a block score (the simulator pages blocks; a head-only policy has none).
+# the stream can feed.
 DEFAULT_POLICIES: dict[str, tuple[str, dict[str, Any]]] = {
     "nexus": ("nexus", {}),
     "nexus-ares": ("nexus", {"sampler": "ares"}),
     "nexus-topk": ("nexus", {"sampler": "topk"}),
     **{name: (name, {}) for name, cls in POLICIES.items()
-       if name != "nexus" and not cls.head_only},
+       if name != "nexus" and _simulated(cls)},
 }
 
 # The stream's shape. Importances are in units of the median background block (1.0).
@@ -255,6 +266,11 @@ def simulate(
     """
     cfg = cfg or SimulationConfig()
     policies = policies or DEFAULT_POLICIES
+    for name, (kind, knobs) in policies.items():
+        missing = get_policy(kind, **knobs).needs - SIMULATED_KINDS
+        if missing:
+            raise ValueError(f"policy {name!r} reads {sorted(missing)}, which the simulator "
+                             f"does not synthesise (it makes {sorted(SIMULATED_KINDS)})")
     built = {
         # No carry: the synthetic stream has no continuation for it to keep.
         name: get_policy(

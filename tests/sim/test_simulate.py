@@ -53,3 +53,25 @@ def test_core_and_the_simulation_import_no_cli_plot_or_progress_bar():
     for path in core.glob("*.py"):
         assert not re.search(r"^\s*(import|from) (argparse|tqdm|matplotlib)\b",
                              path.read_text(), re.M), path
+
+
+def test_a_policy_reading_a_kind_the_stream_does_not_make_is_left_out(monkeypatch) -> None:
+    """A new evidence kind needs no simulator change to land: its policies are not run by
+    default, and asking for one names the kind."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from nexus_vllm.core.policies import POLICIES, EvictionPolicy
+    from nexus_vllm.sim.simulate import DEFAULT_POLICIES, SIMULATED_KINDS, _simulated
+
+    @dataclass(frozen=True)
+    class ValueNormPolicy(EvictionPolicy):
+        name: ClassVar[str] = "value_norm_test"
+        evidence: ClassVar[frozenset[str]] = frozenset({"value_norms"})
+
+    assert not _simulated(ValueNormPolicy)
+    assert all(_simulated(POLICIES[kind]) for kind, _ in DEFAULT_POLICIES.values())
+    assert "value_norms" not in SIMULATED_KINDS
+    monkeypatch.setitem(POLICIES, "value_norm_test", ValueNormPolicy)
+    with pytest.raises(ValueError, match=r"'v' reads \['value_norms'\]"):
+        simulate(SimulationConfig(seeds=1), policies={"v": ("value_norm_test", {})})
