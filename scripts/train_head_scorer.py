@@ -195,6 +195,21 @@ def key_features(model: Any, x: torch.Tensor, kind: str) -> list[torch.Tensor]:
     return out
 
 
+def _keys_scorer_as_input_map(model: Any, x: torch.Tensor, y: torch.Tensor, ridge: float
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ridge on the keys before RoPE, then the same map written on the attention input:
+    ``w_x = W_k^T w_k`` (plus ``b_k . w_k`` in the bias where ``k_proj`` has one)."""
+    feats = torch.stack(key_features(model, x, "keys"), dim=1)
+    w_keys, bias = fit(feats, y, ridge)  # [L, Hkv*hd, H], [L, H]
+    weights = []
+    for li in range(x.shape[1]):
+        proj = model.model.layers[li].self_attn.k_proj
+        weights.append(proj.weight.detach().float().T @ w_keys[li])
+        if proj.bias is not None:
+            bias[li] = bias[li] + proj.bias.detach().float() @ w_keys[li]
+    return torch.stack(weights), bias
+
+
 def compare_features(model: Any, x: torch.Tensor, y: torch.Tensor, doc: torch.Tensor,
                      train: torch.Tensor, ridge: float) -> None:
     """The held-out report of each feature a map could read (the attention input first)."""
@@ -218,6 +233,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ridge", type=float, default=RIDGE)
     ap.add_argument("--out", default=None,
                     help="write the scorer fitted on every document here (.pt)")
+    ap.add_argument("--features", choices=("attention_input", "keys"),
+                    default="attention_input",
+                    help="what the written scorer reads: keys = a map fitted on the keys "
+                         "before RoPE, written as the same map of the attention input "
+                         "(k = W_k x), so the transformers path runs it unchanged")
     ap.add_argument("--compare-features", action="store_true",
                     help="also fit maps from the keys and from their RoPE pair norms "
                          "(what vLLM's attention op sees) and report them beside it")
@@ -245,9 +265,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         from nexus_vllm.core.head_scorer import HeadScorer
 
-        weight, bias = fit(x, y, args.ridge)
+        if args.features == "keys":
+            weight, bias = _keys_scorer_as_input_map(model, x, y, args.ridge)
+        else:
+            weight, bias = fit(x, y, args.ridge)
         source = (f"scripts/train_head_scorer.py --docs {args.docs} --held-out "
-                  f"{args.held_out} --ridge {args.ridge}")
+                  f"{args.held_out} --ridge {args.ridge} --features {args.features}")
         HeadScorer(model=Path(name).name, weight=weight, bias=bias, source=source
                    ).save(args.out)
         print(f"wrote {args.out}")
