@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .head_paged import select_head_units
+from .head_paged import forced_positions, select_head_units
 from .scoring import cdiv
 
 __all__ = ["HeadPages", "HeadPageEvent", "apply_head_page_event", "packable_budget_tiles",
@@ -58,21 +58,21 @@ def packable_budget_tiles(budget_blocks: int, num_tokens: int, block_size: int,
     return max(int(budget_blocks) - tail_blocks, 0) * int(num_units)
 
 
-def select_packed(scores: torch.Tensor, live: torch.Tensor, forced: torch.Tensor,
-                  budget_blocks: int, block_size: int, *, positions: torch.Tensor,
-                  seen: int, group: int = 1, sampler: str = "topk", n: int = 1,
-                  generator: torch.Generator | None = None,
+def select_packed(scores: torch.Tensor, live: torch.Tensor, budget_blocks: int,
+                  block_size: int, *, positions: torch.Tensor, seen: int,
+                  sink_blocks: int, recent_blocks: int, group: int = 1,
+                  sampler: str = "topk", n: int = 1, generator: torch.Generator | None = None,
                   shares: torch.Tensor | None = None) -> torch.Tensor:
     """One event's choice under the serving layout: :func:`select_head_units` over the
     entries before the newest token's block, within :func:`packable_budget_tiles`; that
-    block and any after it (the tail) kept whole by every head. The transformers path
-    and the server both choose this way, so they keep the same entries.
+    block and any after it (the tail) kept whole by every head, and every head keeping
+    the forced set (:func:`forced_positions`). The transformers path and the server both
+    choose this way, so they keep the same entries.
 
     Parameters
     ----------
     scores : Tensor[L, Hkv, T]
     live : BoolTensor[L, Hkv, T]
-    forced : BoolTensor[T]
     budget_blocks : int
         The sequence's block budget (tail blocks included).
     block_size : int
@@ -80,6 +80,8 @@ def select_packed(scores: torch.Tensor, live: torch.Tensor, forced: torch.Tensor
         Each slot's logical position.
     seen : int
         Tokens fed.
+    sink_blocks, recent_blocks : int
+        The forced set's sinks and recent blocks.
     group, sampler, n, generator, shares
         As :func:`select_head_units`.
 
@@ -94,6 +96,7 @@ def select_packed(scores: torch.Tensor, live: torch.Tensor, forced: torch.Tensor
         return out
     units = int(live.shape[0] * live.shape[1])
     budget = packable_budget_tiles(budget_blocks, seen, block_size, units)
+    forced = forced_positions(positions, seen, block_size, sink_blocks, recent_blocks)
     out[..., packable] = select_head_units(
         scores[..., packable], out[..., packable], forced[packable], budget, block_size,
         positions=positions[packable], group=group, sampler=sampler, n=n,
@@ -299,14 +302,13 @@ def _gather_tiles(survivors: list[torch.Tensor], blocks: torch.Tensor, units: in
     into their free tiles. Returns ``[K, 2]`` moves and each unit's tiles after them."""
     flat = torch.cat(survivors) if survivors else torch.zeros(0, dtype=torch.long)
     need = cdiv(int(flat.numel()), units)
-    per_block = torch.stack([(flat // units == b).sum() for b in blocks]) \
+    per_block = torch.bincount(flat // units, minlength=int(blocks.max()) + 1)[blocks] \
         if blocks.numel() else torch.zeros(0, dtype=torch.long)
     stay = blocks[torch.argsort(per_block, descending=True, stable=True)[:need]]
     stay_all = (stay.view(-1, 1) * units + torch.arange(units).view(1, -1)).view(-1)
     free = stay_all[~torch.isin(stay_all, flat)]
-    movers = flat[~torch.isin(flat // units, stay)]
-    moved = dict(zip(movers.tolist(), free[:movers.numel()].tolist()))
-    moves = torch.tensor(list(moved.items()), dtype=torch.long).view(-1, 2)
-    remapped = [t.apply_(lambda x: moved.get(x, x)) if t.numel() else t
-                for t in (s.clone() for s in survivors)]
-    return moves, remapped
+    moving = ~torch.isin(flat // units, stay)
+    after = flat.clone()
+    after[moving] = free[:int(moving.sum())]
+    moves = torch.stack([flat[moving], after[moving]], dim=1)
+    return moves, list(after.split([int(t.numel()) for t in survivors]))

@@ -16,7 +16,6 @@ from nexus_vllm.core._validate import ConfigError
 from nexus_vllm.core.event_policies import EventPolicies
 from nexus_vllm.core.head_paged import (
     HeadEvidence,
-    forced_positions,
     head_expected_attention,
     head_key_norms,
     head_window_attention,
@@ -143,11 +142,10 @@ class HeadLedger:
         forced set (``positions``: each slot's logical position, ``seen`` tokens fed)
         kept. Sets and returns :attr:`live`."""
         scores = self.remember(policy.head_score(evidence))
-        forced = forced_positions(positions, seen, config.block_size,
-                                  policy.sink_blocks, policy.recent_blocks)
         self.live = select_packed(
-            scores, self.live, forced, budget_blocks, config.block_size,
-            positions=positions, seen=seen, group=config.head_group,
+            scores, self.live, budget_blocks, config.block_size, positions=positions,
+            seen=seen, sink_blocks=policy.sink_blocks, recent_blocks=policy.recent_blocks,
+            group=config.head_group,
             sampler=policy.head_sampler, n=int(getattr(policy, "n", 1)),
             generator=generator, shares=self.shares)
         return self.live

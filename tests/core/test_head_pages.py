@@ -188,8 +188,8 @@ def test_head_pages_hold_block_granularitys_blocks_at_every_residue(residue: int
         pages = HeadPages.fresh(units, bs)
         positions = torch.arange(seen)
         live = pages.live(seen).view(layers, heads, seen)
-        forced = forced_positions(positions, seen, bs, sink_blocks=1, recent_blocks=1)
-        keep = select_packed(torch.rand(layers, heads, seen, generator=gen), live, forced,
-                             budget_blocks, bs, positions=positions, seen=seen)
+        keep = select_packed(torch.rand(layers, heads, seen, generator=gen), live,
+                             budget_blocks, bs, positions=positions, seen=seen,
+                             sink_blocks=1, recent_blocks=1)
         pages, _ = pages.plan_event(keep.view(units, seen), seen)
         assert pages.blocks_held(seen).numel() == min(budget_blocks, -(-seen // bs))

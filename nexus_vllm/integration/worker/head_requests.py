@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nexus_vllm.core.head_paged import forced_positions
 from nexus_vllm.core.head_pages import HeadPageEvent, HeadPages, select_packed
 from nexus_vllm.integration.worker.head_attention import TileSpace
 
@@ -38,7 +37,7 @@ class HeadEventRequest:
     budget_blocks : int
         vLLM blocks the request may hold afterwards, its tail included.
     sink_blocks, recent_blocks : int
-        The forced set every head keeps (``core.head_paged.forced_positions``).
+        The forced set every head keeps (``core.head_pages.select_packed``).
     sampler : str
         ``topk``, ``pps`` or ``ares`` over the units (``select_head_units``).
     """
@@ -132,9 +131,9 @@ class HeadRequests:
         scores[:, :known] = req.scores[:, :known]
         hkv = self.space.num_kv_heads
         shape = (self.num_layers, hkv, seen)
-        forced = forced_positions(positions, seen, bs, ask.sink_blocks, ask.recent_blocks)
-        keep = select_packed(scores.view(shape), live.view(shape), forced, ask.budget_blocks,
-                             bs, positions=positions, seen=seen, sampler=ask.sampler)
+        keep = select_packed(scores.view(shape), live.view(shape), ask.budget_blocks, bs,
+                             positions=positions, seen=seen, sink_blocks=ask.sink_blocks,
+                             recent_blocks=ask.recent_blocks, sampler=ask.sampler)
         req.pages, event = req.pages.plan_event(keep.view(self.num_units, seen), seen)
         self.space.apply(event, req.block_ids, self.token_offsets)
         req.events[ask.step_id] = event
