@@ -212,10 +212,7 @@ def _keys_scorer_as_input_map(model: Any, x: torch.Tensor, y: torch.Tensor, ridg
 
 def compare_features(model: Any, x: torch.Tensor, y: torch.Tensor, doc: torch.Tensor,
                      train: torch.Tensor, ridge: float) -> None:
-    """The held-out report of each feature a map could read (the attention input first)."""
-    print("features: attention input")
-    weight, bias = fit(x[train], y[train], ridge)
-    report(x[~train], y[~train], doc[~train], weight, bias)
+    """The held-out report of the maps from the keys (after the attention input's)."""
     for kind in ("keys", "key_pair_norms"):
         feats = torch.stack(key_features(model, x, kind), dim=1)  # [N, L, F]
         print(f"features: {kind}")
@@ -258,10 +255,11 @@ def main(argv: list[str] | None = None) -> None:
     x, y, doc = data["x"], data["y"], data["doc"]
     train = doc < int(doc.max()) + 1 - args.held_out
     if args.compare_features:
+        print("features: attention input")
+    weight, bias = fit(x[train], y[train], args.ridge)
+    report(x[~train], y[~train], doc[~train], weight, bias)
+    if args.compare_features:
         compare_features(model, x, y, doc, train, args.ridge)
-    else:
-        weight, bias = fit(x[train], y[train], args.ridge)
-        report(x[~train], y[~train], doc[~train], weight, bias)
     if args.out:
         from nexus_vllm.core.head_scorer import HeadScorer
 
